@@ -1,0 +1,32 @@
+# make demo   runs the main job (small end-to-end MTraining run)
+# make test   runs the whole test suite
+# Both create .venv on first use (scripts/setup_env.sh) and rebuild the extension when csrc/ changes.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.mtraining-installed
+
+.PHONY: setup demo test test-gpu bench-kernel tables clean
+
+setup: $(STAMP)
+
+$(STAMP): scripts/setup_env.sh setup.py pyproject.toml $(wildcard csrc/*)
+	bash scripts/setup_env.sh $(VENV)
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m megatron_mtraining.demo
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-gpu: setup
+	$(PY) -m pytest -q -m gpu tests
+
+bench-kernel: setup
+	$(PY) benchmarks/kernel.py
+
+tables: setup
+	$(PY) benchmarks/make_tables.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info megatron_mtraining/_C*.so

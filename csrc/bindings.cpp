@@ -1,0 +1,70 @@
+// Python module megatron_mtraining._C: input checks and device dispatch for convert_step.
+#include <torch/extension.h>
+
+#include "convert.h"
+
+namespace mtraining {
+namespace {
+
+void check_tensor(const at::Tensor& t, const char* name, int64_t dim, const at::Device& device) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, "convert_step: ", name, " must be int32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, "convert_step: ", name, " must have ", dim, " dims, got shape ", t.sizes());
+  TORCH_CHECK(t.device() == device, "convert_step: ", name, " is on ", t.device(),
+              " but slash is on ", device, "; all inputs must share one device");
+  TORCH_CHECK(t.is_contiguous(), "convert_step: ", name, " must be contiguous");
+}
+
+std::vector<at::Tensor> convert_step(const at::Tensor& slash, const at::Tensor& n_slash,
+                                     const at::Tensor& vertical, const at::Tensor& n_vertical,
+                                     const at::Tensor& q_block_ids, const at::Tensor& k_block_ids,
+                                     int64_t num_blocks, int64_t block_size) {
+  const auto device = slash.device();
+  check_tensor(slash, "slash", 3, device);
+  check_tensor(n_slash, "n_slash", 2, device);
+  check_tensor(vertical, "vertical", 3, device);
+  check_tensor(n_vertical, "n_vertical", 2, device);
+  check_tensor(q_block_ids, "q_block_ids", 1, device);
+  check_tensor(k_block_ids, "k_block_ids", 1, device);
+  const auto bh = slash.sizes().slice(0, 2);
+  TORCH_CHECK(n_slash.sizes() == bh && vertical.sizes().slice(0, 2) == bh && n_vertical.sizes() == bh,
+              "convert_step: shapes disagree on [batch, heads]: slash ", slash.sizes(), ", n_slash ",
+              n_slash.sizes(), ", vertical ", vertical.sizes(), ", n_vertical ", n_vertical.sizes());
+  TORCH_CHECK(num_blocks >= 1, "convert_step: num_blocks must be >= 1, got ", num_blocks);
+  TORCH_CHECK(block_size >= 1, "convert_step: block_size must be >= 1, got ", block_size);
+
+  if (device.is_cpu()) {
+    return convert_step_cpu(slash, n_slash, vertical, n_vertical, q_block_ids, k_block_ids, num_blocks,
+                            block_size);
+  }
+  if (device.is_cuda()) {
+#ifdef WITH_CUDA
+    return convert_step_cuda(slash, n_slash, vertical, n_vertical, q_block_ids, k_block_ids, num_blocks,
+                             block_size);
+#else
+    TORCH_CHECK(false, "convert_step: megatron_mtraining._C was built without CUDA, so it cannot take "
+                       "CUDA tensors; rebuild with a CUDA toolkit and a CUDA build of torch, or use "
+                       "the PyTorch path (impl='torch')");
+#endif
+  }
+  TORCH_CHECK(false, "convert_step: unsupported device ", device, " (only CPU and CUDA)");
+}
+
+bool has_cuda() {
+#ifdef WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+}  // namespace mtraining
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "megatron_mtraining compiled helpers (per-step VSIndex conversion)";
+  m.def("convert_step", &mtraining::convert_step, "Per-step VSIndex conversion; see kernels/plan.py",
+        pybind11::arg("slash"), pybind11::arg("n_slash"), pybind11::arg("vertical"),
+        pybind11::arg("n_vertical"), pybind11::arg("q_block_ids"), pybind11::arg("k_block_ids"),
+        pybind11::arg("num_blocks"), pybind11::arg("block_size"));
+  m.def("has_cuda", &mtraining::has_cuda, "True iff built with the CUDA kernels");
+}

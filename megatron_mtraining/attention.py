@@ -1,0 +1,93 @@
+"""sparse_attention: single-device vertical-slash attention over a full causal sequence."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .index import VSIndex
+from .kernels.plan import single_device_plan
+from .kernels.step import resolve_backend, step_backward, step_forward
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_attention_inputs(q, k, v, index: VSIndex, backend: str) -> None:
+    """Shape, dtype and device checks with clear errors; no host synchronisation."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [batch, heads, tokens, head_dim], "
+                             f"got {getattr(x, 'shape', type(x))}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    b, hq, n, d = q.shape
+    if k.shape[0] != b or k.shape[2] != n or k.shape[3] != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, tokens or head_dim")
+    if hq % k.shape[1]:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    allowed = SUPPORTED_DTYPES + ((torch.float64,) if backend == "torch" else ())
+    if q.dtype not in allowed:
+        raise ValueError(f"dtype {q.dtype} is not supported by backend {backend!r}; use one of {allowed}")
+    if not (q.device == k.device == v.device == index.device):
+        raise ValueError(f"q, k, v and the index must be on one device, got {q.device}, {k.device}, "
+                         f"{v.device}, {index.device}")
+    index.check_matches(b, hq)
+    if n % index.block_size:
+        raise ValueError(f"sequence length {n} is not a multiple of block_size {index.block_size}")
+    if backend == "triton" and (d < 16 or d > 256 or d & (d - 1)):
+        raise ValueError(f"the Triton kernels need a power-of-two head_dim in [16, 256], got {d}")
+
+
+def _contiguous_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+class _SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, softmax_scale, backend):
+        b, hq, n, _ = q.shape
+        q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
+        step_forward(backend, q, k, v, plan, out, lse, softmax_scale, accumulate=False)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.softmax_scale, ctx.backend = plan, softmax_scale, backend
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, _d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        d_out = d_out.contiguous()
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        delta = (d_out.to(acc) * out.to(acc)).sum(-1).to(torch.float32 if acc == torch.float32 else acc)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        step_backward(ctx.backend, q, k, v, d_out, lse, delta, ctx.plan, dq, dk, dv, ctx.softmax_scale)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex,
+                     softmax_scale: Optional[float] = None, backend: str = "auto",
+                     return_lse: bool = False):
+    """Vertical-slash sparse causal attention on one device (DESIGN.md section 1).
+
+    q ``[b, hq, n, d]``, k/v ``[b, hkv, n, d]`` (GQA when ``hkv < hq``), ``index`` a
+    ``VSIndex`` for batch ``b`` and ``hq`` heads on the same device. Differentiable in q, k, v.
+    ``backend``: "auto" (Triton on CUDA, PyTorch on CPU), "triton" or "torch".
+    Returns the output ``[b, hq, n, d]`` in q's dtype (and the fp32 lse with ``return_lse``).
+    """
+    backend = resolve_backend(backend, q.device)
+    check_attention_inputs(q, k, v, index, backend)
+    if q.device.type == "cpu":  # full index validation is free of device syncs on the CPU
+        index.validate(q.shape[2])
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    plan = single_device_plan(index, q.shape[2])
+    out, lse = _SparseAttention.apply(q, k, v, plan, float(softmax_scale), backend)
+    return (out, lse) if return_lse else out

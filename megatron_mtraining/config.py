@@ -1,0 +1,72 @@
+"""MTrainingConfig: every knob of the plugin, validated once at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+LAYOUTS = ("striped", "zigzag")
+INDEX_BUILDERS = ("vs", "dense", "fixed")
+BLOCK_SIZES = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class MTrainingConfig:
+    """Settings of MTraining sparse attention (names follow the ``--mtraining-*`` flags).
+
+    block_size: granularity of slash blocks and of the striped layout (64 or 128).
+    top_p: attention-mass share the approximator's vertical and slash budgets must cover.
+    last_q: number of final queries the approximator scores against all keys.
+    max_vertical / max_slash: index capacity (fixed shapes); budgets are clamped to it.
+    min_vertical / min_slash: lower clamps of the per-head budgets.
+    sink_tokens: leading columns always kept (attention sinks).
+    local_window: slash offsets 0..local_window-1 always kept (the diagonal is offset 0).
+    layout: token layout across context-parallel ranks, "striped" (balanced) or "zigzag".
+    inner_ring_size: ranks per inner (intra-node) ring; None runs one flat ring.
+    index: index builder, "vs" (approximated), "dense" (all blocks) or "fixed".
+    deterministic: backward without atomics, bit-identical from run to run.
+    """
+
+    block_size: int = 64
+    top_p: float = 0.9
+    last_q: int = 64
+    max_vertical: int = 1024
+    max_slash: int = 256
+    min_vertical: int = 0
+    min_slash: int = 1
+    sink_tokens: int = 4
+    local_window: int = 1
+    layout: str = "striped"
+    inner_ring_size: Optional[int] = None
+    index: str = "vs"
+    deterministic: bool = True
+
+    def __post_init__(self):
+        def fail(msg):
+            raise ValueError(f"MTrainingConfig: {msg}")
+
+        if self.block_size not in BLOCK_SIZES:
+            fail(f"block_size must be one of {BLOCK_SIZES}, got {self.block_size}")
+        if not (0.0 < float(self.top_p) <= 1.0):
+            fail(f"top_p must be in (0, 1], got {self.top_p}")
+        if int(self.last_q) <= 0:
+            fail(f"last_q must be positive, got {self.last_q}")
+        for name in ("max_vertical", "max_slash", "min_vertical", "min_slash", "sink_tokens", "local_window"):
+            if int(getattr(self, name)) < 0:
+                fail(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_slash < 1:
+            fail("max_slash must be >= 1: the diagonal block (offset 0) is always selected")
+        if self.max_vertical < self.min_vertical:
+            fail(f"max_vertical ({self.max_vertical}) is below min_vertical ({self.min_vertical})")
+        if self.max_slash < self.min_slash:
+            fail(f"max_slash ({self.max_slash}) is below min_slash ({self.min_slash})")
+        if self.local_window > self.max_slash:
+            fail(f"local_window ({self.local_window}) exceeds max_slash ({self.max_slash})")
+        if self.sink_tokens > self.max_vertical:
+            fail(f"sink_tokens ({self.sink_tokens}) exceeds max_vertical ({self.max_vertical})")
+        if self.layout not in LAYOUTS:
+            fail(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.inner_ring_size is not None and int(self.inner_ring_size) < 1:
+            fail(f"inner_ring_size must be None or >= 1, got {self.inner_ring_size}")
+        if self.index not in INDEX_BUILDERS:
+            fail(f"index must be one of {INDEX_BUILDERS}, got {self.index!r}")

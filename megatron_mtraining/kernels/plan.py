@@ -1,0 +1,143 @@
+"""Per-step index conversion (DESIGN.md section 5): VSIndex -> block lists for one (query chunk, key chunk).
+
+A chunk is described by the global block id of each of its local blocks (``q_block_ids`` /
+``k_block_ids``): local block ``i`` holds global tokens ``ids[i]*B .. ids[i]*B + B-1``. The
+single-device case is ``arange(N/B)`` for both; a ring step passes this rank's blocks and the
+source rank's blocks, whatever the layout.
+
+The conversion yields, per (batch, query head):
+  kv_count/kv_blocks [b, hq, nqb(, max_s)]  local key blocks each local query block reads through
+                                            its slash offsets, in ascending global order (the
+                                            diagonal block last);
+  q_count/q_blocks   [b, hq, nkb(, max_s)]  the transpose: local query blocks reading each key block;
+  col_count/cols     [b, hq(, max_v)]       selected columns owned by the key chunk, as local
+                                            key-token indices, ascending.
+Entries past a count are 0. ``convert_step_reference`` is the readable PyTorch definition;
+``csrc/`` holds the C++ and CUDA versions, which must return identical tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .. import _ext
+from ..index import VSIndex
+
+
+def _inverse_map(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """global block -> local block, -1 where the chunk does not hold it."""
+    inv = torch.full((num_blocks + 1,), -1, dtype=torch.long, device=block_ids.device)
+    inv[block_ids.long()] = torch.arange(block_ids.numel(), device=block_ids.device)
+    return inv
+
+
+def _compact(values: torch.Tensor, valid: torch.Tensor):
+    """Move the valid entries of the last dim to the front, keeping their order; pad with 0."""
+    cap = values.shape[-1]
+    slot = torch.cumsum(valid.long(), -1) - 1
+    target = torch.where(valid, slot, torch.full_like(slot, cap))
+    out = torch.zeros(*values.shape[:-1], cap + 1, dtype=torch.int32, device=values.device)
+    out.scatter_(-1, target, values.to(torch.int32) * valid)
+    return valid.sum(-1, dtype=torch.int32), out[..., :cap].contiguous()
+
+
+def convert_step_reference(slash, n_slash, vertical, n_vertical, q_block_ids, k_block_ids,
+                           num_blocks: int, block_size: int):
+    """PyTorch definition of the per-step conversion; returns the six tensors in module order."""
+    B = block_size
+    inv_q = _inverse_map(q_block_ids, num_blocks)
+    inv_k = _inverse_map(k_block_ids, num_blocks)
+    max_s = slash.shape[-1]
+    s_valid = torch.arange(max_s, device=slash.device) < n_slash[..., None]
+
+    # Query block i reads key block qb - delta, for each selected delta (largest delta first).
+    rev_slash, rev_valid = slash.flip(-1).long(), s_valid.flip(-1)
+    kb = q_block_ids.long()[None, None, :, None] - rev_slash[:, :, None, :]
+    ok = rev_valid[:, :, None, :] & (kb >= 0) & (kb < num_blocks)
+    local_k = inv_k[torch.where(ok, kb, num_blocks)]
+    kv_count, kv_blocks = _compact(local_k, ok & (local_k >= 0))
+
+    # Key block j is read by query block kb + delta, for each selected delta (smallest first).
+    qb = k_block_ids.long()[None, None, :, None] + slash.long()[:, :, None, :]
+    ok = s_valid[:, :, None, :] & (qb >= 0) & (qb < num_blocks)
+    local_q = inv_q[torch.where(ok, qb, num_blocks)]
+    q_count, q_blocks = _compact(local_q, ok & (local_q >= 0))
+
+    # Columns owned by the key chunk, as local key-token indices.
+    max_v = vertical.shape[-1]
+    v_valid = torch.arange(max_v, device=vertical.device) < n_vertical[..., None]
+    col = vertical.long()
+    col_block = torch.where(v_valid & (col >= 0) & (col < num_blocks * B), col // B, num_blocks)
+    local_blk = inv_k[col_block]
+    col_count, cols = _compact(local_blk * B + col % B, v_valid & (local_blk >= 0))
+    return kv_count, kv_blocks, q_count, q_blocks, col_count, cols
+
+
+def convert_step(slash, n_slash, vertical, n_vertical, q_block_ids, k_block_ids, num_blocks: int,
+                 block_size: int, impl: str = "auto"):
+    """Per-step conversion through the compiled extension when it has this device, else PyTorch."""
+    if impl not in ("auto", "ext", "torch"):
+        raise ValueError(f"convert_step: impl must be 'auto', 'ext' or 'torch', got {impl!r}")
+    args = (slash, n_slash, vertical, n_vertical, q_block_ids.to(torch.int32), k_block_ids.to(torch.int32))
+    if impl != "torch" and _ext.supports(slash.device):
+        return tuple(_ext.module().convert_step(*args, int(num_blocks), int(block_size)))
+    if impl == "ext":
+        raise RuntimeError(f"convert_step: the compiled extension is not available for {slash.device} "
+                           f"({_ext.status()})")
+    return convert_step_reference(*args, num_blocks, block_size)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """Everything the kernels need for one (query chunk, key chunk) pair; fixed shapes."""
+
+    index: VSIndex
+    num_blocks: int               # global blocks in the full sequence
+    q_block_ids: torch.Tensor     # int32 [nqb]
+    k_block_ids: torch.Tensor     # int32 [nkb]
+    slash_bitmap: torch.Tensor    # int8 [b, hq, num_blocks] (global, shared by all steps)
+    kv_count: torch.Tensor
+    kv_blocks: torch.Tensor
+    q_count: torch.Tensor
+    q_blocks: torch.Tensor
+    col_count: torch.Tensor
+    cols: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.index.block_size
+
+    def positions(self, block_ids: torch.Tensor) -> torch.Tensor:
+        B = self.block_size
+        return (block_ids.long()[:, None] * B + torch.arange(B, device=block_ids.device)).reshape(-1)
+
+    @property
+    def q_positions(self) -> torch.Tensor:
+        return self.positions(self.q_block_ids)
+
+    @property
+    def k_positions(self) -> torch.Tensor:
+        return self.positions(self.k_block_ids)
+
+
+def build_step_plan(index: VSIndex, q_block_ids: torch.Tensor, k_block_ids: torch.Tensor, num_blocks: int,
+                    slash_bitmap: Optional[torch.Tensor] = None, impl: str = "auto") -> StepPlan:
+    """Convert ``index`` for one step. Pass ``slash_bitmap`` to reuse it across the steps of a ring."""
+    dev = index.device
+    q_block_ids = q_block_ids.to(device=dev, dtype=torch.int32)
+    k_block_ids = k_block_ids.to(device=dev, dtype=torch.int32)
+    if slash_bitmap is None:
+        slash_bitmap = index.slash_bitmap(num_blocks)
+    parts = convert_step(index.slash, index.n_slash, index.vertical, index.n_vertical, q_block_ids,
+                         k_block_ids, num_blocks, index.block_size, impl=impl)
+    return StepPlan(index, int(num_blocks), q_block_ids, k_block_ids, slash_bitmap, *parts)
+
+
+def single_device_plan(index: VSIndex, seq_len: int, impl: str = "auto") -> StepPlan:
+    """The plan of the full causal sequence on one device."""
+    nb = seq_len // index.block_size
+    ids = torch.arange(nb, dtype=torch.int32, device=index.device)
+    return build_step_plan(index, ids, ids, nb, impl=impl)

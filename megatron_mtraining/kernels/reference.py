@@ -1,0 +1,74 @@
+"""Plain-PyTorch vertical-slash attention: the oracle every kernel and ring schedule is tested against.
+
+It computes DESIGN.md section 1 literally: query ``n`` attends key ``m`` iff ``m <= n`` and
+(``n//B - m//B`` is a selected slash offset or ``m`` is a selected column), softmax over the
+active keys only, in fp32 (fp64 if the inputs are fp64).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from ..index import VSIndex
+
+
+def vs_mask(index: VSIndex, q_positions: torch.Tensor, k_positions: torch.Tensor,
+            num_blocks: Optional[int] = None) -> torch.Tensor:
+    """bool [b, hq, nq, nk]: which (query, key) pairs are active, for arbitrary global positions."""
+    B = index.block_size
+    q_positions = q_positions.to(index.device).long()
+    k_positions = k_positions.to(index.device).long()
+    if num_blocks is None:  # enough blocks to hold every position given
+        num_blocks = int(torch.maximum(q_positions.max(), k_positions.max())) // B + 1
+    seq_len = num_blocks * B
+    delta = q_positions[:, None] // B - k_positions[None, :] // B
+    causal = k_positions[None, :] <= q_positions[:, None]
+    bitmap = index.slash_bitmap(num_blocks).bool()  # [b, h, nb]
+    slash_hit = bitmap[:, :, delta.clamp(0, num_blocks - 1)] & (delta >= 0)
+    column_hit = index.column_mask(seq_len)[:, :, k_positions][:, :, None, :]
+    return causal & (slash_hit | column_hit)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex,
+                        q_positions: Optional[torch.Tensor] = None,
+                        k_positions: Optional[torch.Tensor] = None,
+                        softmax_scale: Optional[float] = None,
+                        num_blocks: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Masked attention of DESIGN.md section 1 in fp32; differentiable through autograd.
+
+    q ``[b, hq, nq, d]``, k/v ``[b, hkv, nk, d]``. ``q_positions`` / ``k_positions`` (int,
+    ``[nq]`` / ``[nk]``) are the tokens' global positions, so any (query chunk, key chunk)
+    pair of any layout can be checked; by default both are ``0..n-1`` (the full sequence).
+    Returns ``(out, lse)``: out fp32 ``[b, hq, nq, d]`` and lse fp32 ``[b, hq, nq]``. Rows
+    without an active key give out 0 and lse ``-inf``. Memory is O(nq * nk): a test oracle.
+    """
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if q_positions is None:
+        q_positions = torch.arange(nq, device=q.device)
+    if k_positions is None:
+        k_positions = torch.arange(nk, device=q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = hq // hkv
+    kf = k.to(dtype).repeat_interleave(group, dim=1)
+    vf = v.to(dtype).repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.to(dtype), kf.transpose(-1, -2)) * scale
+    mask = vs_mask(index, q_positions, k_positions, num_blocks).to(q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    # Max-shifted softmax that stays finite (also in autograd) for rows with no active key.
+    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(scores - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    has_key = total > 0
+    probs = weights / torch.where(has_key, total, torch.ones_like(total))
+    lse = torch.where(has_key, row_max + torch.log(torch.where(has_key, total, torch.ones_like(total))),
+                      torch.full_like(total, float("-inf"))).squeeze(-1)
+    out = torch.matmul(probs, vf)
+    return out, lse

@@ -1,0 +1,308 @@
+"""Triton backward of vertical-slash attention for one (query chunk, key chunk) pair.
+
+Gradients are recomputed from the saved (final) log-sum-exp and ``delta = rowsum(dO * O)``,
+and added into fp32 accumulators, so a ring can call this once per step:
+  * ``_dq_kernel``   one program per (query block, head): the forward's key blocks and columns.
+  * ``_dkdv_kernel`` one program per (key block, kv head): the transposed slash lists of every
+    query head of the GQA group. Slash sets are closed under transposition (query block
+    ``kb + delta`` reads key block ``kb``), so each key block has exactly one writer: no atomics.
+  * ``_dkdv_col_kernel`` columns are read by every later query block: a split reduction over
+    query-block ranges writes fp32 partials, summed in a fixed order afterwards (deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_fwd import LOG2E, kernel_flags, launch_config
+
+
+@triton.jit
+def _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION: tl.constexpr):
+    """Key-major gradient pieces of one tile: (dv, dk) contributions (dk without softmax scale)."""
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+    p_t = tl.where(keep_t, tl.math.exp2(s_t - lse2[None, :]), 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    ds_t = p_t * (dp_t - di[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dv, dk
+
+
+@triton.jit
+def _load_query_side(Q, DO, Lse, Delta, b, h, rows, offs_d,
+                     stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_on,
+                     stride_lb, stride_lh, UPCAST: tl.constexpr):
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :])
+    do = tl.load(DO + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :])
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(Lse + b * stride_lb + h * stride_lh + rows)
+    # A row without any key (lse = -inf) has p = 0 everywhere: exp2(s - inf).
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    di = tl.load(Delta + b * stride_lb + h * stride_lh + rows)
+    return q, do, lse2, di
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ,
+    QBlk, KBlk, KVCnt, KVIdx, ColCnt, Cols, Bitmap,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_lb, stride_lh,
+    stride_gb, stride_gh, stride_gn,
+    qk_scale, sm_scale,
+    HQ, GROUP, NQB, MAX_S, MAX_V, NB,
+    BLOCK: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    kvh = h // GROUP
+    offs_m = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_blk = tl.load(QBlk + pid_m)
+    q_pos = q_blk * BLOCK + offs_m
+    rows = pid_m * BLOCK + offs_m
+    q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, rows, offs_d,
+                                       stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_on,
+                                       stride_lb, stride_lh, UPCAST)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+
+    plan_row = pid_bh * NQB + pid_m
+    n_blocks = tl.load(KVCnt + plan_row)
+    for t in range(0, n_blocks):
+        j = tl.load(KVIdx + plan_row * MAX_S + t)
+        k_blk = tl.load(KBlk + j)
+        k_rows = j * BLOCK + tl.arange(0, BLOCK)
+        k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
+        v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        k_pos = k_blk * BLOCK + tl.arange(0, BLOCK)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.where(k_pos[None, :] <= q_pos[:, None], tl.math.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - di[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+    n_cols = tl.load(ColCnt + pid_bh)
+    for c0 in range(0, n_cols, BLOCK_COL):
+        offs_c = c0 + tl.arange(0, BLOCK_COL)
+        c_ok = offs_c < n_cols
+        col = tl.load(Cols + pid_bh * MAX_V + offs_c, mask=c_ok, other=0)
+        c_blk = tl.load(KBlk + col // BLOCK, mask=c_ok, other=0)
+        delta = q_blk - c_blk
+        covered = tl.load(Bitmap + pid_bh * NB + delta, mask=c_ok & (delta >= 0), other=0)
+        keep = c_ok & (covered == 0)
+        c_pos = c_blk * BLOCK + col % BLOCK
+        k = tl.load(k_base + col[:, None] * stride_kn + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+        v = tl.load(v_base + col[:, None] * stride_vn + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        active = keep[None, :] & (c_pos[None, :] <= q_pos[:, None])
+        p = tl.where(active, tl.math.exp2(s - lse2[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - di[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+
+    dq_ptrs = DQ + b * stride_gb + h * stride_gh + rows[:, None] * stride_gn + offs_d[None, :]
+    tl.store(dq_ptrs, tl.load(dq_ptrs) + dq * sm_scale)
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV,
+    QBlk, KBlk, QCnt, QIdx,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_lb, stride_lh,
+    stride_gb, stride_gh, stride_gn,
+    qk_scale, sm_scale,
+    HQ, HKV, GROUP, NKB, MAX_S,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_bkv = tl.program_id(1)
+    b = pid_bkv // HKV
+    kvh = pid_bkv % HKV
+    offs = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_blk = tl.load(KBlk + pid_n)
+    k_pos = k_blk * BLOCK + offs
+    k_rows = pid_n * BLOCK + offs
+    k = tl.load(K + b * stride_kb + kvh * stride_kh + k_rows[:, None] * stride_kn + offs_d[None, :])
+    v = tl.load(V + b * stride_vb + kvh * stride_vh + k_rows[:, None] * stride_vn + offs_d[None, :])
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    for g in range(0, GROUP):
+        h = kvh * GROUP + g
+        plan_row = (b * HQ + h) * NKB + pid_n
+        n_blocks = tl.load(QCnt + plan_row)
+        for t in range(0, n_blocks):
+            i = tl.load(QIdx + plan_row * MAX_S + t)
+            q_blk = tl.load(QBlk + i)
+            q_pos = q_blk * BLOCK + offs
+            q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + offs, offs_d,
+                                               stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
+                                               stride_on, stride_lb, stride_lh, UPCAST)
+            keep_t = k_pos[:, None] <= q_pos[None, :]
+            dv_t, dk_t = _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION)
+            dv += dv_t
+            dk += dk_t
+    dk_ptrs = DK + b * stride_gb + kvh * stride_gh + k_rows[:, None] * stride_gn + offs_d[None, :]
+    dv_ptrs = DV + b * stride_gb + kvh * stride_gh + k_rows[:, None] * stride_gn + offs_d[None, :]
+    tl.store(dk_ptrs, tl.load(dk_ptrs) + dk * sm_scale)
+    tl.store(dv_ptrs, tl.load(dv_ptrs) + dv)
+
+
+@triton.jit
+def _dkdv_col_kernel(
+    Q, K, V, DO, Lse, Delta, DKP, DVP,
+    QBlk, KBlk, ColCnt, Cols, Bitmap,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_lb, stride_lh,
+    qk_scale, sm_scale,
+    HQ, GROUP, NQB, MAX_V, MAX_V_PAD, NB, Q_PER_SPLIT, BH,
+    BLOCK: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    kvh = h // GROUP
+    offs = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_c = pid_c * BLOCK_COL + tl.arange(0, BLOCK_COL)
+    n_cols = tl.load(ColCnt + pid_bh)
+    c_ok = offs_c < n_cols
+    col = tl.load(Cols + pid_bh * MAX_V + offs_c, mask=c_ok, other=0)
+    c_blk = tl.load(KBlk + col // BLOCK, mask=c_ok, other=0)
+    c_pos = c_blk * BLOCK + col % BLOCK
+    k = tl.load(K + b * stride_kb + kvh * stride_kh + col[:, None] * stride_kn + offs_d[None, :],
+                mask=c_ok[:, None], other=0.0)
+    v = tl.load(V + b * stride_vb + kvh * stride_vh + col[:, None] * stride_vn + offs_d[None, :],
+                mask=c_ok[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_COL, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_COL, HEAD_DIM], tl.float32)
+    i_start = pid_s * Q_PER_SPLIT
+    i_end = tl.minimum(i_start + Q_PER_SPLIT, NQB)
+    i_end = tl.where(pid_c * BLOCK_COL < n_cols, i_end, i_start)  # empty tiles write zero partials
+    for i in range(i_start, i_end):
+        q_blk = tl.load(QBlk + i)
+        q_pos = q_blk * BLOCK + offs
+        delta = q_blk - c_blk
+        covered = tl.load(Bitmap + pid_bh * NB + delta, mask=c_ok & (delta >= 0), other=0)
+        keep = c_ok & (covered == 0)
+        q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + offs, offs_d,
+                                           stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
+                                           stride_on, stride_lb, stride_lh, UPCAST)
+        keep_t = keep[:, None] & (c_pos[:, None] <= q_pos[None, :])
+        dv_t, dk_t = _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION)
+        dv += dv_t
+        dk += dk_t
+    part = (pid_s * BH + pid_bh) * MAX_V_PAD + offs_c
+    tl.store(DKP + part[:, None] * HEAD_DIM + offs_d[None, :], dk * sm_scale)
+    tl.store(DVP + part[:, None] * HEAD_DIM + offs_d[None, :], dv)
+
+
+def _column_splits(nqb: int, programs_per_split: int) -> int:
+    """Query-range splits of the column reduction: enough programs to fill a large GPU."""
+    target = 1024
+    return max(1, min(nqb, -(-target // max(1, programs_per_split))))
+
+
+def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float) -> None:
+    """Add this plan's gradients into fp32 ``dq`` ``[b,hq,nq,d]`` and ``dk``/``dv`` ``[b,hkv,nk,d]``.
+
+    ``lse`` and ``delta`` (fp32 ``[b, hq, nq]``, same strides) belong to the FINAL output.
+    """
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    B = plan.block_size
+    nqb, nkb = nq // B, nk // B
+    max_s, max_v = plan.kv_blocks.shape[-1], plan.cols.shape[-1]
+    flags = dict(**kernel_flags(q.dtype), **launch_config(B))
+    qk_scale = softmax_scale * LOG2E
+    if delta.stride() != lse.stride():
+        delta = delta.contiguous()
+        lse = lse.contiguous()
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+               lse.stride(0), lse.stride(1))
+    cols = plan.cols if max_v > 0 else plan.col_count  # never read when empty; Triton wants storage
+    block_col = min(B, 64)
+
+    _dq_kernel[(nqb, b * hq)](
+        q, k, v, do, lse, delta, dq,
+        plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_count, cols,
+        plan.slash_bitmap, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+        qk_scale, softmax_scale, hq, group, nqb, max_s, max_v, plan.num_blocks,
+        BLOCK=B, BLOCK_COL=block_col, HEAD_DIM=d, **flags)
+
+    _dkdv_kernel[(nkb, b * hkv)](
+        q, k, v, do, lse, delta, dk, dv,
+        plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks,
+        *strides, dk.stride(0), dk.stride(1), dk.stride(2),
+        qk_scale, softmax_scale, hq, hkv, group, nkb, max_s,
+        BLOCK=B, HEAD_DIM=d, **flags)
+
+    if max_v == 0:
+        return
+    n_tiles = -(-max_v // block_col)
+    max_v_pad = n_tiles * block_col
+    splits = _column_splits(nqb, n_tiles * b * hq)
+    per_split = -(-nqb // splits)
+    splits = -(-nqb // per_split)
+    dk_part = torch.empty(splits, b * hq, max_v_pad, d, dtype=torch.float32, device=q.device)
+    dv_part = torch.empty_like(dk_part)
+    _dkdv_col_kernel[(n_tiles, b * hq, splits)](
+        q, k, v, do, lse, delta, dk_part, dv_part,
+        plan.q_block_ids, plan.k_block_ids, plan.col_count, plan.cols, plan.slash_bitmap,
+        *strides, qk_scale, softmax_scale,
+        hq, group, nqb, max_v, max_v_pad, plan.num_blocks, per_split, b * hq,
+        BLOCK=B, BLOCK_COL=block_col, HEAD_DIM=d, **flags)
+    # Fixed-order reduction over splits, then one scatter per GQA position: within one
+    # index_add_ every real target row is distinct (padding slots add exact zeros), so the
+    # result does not depend on the order of the adds.
+    dk_cols = dk_part.sum(0)[:, :max_v].view(b, hkv, group, max_v, d)
+    dv_cols = dv_part.sum(0)[:, :max_v].view(b, hkv, group, max_v, d)
+    slot_ok = torch.arange(max_v, device=q.device) < plan.col_count[..., None]
+    target = torch.where(slot_ok, plan.cols.long(), 0).view(b, hkv, group, max_v)
+    row_base = (torch.arange(b * hkv, device=q.device) * nk).view(b, hkv, 1)
+    dk_flat = dk.view(-1, d) if dk.is_contiguous() else None
+    dv_flat = dv.view(-1, d) if dv.is_contiguous() else None
+    if dk_flat is None or dv_flat is None:
+        raise ValueError("vs_attention_bwd_triton: dk and dv accumulators must be contiguous")
+    for g in range(group):
+        rows = (row_base + target[:, :, g]).reshape(-1)
+        dk_flat.index_add_(0, rows, dk_cols[:, :, g].reshape(-1, d))
+        dv_flat.index_add_(0, rows, dv_cols[:, :, g].reshape(-1, d))

@@ -1,0 +1,177 @@
+"""Triton forward of vertical-slash attention for one (query chunk, key chunk) pair.
+
+One program per (local query block, batch x query head). It walks the key blocks that the
+plan lists for its query block (slash part, diagonal last), then the plan's columns in tiles of
+BLOCK_COL, skipping columns whose block is already covered by a selected slash offset, with an
+online softmax in fp32 (base 2). The result is written as (out, fp32 lse), or merged through
+log-sum-exp into existing accumulators (ring attention calls it once per step).
+
+Cost per (query block, head): 4*B*d FLOPs per active key (QK^T and PV) over B*d*2 bytes of K/V
+per key block: the work is the active pairs, nothing proportional to the sequence.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def kernel_flags(dtype: torch.dtype) -> dict:
+    """Compile-time flags shared by all kernels for an input dtype."""
+    return dict(
+        # Triton's CPU interpreter multiplies bf16 tiles wrongly: compute in fp32 there.
+        UPCAST=interpreting() and dtype == torch.bfloat16,
+        # fp32 inputs get full-precision products (tf32 would cost ~3e-4 relative error).
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    )
+
+
+def launch_config(block: int) -> dict:
+    return dict(num_warps=8 if block >= 128 else 4, num_stages=2)
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of base-2 scores ``s`` (masked entries -inf) into (m, l, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay exact zeros
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _vs_attn_fwd_kernel(
+    Q, K, V, Out, Lse,
+    QBlk, KBlk, KVCnt, KVIdx, ColCnt, Cols, Bitmap,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_lb, stride_lh,
+    qk_scale,
+    HQ, GROUP, NQB, MAX_S, MAX_V, NB,
+    BLOCK: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    kvh = h // GROUP
+
+    offs_m = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_blk = tl.load(QBlk + pid_m)
+    q_pos = q_blk * BLOCK + offs_m
+    rows = pid_m * BLOCK + offs_m
+    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :])
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+
+    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+
+    # Slash part: whole key blocks. Only the diagonal block can hold keys after a query.
+    plan_row = pid_bh * NQB + pid_m
+    n_blocks = tl.load(KVCnt + plan_row)
+    for t in range(0, n_blocks):
+        j = tl.load(KVIdx + plan_row * MAX_S + t)
+        k_blk = tl.load(KBlk + j)
+        k_rows = j * BLOCK + tl.arange(0, BLOCK)
+        k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
+        v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        k_pos = k_blk * BLOCK + tl.arange(0, BLOCK)
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+
+    # Vertical part: gathered columns not covered by a selected slash block of this query block.
+    n_cols = tl.load(ColCnt + pid_bh)
+    for c0 in range(0, n_cols, BLOCK_COL):
+        offs_c = c0 + tl.arange(0, BLOCK_COL)
+        c_ok = offs_c < n_cols
+        col = tl.load(Cols + pid_bh * MAX_V + offs_c, mask=c_ok, other=0)
+        c_blk = tl.load(KBlk + col // BLOCK, mask=c_ok, other=0)
+        delta = q_blk - c_blk
+        covered = tl.load(Bitmap + pid_bh * NB + delta, mask=c_ok & (delta >= 0), other=0)
+        keep = c_ok & (covered == 0)
+        c_pos = c_blk * BLOCK + col % BLOCK
+        k = tl.load(k_base + col[:, None] * stride_kn + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+        v = tl.load(v_base + col[:, None] * stride_vn + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(keep[None, :] & (c_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+
+    has_key = l_i > 0
+    l_safe = tl.where(has_key, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+
+    o_ptrs = Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :]
+    l_ptrs = Lse + b * stride_lb + h * stride_lh + rows
+    if ACCUMULATE:
+        # Merge with the previous steps' partial result through log-sum-exp, in fp32.
+        old_lse = tl.load(l_ptrs)
+        old_out = tl.load(o_ptrs).to(tl.float32)
+        mx = tl.maximum(old_lse, lse)
+        mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+        w_old = tl.exp(old_lse - mx_safe)
+        w_new = tl.exp(lse - mx_safe)
+        total = w_old + w_new
+        has_any = total > 0
+        total_safe = tl.where(has_any, total, 1.0)
+        out = (old_out * w_old[:, None] + out * w_new[:, None]) / total_safe[:, None]
+        lse = tl.where(has_any, mx_safe + tl.log(total_safe), float("-inf"))
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty))
+    tl.store(l_ptrs, lse)
+
+
+def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool) -> None:
+    """Run the forward for one plan; writes (or, with ``accumulate``, merges into) ``out`` and ``lse``.
+
+    q ``[b, hq, nq, d]``, k/v ``[b, hkv, nk, d]`` (last dim contiguous); out ``[b, hq, nq, d]``
+    (fp32 when accumulating); lse fp32 ``[b, hq, nq]`` contiguous in the last dim.
+    """
+    b, hq, nq, d = q.shape
+    B = plan.block_size
+    nqb = nq // B
+    max_v = plan.cols.shape[-1]
+    cols = plan.cols if max_v > 0 else plan.col_count  # never read when empty; Triton wants storage
+    grid = (nqb, b * hq)
+    _vs_attn_fwd_kernel[grid](
+        q, k, v, out, lse,
+        plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_count, cols,
+        plan.slash_bitmap,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        softmax_scale * LOG2E,
+        hq, hq // k.shape[1], nqb, plan.kv_blocks.shape[-1], max_v, plan.num_blocks,
+        BLOCK=B, BLOCK_COL=min(B, 64), HEAD_DIM=d, ACCUMULATE=accumulate,
+        **kernel_flags(q.dtype), **launch_config(B),
+    )

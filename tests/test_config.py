@@ -1,0 +1,32 @@
+import pytest
+
+from megatron_mtraining import MTrainingConfig
+
+
+def test_defaults_are_valid():
+    cfg = MTrainingConfig()
+    assert cfg.block_size == 64 and cfg.layout == "striped" and cfg.index == "vs"
+    assert cfg.inner_ring_size is None
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(block_size=32), "block_size"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(last_q=0), "last_q"),
+    (dict(max_vertical=4, min_vertical=8), "max_vertical"),
+    (dict(max_slash=2, min_slash=3), "max_slash"),
+    (dict(max_slash=0), "max_slash"),
+    (dict(layout="ring"), "layout"),
+    (dict(index="topk"), "index"),
+    (dict(inner_ring_size=0), "inner_ring_size"),
+    (dict(sink_tokens=-1), "sink_tokens"),
+    (dict(local_window=300, max_slash=256), "local_window"),
+])
+def test_invalid_settings_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MTrainingConfig(**kwargs)
+
+
+def test_block_size_128_allowed():
+    assert MTrainingConfig(block_size=128).block_size == 128

@@ -1,0 +1,81 @@
+import pytest
+import torch
+
+from megatron_mtraining import VSIndex
+from oracle import dense_mask
+
+
+def make(slash, vertical, B=16, **kw):
+    return VSIndex.from_lists([[slash]], [[vertical]], block_size=B, **kw)
+
+
+def test_valid_index_passes():
+    make([0, 2, 3], [1, 17, 40]).validate(64)
+
+
+@pytest.mark.parametrize("slash, vertical, message", [
+    ([1, 2], [], "diagonal offset 0"),
+    ([0, 4], [], "out of range"),
+    ([0, 2, 2], [], "duplicate"),
+    ([0, 3, 2], [], "sorted"),
+    ([0], [70], "out of range"),
+    ([0], [-1], "out of range"),
+    ([0], [9, 9], "duplicate"),
+    ([0], [9, 3], "sorted"),
+])
+def test_validate_names_the_problem(slash, vertical, message):
+    with pytest.raises(ValueError, match=message):
+        make(slash, vertical).validate(64)
+
+
+def test_validate_count_above_capacity():
+    idx = make([0, 1], [3])
+    idx.n_slash.fill_(5)
+    with pytest.raises(ValueError, match="n_slash out of range"):
+        idx.validate(64)
+
+
+def test_validate_missing_diagonal_with_zero_count():
+    idx = make([0], [])
+    idx.n_slash.zero_()
+    with pytest.raises(ValueError, match="at least one slash"):
+        idx.validate(64)
+
+
+def test_validate_length_not_multiple_of_block():
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        make([0], []).validate(60)
+
+
+def test_structure_errors():
+    s = torch.zeros(1, 1, 2, dtype=torch.int32)
+    n = torch.ones(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="int32"):
+        VSIndex(s.long(), n, s, n)
+    with pytest.raises(ValueError, match="shape"):
+        VSIndex(s, n, s, torch.ones(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="batch, heads, capacity"):
+        VSIndex(s[0], n, s, n)
+    with pytest.raises(ValueError, match="power of two"):
+        VSIndex(s, n, s, n, block_size=48)
+    with pytest.raises(ValueError, match="capacity >= 1"):
+        VSIndex(s[..., :0], n, s, n)
+
+
+def test_padding_is_ignored():
+    idx = VSIndex.random(2, 3, 128, 16, max_slash=5, max_vertical=9, generator=torch.Generator().manual_seed(1))
+    idx.validate(128)  # random() fills the padding with junk on purpose
+
+
+def test_density_matches_mask_count():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        idx = VSIndex.random(1, 3, 96, 16, max_slash=4, max_vertical=12, generator=g)
+        mask = dense_mask(idx, 96)
+        expected = mask.sum((-1, -2)).double() / (96 * 97 / 2)
+        torch.testing.assert_close(idx.density(96).double(), expected, rtol=1e-6, atol=1e-9)
+
+
+def test_dense_index_density_is_one():
+    idx = VSIndex.dense(1, 2, 128, 32)
+    torch.testing.assert_close(idx.density(128), torch.ones(1, 2))

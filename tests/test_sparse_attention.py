@@ -1,0 +1,178 @@
+"""sparse_attention (every backend) against the reference and a float64 dense-mask oracle."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_mtraining import VSIndex, reference_attention, sparse_attention
+from oracle import attention_f64, dense_mask, rel_err
+
+BACKENDS = ["torch", "triton"]  # triton runs in the CPU interpreter when there is no GPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def inputs(b, hq, hkv, n, d, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, n, d, generator=g, dtype=torch.float32) for h in (hq, hkv, hkv))
+    return [x.to(DEVICE, dtype).requires_grad_() for x in (q, k, v)]
+
+
+def check_against_oracle(q, k, v, index, backend, tol):
+    """Forward and all three gradients against the float64 oracle and the fp32 reference."""
+    n = q.shape[2]
+    mask = dense_mask(index, n).to(DEVICE)
+    out = sparse_attention(q, k, v, index.to(DEVICE), backend=backend)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    expected = attention_f64(q, k, v, mask)
+    ref_out, _ = reference_attention(q, k, v, index.to(DEVICE))
+    grad = torch.randn_like(expected)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    assert rel_err(out, expected) < tol, "forward vs float64 oracle"
+    assert rel_err(out, ref_out) < tol, "forward vs reference_attention"
+    for name, a, e in zip(("dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, e) < tol, f"{name} vs float64 oracle: {rel_err(a, e)}"
+
+
+def lists_index(slash, vertical, b, h, B, **kw):
+    return VSIndex.from_lists([[slash] * h] * b, [[vertical] * h] * b, block_size=B, **kw)
+
+
+CASES = {
+    # name: (slash offsets, vertical columns) with B = 16 and n = 96 (6 blocks)
+    "diagonal_only": ([0], []),
+    "no_vertical": ([0, 2, 5], []),
+    "columns_inside_diagonal_block": ([0], [33, 35, 47]),
+    "columns_covered_by_slash": ([0, 1, 3], [3, 17, 20, 50, 90]),
+    "sink_and_far_columns": ([0, 1], [0, 1, 2, 3, 60, 61, 95]),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_edge_case_indices(backend, case):
+    slash, vertical = CASES[case]
+    q, k, v = inputs(1, 2, 1, 96, 32, seed=len(case))
+    index = lists_index(slash, vertical, 1, 2, 16)
+    check_against_oracle(q, k, v, index, backend, 1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_random_indices_gqa(backend, group):
+    hkv = 1 if group == 8 else 2
+    hq = hkv * group
+    q, k, v = inputs(2, hq, hkv, 128, 32, seed=group)
+    index = VSIndex.random(2, hq, 128, 16, max_slash=4, max_vertical=24,
+                           generator=torch.Generator().manual_seed(group))
+    check_against_oracle(q, k, v, index, backend, 1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_size, d", [(64, 64), (64, 128), (128, 64)])
+def test_production_block_sizes_and_head_dims(backend, block_size, d):
+    n = 3 * block_size
+    q, k, v = inputs(1, 2, 1, n, d, seed=d)
+    index = VSIndex.random(1, 2, n, block_size, max_slash=3, max_vertical=40,
+                           generator=torch.Generator().manual_seed(block_size + d))
+    check_against_oracle(q, k, v, index, backend, 1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_blocks_selected_equals_causal_sdpa(backend):
+    q, k, v = inputs(2, 4, 2, 128, 32, seed=3)
+    index = VSIndex.dense(2, 4, 128, 16, device=DEVICE)
+    out = sparse_attention(q, k, v, index, backend=backend)
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                              is_causal=True)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    assert rel_err(out, expected) < 1e-5
+    for a, e in zip(got, want):
+        assert rel_err(a, e) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_half_precision_against_fp32_reference(dtype):
+    q, k, v = inputs(1, 4, 2, 128, 64, dtype=dtype, seed=11)
+    index = VSIndex.random(1, 4, 128, 16, max_slash=4, max_vertical=20,
+                           generator=torch.Generator().manual_seed(5), device=DEVICE)
+    out = sparse_attention(q, k, v, index, backend="triton")
+    qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
+    ref, _ = reference_attention(qf, kf, vf, index)
+    grad = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), grad.to(dtype))
+    want = torch.autograd.grad(ref, (qf, kf, vf), grad)
+    assert rel_err(out, ref) < 2e-2
+    for a, e in zip(got, want):
+        assert rel_err(a, e) < 3e-2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lse_matches_reference(backend):
+    q, k, v = inputs(1, 2, 2, 64, 32, seed=2)
+    index = VSIndex.random(1, 2, 64, 16, max_slash=2, max_vertical=8,
+                           generator=torch.Generator().manual_seed(2), device=DEVICE)
+    _, lse = sparse_attention(q, k, v, index, backend=backend, return_lse=True)
+    _, ref_lse = reference_attention(q, k, v, index)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_custom_softmax_scale():
+    q, k, v = inputs(1, 2, 1, 64, 32, seed=4)
+    index = VSIndex.random(1, 2, 64, 16, generator=torch.Generator().manual_seed(4), device=DEVICE)
+    out = sparse_attention(q, k, v, index, softmax_scale=0.3, backend="torch")
+    ref, _ = reference_attention(q, k, v, index, softmax_scale=0.3)
+    assert rel_err(out, ref) < 1e-5
+    assert rel_err(out, reference_attention(q, k, v, index)[0]) > 1e-3  # the scale is used
+
+
+def test_backward_is_deterministic():
+    q, k, v = inputs(1, 4, 2, 128, 32, seed=9)
+    index = VSIndex.random(1, 4, 128, 16, max_slash=4, max_vertical=40,
+                           generator=torch.Generator().manual_seed(9), device=DEVICE)
+    grads = []
+    for _ in range(2):
+        out = sparse_attention(q, k, v, index, backend="triton")
+        grads.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- errors
+def _simple(n=64, B=16):
+    q, k, v = (torch.randn(1, 2, n, 32) for _ in range(3))
+    return q, k, v, VSIndex.from_lists([[[0], [0]]], [[[], []]], block_size=B)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda q, k, v, i: (q[0], k, v, i), "4-D"),
+    (lambda q, k, v, i: (q, k, v[..., :16], i), "same shape"),
+    (lambda q, k, v, i: (q, k[:, :, :32], v[:, :, :32], i), "disagree"),
+    (lambda q, k, v, i: (q.repeat(1, 3, 1, 1)[:, :3], k, v, i), "multiple of key/value heads"),
+    (lambda q, k, v, i: (q.half(), k, v, i), "share a dtype"),
+    (lambda q, k, v, i: (q.int(), k.int(), v.int(), i), "not supported"),
+    (lambda q, k, v, i: (q[:, :, :56], k[:, :, :56], v[:, :, :56], i), "multiple of block_size"),
+    (lambda q, k, v, i: (q, k, v, VSIndex.from_lists([[[0]]], [[[]]], block_size=16)), "query heads"),
+])
+def test_bad_inputs_raise_clear_errors(mutate, message):
+    q, k, v, index = mutate(*_simple())
+    with pytest.raises(ValueError, match=message):
+        sparse_attention(q, k, v, index, backend="torch")
+
+
+def test_bad_backend_name():
+    q, k, v, index = _simple()
+    with pytest.raises(ValueError, match="backend"):
+        sparse_attention(q, k, v, index, backend="flash")
+
+
+def test_invalid_index_values_rejected_on_cpu():
+    q, k, v, index = _simple()
+    index.slash[0, 0, 0] = 1  # diagonal missing
+    with pytest.raises(ValueError, match="diagonal"):
+        sparse_attention(q, k, v, index, backend="torch")
