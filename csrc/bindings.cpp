@@ -1,14 +1,24 @@
 // Python module megatron_mtraining._C: input checks and device dispatch for convert_step.
 #include <torch/extension.h>
 
+#include <string>
+
 #include "convert.h"
 
 namespace mtraining {
 namespace {
 
+// "[2, 3, 4]". Formatted by hand: streaming IntArrayRef into TORCH_CHECK crashed (SIGSEGV)
+// with torch 2.11 + a CUDA build on the GPU machines.
+std::string shape_str(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
 void check_tensor(const at::Tensor& t, const char* name, int64_t dim, const at::Device& device) {
   TORCH_CHECK(t.scalar_type() == at::kInt, "convert_step: ", name, " must be int32, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, "convert_step: ", name, " must have ", dim, " dims, got shape ", t.sizes());
+  TORCH_CHECK(t.dim() == dim, "convert_step: ", name, " must have ", dim, " dims, got shape ", shape_str(t));
   TORCH_CHECK(t.device() == device, "convert_step: ", name, " is on ", t.device(),
               " but slash is on ", device, "; all inputs must share one device");
   TORCH_CHECK(t.is_contiguous(), "convert_step: ", name, " must be contiguous");
@@ -27,8 +37,8 @@ std::vector<at::Tensor> convert_step(const at::Tensor& slash, const at::Tensor& 
   check_tensor(k_block_ids, "k_block_ids", 1, device);
   const auto bh = slash.sizes().slice(0, 2);
   TORCH_CHECK(n_slash.sizes() == bh && vertical.sizes().slice(0, 2) == bh && n_vertical.sizes() == bh,
-              "convert_step: shapes disagree on [batch, heads]: slash ", slash.sizes(), ", n_slash ",
-              n_slash.sizes(), ", vertical ", vertical.sizes(), ", n_vertical ", n_vertical.sizes());
+              "convert_step: shapes disagree on [batch, heads]: slash ", shape_str(slash), ", n_slash ",
+              shape_str(n_slash), ", vertical ", shape_str(vertical), ", n_vertical ", shape_str(n_vertical));
   TORCH_CHECK(num_blocks >= 1, "convert_step: num_blocks must be >= 1, got ", num_blocks);
   TORCH_CHECK(block_size >= 1, "convert_step: block_size must be >= 1, got ", block_size);
 

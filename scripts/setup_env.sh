@@ -16,8 +16,12 @@ PYTHON=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 
 if "$PYTHON" -c "import torch, triton" >/dev/null 2>&1 && "$PYTHON" -c "import torch; assert torch.cuda.is_available()" >/dev/null 2>&1; then
-    echo "[setup] torch and triton importable with CUDA: reusing the system packages"
-    "$PYTHON" -m venv --system-site-packages "$VENV"
+    echo "[setup] torch and triton importable with CUDA: reusing the host's packages"
+    "$PYTHON" -m venv "$VENV"
+    # The host python may itself be a venv (--system-site-packages would skip its packages):
+    # a .pth file puts the host's site-packages behind the project venv's own.
+    "$PYTHON" -c "import site; print('\n'.join(site.getsitepackages()))" \
+        > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_host_packages.pth"
     PIP="$VENV/bin/python -m pip"
     if ! "$VENV/bin/python" -c "import megatron.core" >/dev/null 2>&1; then
         if ls .whl/megatron_core-*.whl >/dev/null 2>&1; then

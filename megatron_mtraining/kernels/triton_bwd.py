@@ -250,7 +250,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     B = plan.block_size
     nqb, nkb = nq // B, nk // B
     max_s, max_v = plan.kv_blocks.shape[-1], plan.cols.shape[-1]
-    flags = dict(**kernel_flags(q.dtype), **launch_config(B))
+    flags = dict(**kernel_flags(q.dtype), **launch_config(B, q.dtype))
     qk_scale = softmax_scale * LOG2E
     if delta.stride() != lse.stride():
         delta = delta.contiguous()

@@ -37,8 +37,10 @@ def kernel_flags(dtype: torch.dtype) -> dict:
     )
 
 
-def launch_config(block: int) -> dict:
-    return dict(num_warps=8 if block >= 128 else 4, num_stages=2)
+def launch_config(block: int, dtype: torch.dtype) -> dict:
+    """Warps and pipeline stages; fp32 tiles and 128-row tiles need one stage to fit shared memory."""
+    one_stage = block >= 128 or dtype == torch.float32
+    return dict(num_warps=8 if block >= 128 else 4, num_stages=1 if one_stage else 2)
 
 
 @triton.jit
@@ -173,5 +175,5 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
         softmax_scale * LOG2E,
         hq, hq // k.shape[1], nqb, plan.kv_blocks.shape[-1], max_v, plan.num_blocks,
         BLOCK=B, BLOCK_COL=min(B, 64), HEAD_DIM=d, ACCUMULATE=accumulate,
-        **kernel_flags(q.dtype), **launch_config(B),
+        **kernel_flags(q.dtype), **launch_config(B, q.dtype),
     )

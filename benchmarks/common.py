@@ -1,0 +1,289 @@
+"""Shared pieces of the benchmark scripts: the synthetic `fixed` index, timers, run metadata.
+
+Everything here is measurement plumbing; the attention itself comes from `megatron_mtraining`.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from megatron_mtraining import VSIndex
+
+# ----------------------------------------------------------------------------------------------
+# The `fixed` index: deterministic vertical-slash structure at a target density
+# ----------------------------------------------------------------------------------------------
+
+
+def slash_offsets(count: int, num_blocks: int, local_window: int = 4) -> List[int]:
+    """`count` distinct block offsets: the local window 0..local_window-1, then geometric to the end.
+
+    Geometric spacing puts most offsets near the diagonal (RoPE locality) and a few far away,
+    the shape real vertical-slash indices have.
+    """
+    count = max(1, min(count, num_blocks))
+    local = min(count, local_window)
+    offsets = list(range(local))
+    n_far = count - local
+    if n_far == 0:
+        return offsets
+    lo, hi = local, num_blocks - 1
+    far = [round(lo * (hi / lo) ** (i / max(1, n_far - 1))) for i in range(n_far)]
+    # Rounding collides near the diagonal: push duplicates up, then pull the tail below the end.
+    for i in range(1, n_far):
+        far[i] = max(far[i], far[i - 1] + 1)
+    for i in range(n_far - 1, -1, -1):
+        far[i] = min(far[i], hi - (n_far - 1 - i))
+    return offsets + far
+
+
+def _make_index(batch, heads, offsets, sinks, column_order, n_cols, block_size, device) -> VSIndex:
+    """Index with the same slash offsets in every head and per-head columns: sinks + a prefix."""
+    slash = torch.tensor(offsets, dtype=torch.int32, device=device).expand(batch, heads, -1).contiguous()
+    n_slash = torch.full((batch, heads), len(offsets), dtype=torch.int32, device=device)
+    sink = torch.arange(sinks, dtype=torch.int32, device=device).expand(batch, heads, -1)
+    vertical = torch.cat([sink, column_order[..., :n_cols].sort(-1).values], -1).contiguous()
+    n_vertical = torch.full((batch, heads), vertical.shape[-1], dtype=torch.int32, device=device)
+    return VSIndex(slash, n_slash, vertical, n_vertical, block_size)
+
+
+def _largest_below(f: Callable[[int], float], target: float, lo: int, hi: int) -> int:
+    """Bisection for the largest n in [lo, hi] with f(n) <= target (lo if none); f non-decreasing."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if f(mid) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _closest(f: Callable[[int], float], target: float, n: int, hi: int) -> int:
+    """n or n + 1, whichever lands closer to the target."""
+    if n < hi and abs(f(n + 1) - target) < abs(f(n) - target):
+        return n + 1
+    return n
+
+
+def fixed_vs_index(batch: int, heads: int, seq_len: int, block_size: int = 64, density: float = 0.05,
+                   device=None, seed: int = 0, column_share: float = 0.25, local_window: int = 4,
+                   sinks: int = 4) -> VSIndex:
+    """Deterministic synthetic VS index whose mean ``index.density(seq_len)`` is close to ``density``.
+
+    Slash: the local window 0..local_window-1 plus geometrically spread offsets, the same in
+    every head. Vertical: sink columns 0..sinks-1 plus random columns, different per head
+    (seeded). The counts come from two small searches: the slash count for
+    ``(1 - column_share) * density``, then the column count for the total. Budgets are equal
+    across heads (fixed budgets, DESIGN.md's `fixed` builder), so shapes carry no padding.
+    Tiny problems cannot go below the diagonal's density; the result then has one offset.
+    """
+    if seq_len % block_size:
+        raise ValueError(f"sequence length {seq_len} is not a multiple of block_size {block_size}")
+    nb = seq_len // block_size
+    sinks = min(sinks, seq_len)
+    gen = torch.Generator().manual_seed(seed)
+    # One random order of the non-sink columns per head; the first n of it are the columns.
+    column_order = torch.stack([torch.randperm(seq_len - sinks, generator=gen) + sinks
+                                for _ in range(batch * heads)]).view(batch, heads, -1)
+    column_order = column_order.to(device=device, dtype=torch.int32)
+
+    def mean_density(offsets, n_cols) -> float:
+        index = _make_index(batch, heads, offsets, sinks, column_order, n_cols, block_size, device)
+        return float(index.density(seq_len).mean())
+
+    def slash_only(n):
+        return mean_density(slash_offsets(n, nb, local_window), 0)
+
+    slash_target = (1.0 - column_share) * density
+    n_slash = _closest(slash_only, slash_target, _largest_below(slash_only, slash_target, 1, nb), nb)
+    offsets = slash_offsets(n_slash, nb, local_window)
+
+    def with_columns(n):
+        return mean_density(offsets, n)
+
+    max_cols = seq_len - sinks
+    n_cols = _closest(with_columns, density, _largest_below(with_columns, density, 0, max_cols), max_cols)
+    index = _make_index(batch, heads, offsets, sinks, column_order, n_cols, block_size, device)
+    return index.validate(seq_len)
+
+
+def describe_index(index: VSIndex, seq_len: int) -> Dict:
+    """Density and budget figures of an index (per head density summarised over heads)."""
+    dens = index.density(seq_len).float()
+    causal_pairs = seq_len * (seq_len + 1) / 2
+    return {
+        "density_mean": float(dens.mean()),
+        "density_min": float(dens.min()),
+        "density_max": float(dens.max()),
+        "n_slash": int(index.n_slash.max()),
+        "n_vertical": int(index.n_vertical.max()),
+        # Summed over batch and heads: the work the FLOP counts below are based on.
+        "active_pairs": float(dens.sum()) * causal_pairs,
+        "causal_pairs_per_head": causal_pairs,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing and memory
+# ----------------------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable, arg_sets: Sequence[Sequence], device: torch.device, warmup: int = 3,
+            reps: int = 10) -> List[float]:
+    """Per-repetition milliseconds of ``fn(*args)``, rotating through ``arg_sets``.
+
+    Rotating input sets keeps one set's tensors from sitting in L2 between repetitions. CUDA
+    events time the device; on CPU (smoke runs) wall-clock time is all there is.
+    """
+    def args(i):
+        return arg_sets[i % len(arg_sets)]
+
+    for i in range(warmup):
+        fn(*args(i))
+    synchronize(device)
+    if device.type != "cuda":
+        times = []
+        for i in range(reps):
+            t0 = time.perf_counter()
+            fn(*args(warmup + i))
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        fn(*args(warmup + i))
+        ends[i].record()
+    torch.cuda.synchronize(device)
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def peak_extra_mb(fn: Callable, args: Sequence, device: torch.device) -> Optional[float]:
+    """MiB that one call allocates on top of what is already held (its inputs among it).
+
+    ``torch.cuda.max_memory_allocated`` after a reset, minus the memory allocated before the
+    call: the figure does not depend on how many input sets the benchmark keeps around.
+    """
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn(*args)
+    synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
+def kernel_times_ms(fn: Callable, args: Sequence, iters: int = 3) -> Dict[str, float]:
+    """Device milliseconds per call of every GPU kernel ``fn(*args)`` launches (torch.profiler)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*args)  # compile / autotune outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn(*args)
+        torch.cuda.synchronize()
+    totals: Dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            totals[event.name] += event.device_time_total / 1e3 / iters
+    return dict(totals)
+
+
+def relative_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in fp64."""
+    x, ref = x.detach().double(), ref.detach().double()
+    return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------------------------
+# Run metadata
+# ----------------------------------------------------------------------------------------------
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def device_slug(device: torch.device) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200'; CPU runs are 'cpu'."""
+    if device.type != "cuda":
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", device_name(device).lower()).strip("-")
+
+
+def git_commit() -> Dict:
+    """HEAD and whether the tree has uncommitted changes; GIT_COMMIT where git cannot say."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=repo, capture_output=True, text=True, timeout=10)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode == 0:
+            dirty = bool(git("status", "--porcelain").stdout.strip())
+            return {"commit": head.stdout.strip(), "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"commit": os.environ.get("GIT_COMMIT", "unknown"), "dirty": None}
+
+
+def run_metadata(device: torch.device) -> Dict:
+    import triton
+
+    from megatron_mtraining import _ext
+
+    meta = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
+        "python": sys.version.split()[0],
+        "extension": _ext.status(),
+        "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    meta.update(git_commit())
+    return meta
+
+
+def tflops(flops: float, ms: Optional[float]) -> Optional[float]:
+    if not ms:
+        return None
+    return flops / (ms * 1e-3) / 1e12
+
+
+def json_ready(obj):
+    """Round floats to 6 significant digits and write NaN / inf as null (JSON has neither)."""
+    if isinstance(obj, dict):
+        return {str(k): json_ready(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_ready(v) for v in obj]
+    if isinstance(obj, float):
+        return float(f"{obj:.6g}") if math.isfinite(obj) else None
+    return obj

@@ -1,0 +1,491 @@
+"""Single-GPU kernel benchmark: vertical-slash sparse attention against dense cuDNN and FlexAttention.
+
+Canonical shape (docs: benchmarks.md): Qwen2.5-3B attention, batch 1, 16 query heads, 2 KV
+heads, head dim 128, bf16, causal; the `fixed` synthetic index at ~5% density. Per sequence
+length it records, each item on its own so one failure loses nothing else:
+
+  ours   forward (no grad) and forward+backward ms of `sparse_attention`, the plan conversion
+         alone, the backward step alone, and a per-kernel profile of forward+backward;
+  dense  cuDNN causal SDPA (flash when cuDNN is missing), forward and forward+backward;
+  flex   compiled FlexAttention with a 128-block BlockMask of exactly the same active pairs;
+  effective TFLOP/s, peak extra memory, speed ratios, and a correctness spot check.
+
+    python benchmarks/kernel.py                  # GPU: writes benchmarks/results/kernel_<device>.json
+    python benchmarks/kernel.py --smoke          # tiny CPU run of the whole script
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import (describe_index, device_slug, fixed_vs_index, json_ready, kernel_times_ms,  # noqa: E402
+                    median, peak_extra_mb, relative_l2, run_metadata, synchronize, tflops, time_ms)
+
+from megatron_mtraining import reference_attention, sparse_attention  # noqa: E402
+from megatron_mtraining.kernels import resolve_backend, single_device_plan, step_backward  # noqa: E402
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+FWD_BWD_FLOP_FACTOR = 3.5   # backward = 2.5x forward (dQ, dK, dV and the recomputed scores)
+CHECK_TOLERANCE = 2e-2      # relative L2 of bf16 kernels against the fp32 reference
+# Profiled kernel name -> group of the breakdown (first match wins: '_dkdv_col' before '_dkdv').
+KERNEL_GROUPS = (("_vs_attn_fwd_kernel", "fwd"), ("_dkdv_col_kernel", "dkdv_col"),
+                 ("_dkdv_kernel", "dkdv_block"), ("_dq_kernel", "dq"))
+
+
+@dataclasses.dataclass
+class Config:
+    seq_lens: List[int]
+    block_size: int = 64
+    batch: int = 1
+    heads: int = 16
+    kv_heads: int = 2
+    head_dim: int = 128
+    dtype: str = "bf16"
+    density: float = 0.05
+    seed: int = 0
+    backend: str = "auto"
+    warmup: int = 3
+    reps: int = 10
+    input_sets: int = 3
+    check_len: int = 4096
+    skip: Sequence[str] = ()
+    smoke: bool = False
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def attempt(section: Dict, key: str, fn: Callable, keep: bool = True):
+    """fn(), kept as section[key]; a failure goes to section['errors'][key] and loses only this item."""
+    value = None
+    try:
+        value = fn()
+    except Exception as exc:  # noqa: BLE001  (any failure, OOM and compile errors included)
+        section.setdefault("errors", {})[key] = f"{type(exc).__name__}: {exc}"[:800]
+    else:
+        if keep:
+            section[key] = value
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # an OOM must not starve the next item
+    return value
+
+
+def timed(section: Dict, name: str, fn: Callable, arg_sets: Sequence[Sequence], cfg: Config,
+          device: torch.device) -> Optional[float]:
+    """Median ms of fn over the rotating input sets, stored as section['<name>_ms']."""
+    def run():
+        samples = time_ms(fn, arg_sets, device, cfg.warmup, cfg.reps)
+        section.setdefault("samples_ms", {})[name] = samples
+        return median(samples)
+    return attempt(section, f"{name}_ms", run)
+
+
+def make_inputs(cfg: Config, seq_len: int, device: torch.device, n_sets: int, seed: int) -> List[tuple]:
+    """n_sets of (q, k, v, dout), leaves that require grad, standard normal."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = DTYPES[cfg.dtype]
+
+    def rand(heads, grad=True):
+        x = torch.randn(cfg.batch, heads, seq_len, cfg.head_dim, generator=gen, device=device, dtype=dtype)
+        return x.requires_grad_(grad)
+
+    return [(rand(cfg.heads), rand(cfg.kv_heads), rand(cfg.kv_heads), rand(cfg.heads, grad=False))
+            for _ in range(n_sets)]
+
+
+def forward_and_backward(attn: Callable) -> Callable:
+    """(q, k, v, dout) -> grads, timing the forward with autograd plus the backward."""
+    def run(q, k, v, dout):
+        out = attn(q, k, v)
+        return torch.autograd.grad(out, (q, k, v), dout)
+    return run
+
+
+def forward_only(attn: Callable) -> Callable:
+    def run(q, k, v, dout):
+        with torch.no_grad():
+            return attn(q, k, v)
+    return run
+
+
+def measure_pair(section: Dict, attn: Callable, arg_sets, cfg: Config, device: torch.device) -> None:
+    """fwd and fwd+bwd ms plus the peak extra memory of one fwd+bwd."""
+    fwd_bwd = forward_and_backward(attn)
+    timed(section, "fwd", forward_only(attn), arg_sets, cfg, device)
+    timed(section, "fwdbwd", fwd_bwd, arg_sets, cfg, device)
+    if device.type == "cuda":
+        attempt(section, "fwdbwd_peak_extra_mb", lambda: peak_extra_mb(fwd_bwd, arg_sets[0], device))
+
+
+# ----------------------------------------------------------------------------------------------
+# Ours
+# ----------------------------------------------------------------------------------------------
+
+
+def kernel_breakdown(fn: Callable, args: Sequence) -> Dict:
+    """Device ms per call, grouped by our Triton kernels; everything else summed under 'other'."""
+    per_kernel = kernel_times_ms(fn, args)
+    groups: Dict[str, float] = {name: 0.0 for _, name in KERNEL_GROUPS}
+    groups["other"] = 0.0
+    for kernel, ms in per_kernel.items():
+        group = next((name for key, name in KERNEL_GROUPS if key in kernel), "other")
+        groups[group] += ms
+    groups["total"] = sum(per_kernel.values())
+    others = sorted(((ms, k) for k, ms in per_kernel.items()
+                     if not any(key in k for key, _ in KERNEL_GROUPS)), reverse=True)
+    groups["top_other"] = {k[:120]: ms for ms, k in others[:6]}
+    return groups
+
+
+def backward_step_inputs(index, arg_sets, backend: str, scale: float) -> List[tuple]:
+    """Per input set: what the backward step reads (forward's out/lse, delta) plus fp32 grads."""
+    prepared = []
+    for q, k, v, dout in arg_sets:
+        with torch.no_grad():
+            out, lse = sparse_attention(q, k, v, index, scale, backend, return_lse=True)
+            delta = (dout.float() * out.float()).sum(-1)
+        grads = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (q, k, v)]
+        prepared.append((q.detach(), k.detach(), v.detach(), dout, lse, delta, *grads))
+    return prepared
+
+
+def bench_ours(cfg: Config, index, seq_len: int, arg_sets, device: torch.device) -> Dict:
+    backend = resolve_backend(cfg.backend, device)
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    section: Dict = {"backend": backend}
+
+    def attn(q, k, v):
+        return sparse_attention(q, k, v, index, scale, backend)
+
+    measure_pair(section, attn, arg_sets, cfg, device)
+    timed(section, "plan", lambda: single_device_plan(index, seq_len), [()], cfg, device)
+
+    def backward_step():
+        plan = single_device_plan(index, seq_len)
+        prepared = backward_step_inputs(index, arg_sets[:2], backend, scale)
+
+        def step(q, k, v, dout, lse, delta, dq, dk, dv):
+            step_backward(backend, q, k, v, dout, lse, delta, plan, dq, dk, dv, scale)
+        return median(time_ms(step, prepared, device, cfg.warmup, cfg.reps))
+    attempt(section, "bwd_step_ms", backward_step)
+
+    if device.type == "cuda" and "breakdown" not in cfg.skip:
+        attempt(section, "fwdbwd_kernels_ms", lambda: kernel_breakdown(forward_and_backward(attn), arg_sets[0]))
+    return section
+
+
+# ----------------------------------------------------------------------------------------------
+# Dense baseline: cuDNN causal SDPA (flash if cuDNN is not there)
+# ----------------------------------------------------------------------------------------------
+
+
+def dense_candidates():
+    from torch.nn.attention import SDPBackend
+    # (name, backend, GQA inside the kernel?): native GQA first, K/V expanded outside the timing next.
+    return [("cudnn", SDPBackend.CUDNN_ATTENTION, True), ("cudnn", SDPBackend.CUDNN_ATTENTION, False),
+            ("flash", SDPBackend.FLASH_ATTENTION, True), ("flash", SDPBackend.FLASH_ATTENTION, False)]
+
+
+def dense_attention(backend, gqa: bool) -> Callable:
+    from torch.nn.attention import sdpa_kernel
+
+    def attn(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    return attn
+
+
+def expand_kv(arg_sets, group: int) -> List[tuple]:
+    """K/V repeated to the query heads, as new leaves: the expansion is not part of the timing."""
+    def rep(x):
+        return x.detach().repeat_interleave(group, dim=1).requires_grad_()
+    return [(q, rep(k), rep(v), dout) for q, k, v, dout in arg_sets]
+
+
+def pick_dense(cfg: Config, device: torch.device):
+    """First candidate that runs forward+backward on a small problem of the same head layout."""
+    probe = make_inputs(cfg, 1024, device, 1, cfg.seed)
+    tried = {}
+    for name, backend, gqa in dense_candidates():
+        args = probe if gqa else expand_kv(probe, cfg.heads // cfg.kv_heads)
+        try:
+            forward_and_backward(dense_attention(backend, gqa))(*args[0])
+            synchronize(device)
+            return name, backend, gqa, tried
+        except Exception as exc:  # noqa: BLE001
+            tried[f"{name}{'+gqa' if gqa else '+expanded'}"] = f"{type(exc).__name__}: {exc}"[:300]
+    return None, None, None, tried
+
+
+def bench_dense(cfg: Config, arg_sets, device: torch.device, choice) -> Dict:
+    name, backend, gqa, tried = choice
+    if name is None:
+        return {"skipped": "no dense SDPA backend ran", "probe_errors": tried}
+    section: Dict = {"backend": name, "gqa": "enable_gqa" if gqa else "K/V expanded outside the timing"}
+    if tried:
+        section["probe_errors"] = tried
+    sets = arg_sets if gqa else expand_kv(arg_sets, cfg.heads // cfg.kv_heads)
+    measure_pair(section, dense_attention(backend, gqa), sets, cfg, device)
+    return section
+
+
+# ----------------------------------------------------------------------------------------------
+# FlexAttention with the same active pairs
+# ----------------------------------------------------------------------------------------------
+
+FLEX_BLOCK = 128
+_compiled_flex = None
+
+
+def compiled_flex_attention():
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def flex_block_mask(index, seq_len: int, device: torch.device):
+    """BlockMask of DESIGN.md section 1's function, built from the index's own bitmap and columns."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B = index.block_size
+    slash = index.slash_bitmap(seq_len // B).bool()   # [b, h, num_blocks]
+    columns = index.column_mask(seq_len)               # [b, h, seq_len]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        delta = (q_idx // B - kv_idx // B).clamp(min=0)  # causal below makes the clamped pairs inactive
+        return (kv_idx <= q_idx) & (slash[b, h, delta] | columns[b, h, kv_idx])
+
+    # _compile=True: without it create_block_mask materialises the dense mask (OOM at 128K).
+    # torch 2.11 flags the argument as deprecated but still honours it; keep the log clean.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*_compile flag on create_block_mask.*")
+        return create_block_mask(mask_mod, index.batch, index.heads, seq_len, seq_len, device=device,
+                                 BLOCK_SIZE=FLEX_BLOCK, _compile=True)
+
+
+def flex_block_density(block_mask, seq_len: int) -> float:
+    """Blocks Flex computes (partial + full) over causal 128-blocks: its work relative to dense."""
+    nqb = -(-seq_len // FLEX_BLOCK)
+    active = block_mask.kv_num_blocks.sum().item()
+    if block_mask.full_kv_num_blocks is not None:
+        active += block_mask.full_kv_num_blocks.sum().item()
+    b, h = block_mask.kv_num_blocks.shape[:2]
+    return active / (b * h * nqb * (nqb + 1) / 2)
+
+
+def flex_attention_fn(block_mask) -> Callable:
+    flex = compiled_flex_attention()
+
+    def attn(q, k, v):
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return attn
+
+
+def bench_flex(index, seq_len: int, arg_sets, cfg: Config, device: torch.device) -> Dict:
+    section: Dict = {"block_size": FLEX_BLOCK}
+    block_mask = attempt(section, "block_mask", lambda: flex_block_mask(index, seq_len, device), keep=False)
+    if block_mask is None:
+        return section
+    attempt(section, "block_density", lambda: flex_block_density(block_mask, seq_len))
+    measure_pair(section, flex_attention_fn(block_mask), arg_sets, cfg, device)
+    return section
+
+
+# ----------------------------------------------------------------------------------------------
+# Correctness spot check: the benchmark's own generator on a short sequence
+# ----------------------------------------------------------------------------------------------
+
+
+def spot_check(cfg: Config, device: torch.device) -> Dict:
+    """Ours (benchmark dtype and backend) and Flex's mask against the fp32 reference."""
+    seq_len = cfg.check_len
+    index = fixed_vs_index(cfg.batch, cfg.heads, seq_len, cfg.block_size, cfg.density, device, cfg.seed)
+    q, k, v, dout = make_inputs(cfg, seq_len, device, 1, cfg.seed + 1)[0]
+    result: Dict = {"seq_len": seq_len, "density": float(index.density(seq_len).mean()),
+                    "tolerance": CHECK_TOLERANCE}
+
+    ref_inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref_out = reference_attention(*ref_inputs, index)[0]
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, dout.float())
+    ref_out = ref_out.detach()
+
+    def check(attn):
+        out = attn(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        errors = {"out": relative_l2(out, ref_out)}
+        errors.update({f"d{n}": relative_l2(g, r) for n, g, r in zip("qkv", grads, ref_grads)})
+        errors["pass"] = all(e < CHECK_TOLERANCE for e in errors.values())
+        return errors
+
+    backend = resolve_backend(cfg.backend, device)
+    attempt(result, "ours", lambda: check(lambda *a: sparse_attention(*a, index, backend=backend)))
+    if device.type == "cuda" and "flex" not in cfg.skip:
+        attempt(result, "flex", lambda: check(flex_attention_fn(flex_block_mask(index, seq_len, device))))
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# One sequence length
+# ----------------------------------------------------------------------------------------------
+
+
+def add_rates(entry: Dict, cfg: Config, seq_len: int) -> None:
+    """Effective TFLOP/s (active pairs for ours and Flex, the causal half for dense) and ratios."""
+    pairs = entry["index"]["active_pairs"]
+    sparse_fwd = 4 * cfg.head_dim * pairs
+    dense_fwd = 2 * seq_len**2 * cfg.head_dim * cfg.heads * cfg.batch   # benchmarks.md convention
+    for name, flops in (("ours", sparse_fwd), ("flex", sparse_fwd), ("dense", dense_fwd)):
+        section = entry.get(name, {})
+        for kind, factor in (("fwd", 1.0), ("fwdbwd", FWD_BWD_FLOP_FACTOR)):
+            rate = tflops(flops * factor, section.get(f"{kind}_ms"))
+            if rate is not None:
+                section[f"{kind}_tflops"] = rate
+    ratios = {}
+    for other in ("dense", "flex"):
+        for kind in ("fwd", "fwdbwd"):
+            ours, theirs = entry["ours"].get(f"{kind}_ms"), entry.get(other, {}).get(f"{kind}_ms")
+            if ours and theirs:
+                ratios[f"{other}_over_ours_{kind}"] = theirs / ours
+    entry["speedup"] = ratios
+
+
+def bench_seq_len(cfg: Config, seq_len: int, device: torch.device, dense_choice) -> Dict:
+    index = fixed_vs_index(cfg.batch, cfg.heads, seq_len, cfg.block_size, cfg.density, device, cfg.seed)
+    entry: Dict = {"seq_len": seq_len, "index": describe_index(index, seq_len)}
+    arg_sets = make_inputs(cfg, seq_len, device, cfg.input_sets, cfg.seed + seq_len)
+    entry["ours"] = bench_ours(cfg, index, seq_len, arg_sets, device)
+    if device.type != "cuda":
+        entry["dense"] = entry["flex"] = {"skipped": "no CUDA"}
+    else:
+        entry["dense"] = ({"skipped": "--skip dense"} if "dense" in cfg.skip
+                          else bench_dense(cfg, arg_sets, device, dense_choice))
+        entry["flex"] = ({"skipped": "--skip flex"} if "flex" in cfg.skip
+                         else bench_flex(index, seq_len, arg_sets, cfg, device))
+    add_rates(entry, cfg, seq_len)
+    return entry
+
+
+# ----------------------------------------------------------------------------------------------
+# Output
+# ----------------------------------------------------------------------------------------------
+
+
+def fmt(x, spec=".2f", width=8) -> str:
+    return f"{x:{width}{spec}}" if isinstance(x, (int, float)) else f"{'-':>{width}}"
+
+
+def print_table(result: Dict) -> None:
+    """Short fixed-width summary; the JSON has every figure."""
+    cfg = result["config"]
+    dense = {r["dense"].get("backend", "skipped") for r in result["runs"]}
+    print(f"\n{result['meta']['device']} | {cfg['heads']}/{cfg['kv_heads']} heads, d {cfg['head_dim']}, "
+          f"{cfg['dtype']}, block {cfg['block_size']} | dense: {', '.join(sorted(dense))}")
+    header = (f"{'S':>7} {'dens':>6} | {'ours f':>8} {'ours fb':>8} | {'dense f':>8} {'dense fb':>8} | "
+              f"{'flex f':>8} {'flex fb':>8} {'blk':>4} | {'x dense':>7} {'x flex':>7} | {'TF/s fb':>7} {'plan':>6}")
+    print(header)
+    print("-" * len(header))
+    for r in result["runs"]:
+        o, d, f, s = r["ours"], r["dense"], r["flex"], r["speedup"]
+        print(f"{r['seq_len']:>7} {r['index']['density_mean']:6.3f} | {fmt(o.get('fwd_ms'))} "
+              f"{fmt(o.get('fwdbwd_ms'))} | {fmt(d.get('fwd_ms'))} {fmt(d.get('fwdbwd_ms'))} | "
+              f"{fmt(f.get('fwd_ms'))} {fmt(f.get('fwdbwd_ms'))} {fmt(f.get('block_density'), '.2f', 4)} | "
+              f"{fmt(s.get('dense_over_ours_fwdbwd'), '.1f', 7)} {fmt(s.get('flex_over_ours_fwdbwd'), '.1f', 7)} | "
+              f"{fmt(o.get('fwdbwd_tflops'), '.0f', 7)} {fmt(o.get('plan_ms'), '.2f', 6)}")
+    print("(ms, median; blk = share of causal 128-blocks Flex computes; 'x dense' / 'x flex' = their\n"
+          " fwd+bwd time over ours; TF/s fb = ours on active pairs; ours f includes the plan conversion)")
+    check = result.get("check", {})
+    for name in ("ours", "flex"):
+        if isinstance(check.get(name), dict):
+            c = check[name]
+            print(f"check S={check['seq_len']} {name}: out {c['out']:.2e} dq {c['dq']:.2e} dk {c['dk']:.2e} "
+                  f"dv {c['dv']:.2e} -> {'pass' if c['pass'] else 'FAIL'}")
+    errors = [(r["seq_len"], name, r[name]["errors"]) for r in result["runs"] for name in ("ours", "dense", "flex")
+              if "errors" in r[name]]
+    for where in ("errors",):  # whole-run items (the check) that failed
+        errors += [("-", "run", result[where])] if where in result else []
+    errors += [("check", "", check["errors"])] if "errors" in check else []
+    for seq_len, name, errs in errors:
+        for key, msg in errs.items():
+            print(f"error S={seq_len} {name} {key}: {msg[:160]}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-lens", default="65536,131072", help="comma-separated sequence lengths")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--density", type=float, default=0.05, help="target density of the fixed index")
+    p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"), help="our kernels")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--input-sets", type=int, default=3, help="input sets rotated between repetitions")
+    p.add_argument("--check-len", type=int, default=4096, help="sequence length of the correctness check")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip", default="", help="comma-separated: dense, flex, breakdown, check")
+    p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU: tests the script itself")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernel_<device>.json)")
+    return p.parse_args(argv)
+
+
+def make_config(args) -> Config:
+    skip = tuple(s for s in args.skip.split(",") if s)
+    if args.smoke:
+        return Config(seq_lens=[256], block_size=64, heads=4, kv_heads=2, head_dim=64, dtype="fp32",
+                      density=args.density, seed=args.seed, backend="torch", warmup=1, reps=3,
+                      input_sets=2, check_len=256, skip=skip, smoke=True)
+    return Config(seq_lens=[int(s) for s in args.seq_lens.split(",")], block_size=args.block_size,
+                  density=args.density, seed=args.seed, backend=args.backend, warmup=args.warmup,
+                  reps=args.reps, input_sets=args.input_sets, check_len=args.check_len, skip=skip)
+
+
+def output_path(args, device: torch.device) -> str:
+    if args.out:
+        return args.out
+    if args.smoke:  # smoke runs never land among the committed results
+        return os.path.join(tempfile.gettempdir(), f"kernel_smoke_{device_slug(device)}.json")
+    return os.path.join(RESULTS_DIR, f"kernel_{device_slug(device)}.json")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = make_config(args)
+    device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
+    result: Dict = {"benchmark": "kernel", "smoke": cfg.smoke, "meta": run_metadata(device),
+                    "config": dataclasses.asdict(cfg), "runs": []}
+    result["config"]["index_kind"] = "fixed"
+    if "check" not in cfg.skip:
+        attempt(result, "check", lambda: spot_check(cfg, device))
+    dense_choice = pick_dense(cfg, device) if device.type == "cuda" and "dense" not in cfg.skip else None
+    for seq_len in cfg.seq_lens:
+        result["runs"].append(bench_seq_len(cfg, seq_len, device, dense_choice))
+
+    path = output_path(args, device)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(json_ready(result), fh, indent=1)
+        fh.write("\n")
+    print(f"wrote {path}")
+    print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
