@@ -8,8 +8,10 @@
 namespace mtraining {
 namespace {
 
-// "[2, 3, 4]". Formatted by hand: streaming IntArrayRef into TORCH_CHECK crashed (SIGSEGV)
-// with torch 2.11 + a CUDA build on the GPU machines.
+// Error messages pass only strings to TORCH_CHECK: in the CUDA build on the GPU machines,
+// streaming an integer into the message crashed (SIGSEGV in std::ostream::_M_insert<long>
+// resolved inside _C.so), so numbers are formatted with std::to_string.
+// "[2, 3, 4]"
 std::string shape_str(const at::Tensor& t) {
   std::string s = "[";
   for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
@@ -18,9 +20,9 @@ std::string shape_str(const at::Tensor& t) {
 
 void check_tensor(const at::Tensor& t, const char* name, int64_t dim, const at::Device& device) {
   TORCH_CHECK(t.scalar_type() == at::kInt, "convert_step: ", name, " must be int32, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, "convert_step: ", name, " must have ", dim, " dims, got shape ", shape_str(t));
-  TORCH_CHECK(t.device() == device, "convert_step: ", name, " is on ", t.device(),
-              " but slash is on ", device, "; all inputs must share one device");
+  TORCH_CHECK(t.dim() == dim, "convert_step: ", name, " must have ", std::to_string(dim), " dims, got shape ", shape_str(t));
+  TORCH_CHECK(t.device() == device, "convert_step: ", name, " is on ", t.device().str(),
+              " but slash is on ", device.str(), "; all inputs must share one device");
   TORCH_CHECK(t.is_contiguous(), "convert_step: ", name, " must be contiguous");
 }
 
@@ -39,8 +41,8 @@ std::vector<at::Tensor> convert_step(const at::Tensor& slash, const at::Tensor& 
   TORCH_CHECK(n_slash.sizes() == bh && vertical.sizes().slice(0, 2) == bh && n_vertical.sizes() == bh,
               "convert_step: shapes disagree on [batch, heads]: slash ", shape_str(slash), ", n_slash ",
               shape_str(n_slash), ", vertical ", shape_str(vertical), ", n_vertical ", shape_str(n_vertical));
-  TORCH_CHECK(num_blocks >= 1, "convert_step: num_blocks must be >= 1, got ", num_blocks);
-  TORCH_CHECK(block_size >= 1, "convert_step: block_size must be >= 1, got ", block_size);
+  TORCH_CHECK(num_blocks >= 1, "convert_step: num_blocks must be >= 1, got ", std::to_string(num_blocks));
+  TORCH_CHECK(block_size >= 1, "convert_step: block_size must be >= 1, got ", std::to_string(block_size));
 
   if (device.is_cpu()) {
     return convert_step_cpu(slash, n_slash, vertical, n_vertical, q_block_ids, k_block_ids, num_blocks,
@@ -56,7 +58,7 @@ std::vector<at::Tensor> convert_step(const at::Tensor& slash, const at::Tensor& 
                        "the PyTorch path (impl='torch')");
 #endif
   }
-  TORCH_CHECK(false, "convert_step: unsupported device ", device, " (only CPU and CUDA)");
+  TORCH_CHECK(false, "convert_step: unsupported device ", device.str(), " (only CPU and CUDA)");
 }
 
 bool has_cuda() {

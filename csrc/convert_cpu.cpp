@@ -3,6 +3,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <string>
+
 namespace mtraining {
 namespace {
 
@@ -12,9 +14,9 @@ std::vector<int32_t> inverse_map(const at::Tensor& ids, int64_t num_blocks, cons
   std::vector<int32_t> inv(num_blocks, -1);
   const int32_t* p = ids.data_ptr<int32_t>();
   for (int64_t i = 0; i < ids.numel(); ++i) {
-    TORCH_CHECK(p[i] >= 0 && p[i] < num_blocks, "convert_step: ", name, "[", i, "] = ", p[i],
-                " is out of range [0, ", num_blocks, ")");
-    TORCH_CHECK(inv[p[i]] < 0, "convert_step: ", name, " holds block ", p[i], " twice");
+    TORCH_CHECK(p[i] >= 0 && p[i] < num_blocks, "convert_step: ", name, "[", std::to_string(i), "] = ",
+                std::to_string(p[i]), " is out of range [0, ", std::to_string(num_blocks), ")");
+    TORCH_CHECK(inv[p[i]] < 0, "convert_step: ", name, " holds block ", std::to_string(p[i]), " twice");
     inv[p[i]] = static_cast<int32_t>(i);
   }
   return inv;

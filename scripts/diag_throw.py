@@ -1,22 +1,12 @@
-# Diagnosis: does an exception thrown by a torch C++ extension crash on this machine?
-import torch, subprocess, sys
-from torch.utils.cpp_extension import load_inline
-print(subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout.splitlines()[0])
-print("torch", torch.__version__, "cxx11abi", torch._C._GLIBCXX_USE_CXX11_ABI)
-cpp = r'''
-#include <torch/extension.h>
-void boom(const at::Tensor& t) { TORCH_CHECK(t.scalar_type() == at::kInt, "must be int32, got ", t.scalar_type()); }
-void boom_std() { throw std::runtime_error("plain std error"); }
-'''
-mod = load_inline("diag_throw", cpp, functions=["boom", "boom_std"], verbose=False)
-for f, a in ((mod.boom_std, ()), (mod.boom, (torch.zeros(1),))):
-    try:
-        f(*a)
-    except Exception as e:
-        print("caught", type(e).__name__, str(e).splitlines()[0])
-sys.stdout.flush()
+# Diagnosis of a SIGSEGV seen when the CUDA build of megatron_mtraining._C raises a second error.
+import torch
 import megatron_mtraining._C as C
-try:
-    C.convert_step(torch.zeros(1, 1, 1), *(torch.zeros(1, 1, dtype=torch.int32),) * 0, torch.zeros(1,1,dtype=torch.int32), torch.zeros(1,1,1,dtype=torch.int32), torch.zeros(1,1,dtype=torch.int32), torch.zeros(1,dtype=torch.int32), torch.zeros(1,dtype=torch.int32), 1, 64)
-except Exception as e:
-    print("ext caught", type(e).__name__, str(e).splitlines()[0])
+i32 = dict(dtype=torch.int32)
+slash, n_slash = torch.zeros(1, 2, 3, **i32), torch.ones(1, 2, **i32)
+vertical, n_vertical = torch.zeros(1, 2, 4, **i32), torch.zeros(1, 2, **i32)
+ids = torch.arange(4, **i32)
+for label, args in (("dtype", (slash.long(), n_slash)), ("dims", (slash, n_slash[0])), ("dims again", (slash, n_slash[0]))):
+    try:
+        C.convert_step(*args, vertical, n_vertical, ids, ids, 4, 64)
+    except RuntimeError as e:
+        print(label, "-> caught:", str(e).splitlines()[0], flush=True)

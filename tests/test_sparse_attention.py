@@ -176,3 +176,15 @@ def test_invalid_index_values_rejected_on_cpu():
     index.slash[0, 0, 0] = 1  # diagonal missing
     with pytest.raises(ValueError, match="diagonal"):
         sparse_attention(q, k, v, index, backend="torch")
+
+
+@pytest.mark.parametrize("tile", [16, 32])
+def test_triton_tiles_smaller_than_the_block(monkeypatch, tile):
+    """Index blocks larger than the kernel tiles (as fp32 with block 128 runs on the GPU)."""
+    from megatron_mtraining.kernels import triton_fwd
+    monkeypatch.setattr(triton_fwd, "tile_config", lambda block, dtype: dict(
+        BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=16, num_warps=4, num_stages=1))
+    q, k, v = inputs(1, 4, 2, 192, 32, seed=tile)
+    index = VSIndex.random(1, 4, 192, 64, max_slash=3, max_vertical=40,
+                           generator=torch.Generator().manual_seed(tile))
+    check_against_oracle(q, k, v, index, "triton", 1e-5)

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fwd import LOG2E, kernel_flags, launch_config
+from . import triton_fwd
+from .triton_fwd import LOG2E, kernel_flags
 
 
 @triton.jit
@@ -59,43 +60,45 @@ def _dq_kernel(
     stride_gb, stride_gh, stride_gn,
     qk_scale, sm_scale,
     HQ, GROUP, NQB, MAX_S, MAX_V, NB,
-    BLOCK: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HQ
     h = pid_bh % HQ
     kvh = h // GROUP
-    offs_m = tl.arange(0, BLOCK)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_blk = tl.load(QBlk + pid_m)
-    q_pos = q_blk * BLOCK + offs_m
-    rows = pid_m * BLOCK + offs_m
+    q_local_blk = pid_m // (BLOCK // BLOCK_M)
+    q_blk = tl.load(QBlk + q_local_blk)
+    q_pos = q_blk * BLOCK + (pid_m % (BLOCK // BLOCK_M)) * BLOCK_M + offs_m
+    rows = pid_m * BLOCK_M + offs_m
     q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, rows, offs_d,
                                        stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_on,
                                        stride_lb, stride_lh, UPCAST)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
-    dq = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    plan_row = pid_bh * NQB + pid_m
+    plan_row = pid_bh * NQB + q_local_blk
     n_blocks = tl.load(KVCnt + plan_row)
     for t in range(0, n_blocks):
         j = tl.load(KVIdx + plan_row * MAX_S + t)
         k_blk = tl.load(KBlk + j)
-        k_rows = j * BLOCK + tl.arange(0, BLOCK)
-        k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
-        v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        k_pos = k_blk * BLOCK + tl.arange(0, BLOCK)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        p = tl.where(k_pos[None, :] <= q_pos[:, None], tl.math.exp2(s - lse2[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - di[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+        for sub in tl.static_range(0, BLOCK, BLOCK_N):
+            k_rows = j * BLOCK + sub + tl.arange(0, BLOCK_N)
+            k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
+            v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            k_pos = k_blk * BLOCK + sub + tl.arange(0, BLOCK_N)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            p = tl.where(k_pos[None, :] <= q_pos[:, None], tl.math.exp2(s - lse2[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+            ds = p * (dp - di[:, None])
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
     n_cols = tl.load(ColCnt + pid_bh)
     for c0 in range(0, n_cols, BLOCK_COL):
@@ -135,40 +138,43 @@ def _dkdv_kernel(
     stride_gb, stride_gh, stride_gn,
     qk_scale, sm_scale,
     HQ, HKV, GROUP, NKB, MAX_S,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bkv = tl.program_id(1)
     b = pid_bkv // HKV
     kvh = pid_bkv % HKV
-    offs = tl.arange(0, BLOCK)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    k_blk = tl.load(KBlk + pid_n)
-    k_pos = k_blk * BLOCK + offs
-    k_rows = pid_n * BLOCK + offs
+    k_local_blk = pid_n // (BLOCK // BLOCK_N)
+    k_blk = tl.load(KBlk + k_local_blk)
+    k_pos = k_blk * BLOCK + (pid_n % (BLOCK // BLOCK_N)) * BLOCK_N + offs_n
+    k_rows = pid_n * BLOCK_N + offs_n
     k = tl.load(K + b * stride_kb + kvh * stride_kh + k_rows[:, None] * stride_kn + offs_d[None, :])
     v = tl.load(V + b * stride_vb + kvh * stride_vh + k_rows[:, None] * stride_vn + offs_d[None, :])
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    dk = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for g in range(0, GROUP):
         h = kvh * GROUP + g
-        plan_row = (b * HQ + h) * NKB + pid_n
+        plan_row = (b * HQ + h) * NKB + k_local_blk
         n_blocks = tl.load(QCnt + plan_row)
         for t in range(0, n_blocks):
             i = tl.load(QIdx + plan_row * MAX_S + t)
             q_blk = tl.load(QBlk + i)
-            q_pos = q_blk * BLOCK + offs
-            q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + offs, offs_d,
-                                               stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
-                                               stride_on, stride_lb, stride_lh, UPCAST)
-            keep_t = k_pos[:, None] <= q_pos[None, :]
-            dv_t, dk_t = _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION)
-            dv += dv_t
-            dk += dk_t
+            for sub in tl.static_range(0, BLOCK, BLOCK_M):
+                q_pos = q_blk * BLOCK + sub + offs_m
+                q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + sub + offs_m, offs_d,
+                                                   stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
+                                                   stride_on, stride_lb, stride_lh, UPCAST)
+                keep_t = k_pos[:, None] <= q_pos[None, :]
+                dv_t, dk_t = _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION)
+                dv += dv_t
+                dk += dk_t
     dk_ptrs = DK + b * stride_gb + kvh * stride_gh + k_rows[:, None] * stride_gn + offs_d[None, :]
     dv_ptrs = DV + b * stride_gb + kvh * stride_gh + k_rows[:, None] * stride_gn + offs_d[None, :]
     tl.store(dk_ptrs, tl.load(dk_ptrs) + dk * sm_scale)
@@ -186,7 +192,7 @@ def _dkdv_col_kernel(
     stride_lb, stride_lh,
     qk_scale, sm_scale,
     HQ, GROUP, NQB, MAX_V, MAX_V_PAD, NB, Q_PER_SPLIT, BH,
-    BLOCK: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
@@ -195,7 +201,7 @@ def _dkdv_col_kernel(
     b = pid_bh // HQ
     h = pid_bh % HQ
     kvh = h // GROUP
-    offs = tl.arange(0, BLOCK)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_c = pid_c * BLOCK_COL + tl.arange(0, BLOCK_COL)
     n_cols = tl.load(ColCnt + pid_bh)
@@ -217,17 +223,18 @@ def _dkdv_col_kernel(
     i_end = tl.where(pid_c * BLOCK_COL < n_cols, i_end, i_start)  # empty tiles write zero partials
     for i in range(i_start, i_end):
         q_blk = tl.load(QBlk + i)
-        q_pos = q_blk * BLOCK + offs
         delta = q_blk - c_blk
         covered = tl.load(Bitmap + pid_bh * NB + delta, mask=c_ok & (delta >= 0), other=0)
         keep = c_ok & (covered == 0)
-        q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + offs, offs_d,
-                                           stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
-                                           stride_on, stride_lb, stride_lh, UPCAST)
-        keep_t = keep[:, None] & (c_pos[:, None] <= q_pos[None, :])
-        dv_t, dk_t = _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION)
-        dv += dv_t
-        dk += dk_t
+        for sub in tl.static_range(0, BLOCK, BLOCK_M):
+            q_pos = q_blk * BLOCK + sub + offs_m
+            q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + sub + offs_m, offs_d,
+                                               stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
+                                               stride_on, stride_lb, stride_lh, UPCAST)
+            keep_t = keep[:, None] & (c_pos[:, None] <= q_pos[None, :])
+            dv_t, dk_t = _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION)
+            dv += dv_t
+            dk += dk_t
     part = (pid_s * BH + pid_bh) * MAX_V_PAD + offs_c
     tl.store(DKP + part[:, None] * HEAD_DIM + offs_d[None, :], dk * sm_scale)
     tl.store(DVP + part[:, None] * HEAD_DIM + offs_d[None, :], dv)
@@ -250,7 +257,9 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     B = plan.block_size
     nqb, nkb = nq // B, nk // B
     max_s, max_v = plan.kv_blocks.shape[-1], plan.cols.shape[-1]
-    flags = dict(**kernel_flags(q.dtype), **launch_config(B, q.dtype))
+    cfg = triton_fwd.tile_config(B, q.dtype)
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **kernel_flags(q.dtype))
+    block_m, block_n, block_col = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_COL"]
     qk_scale = softmax_scale * LOG2E
     if delta.stride() != lse.stride():
         delta = delta.contiguous()
@@ -259,21 +268,20 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
                lse.stride(0), lse.stride(1))
     cols = plan.cols if max_v > 0 else plan.col_count  # never read when empty; Triton wants storage
-    block_col = min(B, 64)
 
-    _dq_kernel[(nqb, b * hq)](
+    _dq_kernel[(nq // block_m, b * hq)](
         q, k, v, do, lse, delta, dq,
         plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_count, cols,
         plan.slash_bitmap, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
         qk_scale, softmax_scale, hq, group, nqb, max_s, max_v, plan.num_blocks,
-        BLOCK=B, BLOCK_COL=block_col, HEAD_DIM=d, **flags)
+        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_COL=block_col, HEAD_DIM=d, **launch)
 
-    _dkdv_kernel[(nkb, b * hkv)](
+    _dkdv_kernel[(nk // block_n, b * hkv)](
         q, k, v, do, lse, delta, dk, dv,
         plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks,
         *strides, dk.stride(0), dk.stride(1), dk.stride(2),
         qk_scale, softmax_scale, hq, hkv, group, nkb, max_s,
-        BLOCK=B, HEAD_DIM=d, **flags)
+        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, **launch)
 
     if max_v == 0:
         return
@@ -289,7 +297,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
         plan.q_block_ids, plan.k_block_ids, plan.col_count, plan.cols, plan.slash_bitmap,
         *strides, qk_scale, softmax_scale,
         hq, group, nqb, max_v, max_v_pad, plan.num_blocks, per_split, b * hq,
-        BLOCK=B, BLOCK_COL=block_col, HEAD_DIM=d, **flags)
+        BLOCK=B, BLOCK_M=block_m, BLOCK_COL=block_col, HEAD_DIM=d, **launch)
     # Fixed-order reduction over splits, then one scatter per GQA position: within one
     # index_add_ every real target row is distinct (padding slots add exact zeros), so the
     # result does not depend on the order of the adds.

@@ -1,8 +1,8 @@
 """Triton forward of vertical-slash attention for one (query chunk, key chunk) pair.
 
-One program per (local query block, batch x query head). It walks the key blocks that the
-plan lists for its query block (slash part, diagonal last), then the plan's columns in tiles of
-BLOCK_COL, skipping columns whose block is already covered by a selected slash offset, with an
+One program per (query tile of BLOCK_M rows, batch x query head); tiles divide the index block
+B. It walks the key blocks that the plan lists for its query block (slash part, diagonal last,
+each in tiles of BLOCK_N keys), then the plan's columns in tiles of BLOCK_COL, skipping columns whose block is already covered by a selected slash offset, with an
 online softmax in fp32 (base 2). The result is written as (out, fp32 lse), or merged through
 log-sum-exp into existing accumulators (ring attention calls it once per step).
 
@@ -37,10 +37,13 @@ def kernel_flags(dtype: torch.dtype) -> dict:
     )
 
 
-def launch_config(block: int, dtype: torch.dtype) -> dict:
-    """Warps and pipeline stages; fp32 tiles and 128-row tiles need one stage to fit shared memory."""
-    one_stage = block >= 128 or dtype == torch.float32
-    return dict(num_warps=8 if block >= 128 else 4, num_stages=1 if one_stage else 2)
+def tile_config(block: int, dtype: torch.dtype) -> dict:
+    """Tile shapes and launch settings. Tiles divide the index block: a 128-block runs as 64-row
+    tiles where 128-row fp32 tiles would not fit in shared memory."""
+    tile = min(block, 64) if dtype == torch.float32 else min(block, 128)
+    return dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=min(tile, 64),
+                num_warps=8 if tile >= 128 else 4,
+                num_stages=1 if (tile >= 128 or dtype == torch.float32) else 2)
 
 
 @triton.jit
@@ -66,8 +69,8 @@ def _vs_attn_fwd_kernel(
     stride_lb, stride_lh,
     qk_scale,
     HQ, GROUP, NQB, MAX_S, MAX_V, NB,
-    BLOCK: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -75,37 +78,39 @@ def _vs_attn_fwd_kernel(
     h = pid_bh % HQ
     kvh = h // GROUP
 
-    offs_m = tl.arange(0, BLOCK)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_blk = tl.load(QBlk + pid_m)
-    q_pos = q_blk * BLOCK + offs_m
-    rows = pid_m * BLOCK + offs_m
+    q_local_blk = pid_m // (BLOCK // BLOCK_M)
+    q_blk = tl.load(QBlk + q_local_blk)
+    q_pos = q_blk * BLOCK + (pid_m % (BLOCK // BLOCK_M)) * BLOCK_M + offs_m
+    rows = pid_m * BLOCK_M + offs_m
     q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :])
     if UPCAST:
         q = q.to(tl.float32)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
 
-    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK], tl.float32)
-    acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     # Slash part: whole key blocks. Only the diagonal block can hold keys after a query.
-    plan_row = pid_bh * NQB + pid_m
+    plan_row = pid_bh * NQB + q_local_blk
     n_blocks = tl.load(KVCnt + plan_row)
     for t in range(0, n_blocks):
         j = tl.load(KVIdx + plan_row * MAX_S + t)
         k_blk = tl.load(KBlk + j)
-        k_rows = j * BLOCK + tl.arange(0, BLOCK)
-        k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
-        v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        k_pos = k_blk * BLOCK + tl.arange(0, BLOCK)
-        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+        for sub in tl.static_range(0, BLOCK, BLOCK_N):
+            k_rows = j * BLOCK + sub + tl.arange(0, BLOCK_N)
+            k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
+            v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            k_pos = k_blk * BLOCK + sub + tl.arange(0, BLOCK_N)
+            s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     # Vertical part: gathered columns not covered by a selected slash block of this query block.
     n_cols = tl.load(ColCnt + pid_bh)
@@ -162,7 +167,8 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
     nqb = nq // B
     max_v = plan.cols.shape[-1]
     cols = plan.cols if max_v > 0 else plan.col_count  # never read when empty; Triton wants storage
-    grid = (nqb, b * hq)
+    cfg = tile_config(B, q.dtype)
+    grid = (nq // cfg["BLOCK_M"], b * hq)
     _vs_attn_fwd_kernel[grid](
         q, k, v, out, lse,
         plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_count, cols,
@@ -174,6 +180,5 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
         lse.stride(0), lse.stride(1),
         softmax_scale * LOG2E,
         hq, hq // k.shape[1], nqb, plan.kv_blocks.shape[-1], max_v, plan.num_blocks,
-        BLOCK=B, BLOCK_COL=min(B, 64), HEAD_DIM=d, ACCUMULATE=accumulate,
-        **kernel_flags(q.dtype), **launch_config(B, q.dtype),
+        BLOCK=B, HEAD_DIM=d, ACCUMULATE=accumulate, **kernel_flags(q.dtype), **cfg,
     )
