@@ -1,0 +1,118 @@
+"""Ring communication: neighbour exchange on one process group, and the inner/outer ring groups.
+
+A ``Ring`` sends to the next member and receives from the previous one with one batched P2P
+call (NCCL needs the send and the receive in one group call, or a ring of blocking sends
+deadlocks). The hierarchical ring uses two of them: ``inner`` (ranks of one node, contiguous in
+the CP group) and ``outer`` (the ranks with the same inner index on every node), each on its
+own process group, so NCCL runs them on separate communicators and streams and the outer
+transfer overlaps the whole inner loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+class Pending:
+    """Tensors being received; ``wait()`` returns them once they have arrived."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], works=(), keep_alive=()):
+        self._tensors = tuple(tensors)
+        self._works = list(works)
+        self._keep_alive = keep_alive  # the sent tensors must outlive the transfer
+
+    def wait(self) -> Tuple[torch.Tensor, ...]:
+        for work in self._works:
+            work.wait()
+        self._works, self._keep_alive = [], ()
+        return self._tensors
+
+
+class Ring:
+    """One ring over ``ranks`` (global ranks, ring order) of ``group``; ``index`` is our position."""
+
+    def __init__(self, group, ranks: Sequence[int], index: int):
+        self.group = group
+        self.size = len(ranks)
+        self.index = index
+        self.next_rank = ranks[(index + 1) % self.size]
+        self.prev_rank = ranks[(index - 1) % self.size]
+
+    def exchange(self, tensors: Sequence[torch.Tensor]) -> Pending:
+        """Send ``tensors`` to the next member, receive the previous member's (same shapes)."""
+        if self.size == 1:
+            return Pending(tensors)
+        received = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next_rank, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self.group) for r in received]
+        return Pending(received, dist.batch_isend_irecv(ops), keep_alive=tuple(tensors))
+
+
+@dataclasses.dataclass
+class RingTopology:
+    """W = outer_size * inner_size ranks; group rank r = node * inner_size + inner index."""
+
+    world_size: int
+    rank: int
+    inner: Ring
+    outer: Ring
+
+    @property
+    def inner_size(self) -> int:
+        return self.inner.size
+
+    @property
+    def outer_size(self) -> int:
+        return self.outer.size
+
+    def source(self, outer_step: int, inner_step: int) -> int:
+        """Group rank whose K/V this rank holds at (outer step, inner step)."""
+        node, i = divmod(self.rank, self.inner_size)
+        return ((node - outer_step) % self.outer_size) * self.inner_size + (i - inner_step) % self.inner_size
+
+
+_SINGLE = None
+_TOPOLOGIES: Dict[Tuple[Tuple[int, ...], int], RingTopology] = {}
+
+
+def group_ranks(group) -> List[int]:
+    """Global ranks of ``group`` in group-rank order."""
+    return [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
+
+
+def ring_topology(group=None, inner_size: Optional[int] = None) -> RingTopology:
+    """The (cached) flat or hierarchical ring of ``group``. Subgroups are created once, by their
+    members only (``use_local_synchronization``), so calling this from all ranks cannot deadlock."""
+    global _SINGLE
+    if not (dist.is_available() and dist.is_initialized()):
+        if inner_size not in (None, 1):
+            raise ValueError(f"inner_size={inner_size} needs torch.distributed: no process group is initialised")
+        if _SINGLE is None:
+            _SINGLE = RingTopology(1, 0, Ring(None, [0], 0), Ring(None, [0], 0))
+        return _SINGLE
+    group = group if group is not None else dist.group.WORLD
+    ranks = group_ranks(group)
+    world, rank = len(ranks), dist.get_rank(group)
+    inner = world if inner_size is None else int(inner_size)
+    if inner < 1 or world % inner:
+        raise ValueError(f"inner_size {inner_size} must divide the context-parallel size {world}")
+    key = (tuple(ranks), inner)
+    if key not in _TOPOLOGIES:
+        node, i = divmod(rank, inner)
+        if inner in (1, world):  # one level: the group itself is the ring
+            flat = Ring(group, ranks, rank)
+            single = Ring(None, [ranks[rank]], 0)
+            _TOPOLOGIES[key] = RingTopology(world, rank, flat, single) if inner == world \
+                else RingTopology(world, rank, single, flat)
+        else:
+            inner_ranks = ranks[node * inner:(node + 1) * inner]
+            outer_ranks = ranks[i::inner]
+            inner_group = dist.new_group(inner_ranks, use_local_synchronization=True)
+            outer_group = dist.new_group(outer_ranks, use_local_synchronization=True)
+            _TOPOLOGIES[key] = RingTopology(world, rank, Ring(inner_group, inner_ranks, i),
+                                            Ring(outer_group, outer_ranks, node))
+    return _TOPOLOGIES[key]
