@@ -5,11 +5,11 @@ from .config import MTrainingConfig
 from .index import VSIndex
 from .kernels.reference import reference_attention
 from .layout import gather_sequence, local_positions, shard_sequence
-from .ring import sparse_ring_attention
+from .ring import dense_ring_attention, sparse_ring_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "MTrainingConfig", "VSIndex", "gather_sequence", "local_positions", "reference_attention", "shard_sequence",
+    "MTrainingConfig", "VSIndex", "dense_ring_attention", "gather_sequence", "local_positions", "reference_attention", "shard_sequence",
     "sparse_attention", "sparse_ring_attention", "__version__",
 ]

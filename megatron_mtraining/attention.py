@@ -14,8 +14,8 @@ from .kernels.step import resolve_backend, step_backward, step_forward
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_attention_inputs(q, k, v, index: VSIndex, backend: str) -> None:
-    """Shape, dtype and device checks with clear errors; no host synchronisation."""
+def check_qkv(q, k, v, backend: str) -> None:
+    """Shape, dtype and device checks of q, k, v with clear errors; no host synchronisation."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [batch, heads, tokens, head_dim], "
@@ -32,9 +32,16 @@ def check_attention_inputs(q, k, v, index: VSIndex, backend: str) -> None:
     allowed = SUPPORTED_DTYPES + ((torch.float64,) if backend == "torch" else ())
     if q.dtype not in allowed:
         raise ValueError(f"dtype {q.dtype} is not supported by backend {backend!r}; use one of {allowed}")
-    if not (q.device == k.device == v.device == index.device):
-        raise ValueError(f"q, k, v and the index must be on one device, got {q.device}, {k.device}, "
-                         f"{v.device}, {index.device}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+
+
+def check_attention_inputs(q, k, v, index: VSIndex, backend: str) -> None:
+    """``check_qkv`` plus the index: device, batch and heads, block divisibility, head_dim."""
+    check_qkv(q, k, v, backend)
+    b, hq, n, d = q.shape
+    if index.device != q.device:
+        raise ValueError(f"the index is on {index.device} but q, k, v are on {q.device}")
     index.check_matches(b, hq)
     if n % index.block_size:
         raise ValueError(f"sequence length {n} is not a multiple of block_size {index.block_size}")

@@ -2,5 +2,10 @@
 
 from .attention import sparse_ring_attention
 from .comm import Ring, RingTopology, ring_topology
+from .dense import dense_ring_attention
+from .instrument import imbalance_metrics, record_ring_steps
 
-__all__ = ["sparse_ring_attention", "Ring", "RingTopology", "ring_topology"]
+__all__ = [
+    "sparse_ring_attention", "dense_ring_attention", "Ring", "RingTopology", "ring_topology",
+    "imbalance_metrics", "record_ring_steps",
+]

@@ -49,21 +49,32 @@ def _check_same_on_all_ranks(topo: RingTopology, group, q, k, index: VSIndex, la
     _CHECKED_SIGNATURES.add(signature)
 
 
-class _SparseRingAttention(torch.autograd.Function):
+class SparseSteps:
+    """Ring steps of vertical-slash attention: one converted index (plan) per source rank."""
+
+    def __init__(self, plans, softmax_scale: float, backend: str):
+        self.plans, self.softmax_scale, self.backend = plans, softmax_scale, backend
+
+    def forward(self, q, k, v, source, out, lse):
+        step_forward(self.backend, q, k, v, self.plans[source], out, lse, self.softmax_scale, accumulate=True)
+
+    def backward(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv):
+        step_backward(self.backend, q, k, v, d_out, lse, delta, self.plans[source], dq, dk, dv, self.softmax_scale)
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """Autograd around the ring schedules for any ``steps`` object (sparse or dense)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, topo, plans, softmax_scale, backend):
+    def forward(ctx, q, k, v, topo, steps):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         b, hq, n, d = q.shape
         out = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
-
-        def attend(kv, source):
-            step_forward(backend, q, kv[0], kv[1], plans[source], out, lse, softmax_scale, accumulate=True)
-
-        ring_forward(topo, (k, v), attend)
+        ring_forward(topo, (k, v), lambda kv, source: steps.forward(q, kv[0], kv[1], source, out, lse))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.topo, ctx.plans, ctx.softmax_scale, ctx.backend = topo, plans, softmax_scale, backend
+        ctx.topo, ctx.steps = topo, steps
         return out
 
     @staticmethod
@@ -76,12 +87,11 @@ class _SparseRingAttention(torch.autograd.Function):
         def gradients(kv, source):
             dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
             dv = torch.zeros_like(dk)
-            step_backward(ctx.backend, q, kv[0], kv[1], d_out, lse, delta, ctx.plans[source], dq, dk, dv,
-                          ctx.softmax_scale)
+            ctx.steps.backward(q, kv[0], kv[1], d_out, out, lse, delta, source, dq, dk, dv)
             return dk, dv
 
         dk, dv = ring_backward(ctx.topo, (k, v), gradients)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex, group=None,
@@ -111,4 +121,4 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     bitmap = index.slash_bitmap(nb)
     plans = [build_step_plan(index, blocks[topo.rank], blocks[src], nb, slash_bitmap=bitmap)
              for src in range(topo.world_size)]
-    return _SparseRingAttention.apply(q, k, v, topo, plans, float(softmax_scale), backend)
+    return RingAttentionFunction.apply(q, k, v, topo, SparseSteps(plans, float(softmax_scale), backend))

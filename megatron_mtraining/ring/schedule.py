@@ -11,6 +11,7 @@ from typing import Callable, Sequence, Tuple
 
 import torch
 
+from . import instrument
 from .comm import RingTopology
 
 Tensors = Tuple[torch.Tensor, ...]
@@ -24,12 +25,15 @@ def ring_forward(topo: RingTopology, kv: Sequence[torch.Tensor], compute: Callab
         outer_next = topo.outer.exchange(outer_kv) if so + 1 < topo.outer_size else None
         inner_kv = outer_kv
         for si in range(topo.inner_size):
+            step = so * topo.inner_size + si
             inner_next = topo.inner.exchange(inner_kv) if si + 1 < topo.inner_size else None
-            compute(inner_kv, topo.source(so, si))
-            if inner_next is not None:
-                inner_kv = inner_next.wait()
-        if outer_next is not None:
-            outer_kv = outer_next.wait()
+            with instrument.measure("forward", "compute", step):
+                compute(inner_kv, topo.source(so, si))
+            with instrument.measure("forward", "wait", step):
+                if inner_next is not None:
+                    inner_kv = inner_next.wait()
+                if outer_next is not None and si + 1 == topo.inner_size:
+                    outer_kv = outer_next.wait()
 
 
 def _add(a: Tensors, b: Tensors) -> Tensors:
@@ -53,17 +57,21 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
         inner_kv = outer_kv
         inner_grads = None
         for si in range(topo.inner_size):
+            step = so * topo.inner_size + si
             inner_next = topo.inner.exchange(inner_kv) if si + 1 < topo.inner_size else None
-            grads = compute(inner_kv, topo.source(so, si))
-            if inner_grads is not None:  # what earlier holders of this K/V contributed
-                grads = _add(inner_grads.wait(), grads)
-            inner_grads = topo.inner.exchange(grads)
-            if inner_next is not None:
-                inner_kv = inner_next.wait()
-        node_grads = inner_grads.wait()
-        if outer_grads is not None:
-            node_grads = _add(outer_grads.wait(), node_grads)
-        outer_grads = topo.outer.exchange(node_grads)
-        if outer_next is not None:
-            outer_kv = outer_next.wait()
+            with instrument.measure("backward", "compute", step):
+                grads = compute(inner_kv, topo.source(so, si))
+            with instrument.measure("backward", "wait", step):
+                if inner_grads is not None:  # what earlier holders of this K/V contributed
+                    grads = _add(inner_grads.wait(), grads)
+                inner_grads = topo.inner.exchange(grads)
+                if inner_next is not None:
+                    inner_kv = inner_next.wait()
+                if si + 1 == topo.inner_size:
+                    node_grads = inner_grads.wait()
+                    if outer_grads is not None:
+                        node_grads = _add(outer_grads.wait(), node_grads)
+                    outer_grads = topo.outer.exchange(node_grads)
+                    if outer_next is not None:
+                        outer_kv = outer_next.wait()
     return outer_grads.wait()

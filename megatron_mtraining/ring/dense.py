@@ -1,0 +1,82 @@
+"""Dense context-parallel baselines through the same ring engine.
+
+* zigzag (what Transformer Engine does): each step is one or two dense attention calls on
+  halves of the local chunks, with the fastest dense kernel that returns the lse (cuDNN, then
+  flash, on GPUs; PyTorch on the CPU), merged in fp32 like the sparse steps.
+* striped: stripes of one block make every step block-causal rather than token-causal, which no
+  dense kernel expresses; it runs the sparse kernels with an all-blocks index (``VSIndex.dense``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..attention import check_qkv
+from ..index import VSIndex
+from ..kernels.dense import dense_attention_backward, dense_attention_forward
+from ..kernels.torch_step import merge_partials
+from .attention import RingAttentionFunction, sparse_ring_attention
+from .comm import ring_topology
+
+
+class DenseZigzagSteps:
+    """Rank ``r`` holds zigzag chunks (r, 2W-1-r), in that order, as the two halves of its tokens.
+
+    Against the K/V of source ``s``: s == r is causal over the whole local sequence (the local
+    order is increasing in position); s < r: every query sees the first key half, nothing of
+    the second; s > r: only the second query half sees anything, and it sees all keys.
+    """
+
+    def __init__(self, rank: int, softmax_scale: float, impl: str):
+        self.rank, self.softmax_scale, self.impl = rank, softmax_scale, impl
+
+    def _parts(self, n: int, source: int):
+        half = n // 2
+        if source == self.rank:
+            return slice(0, n), slice(0, n), True
+        if source < self.rank:
+            return slice(0, n), slice(0, half), False
+        return slice(half, n), slice(0, n), False
+
+    def forward(self, q, k, v, source, out, lse):
+        rows, cols, causal = self._parts(q.shape[2], source)
+        part_out, part_lse = dense_attention_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal,
+                                                     self.softmax_scale, self.impl)
+        merged_out, merged_lse = merge_partials(out[:, :, rows], lse[:, :, rows], part_out.float(), part_lse)
+        out[:, :, rows] = merged_out
+        lse[:, :, rows] = merged_lse
+
+    def backward(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv):
+        rows, cols, causal = self._parts(q.shape[2], source)
+        g_q, g_k, g_v = dense_attention_backward(d_out[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                                                 out[:, :, rows], lse[:, :, rows].contiguous(), causal,
+                                                 self.softmax_scale, self.impl)
+        dq[:, :, rows] += g_q
+        dk[:, :, cols] += g_k
+        dv[:, :, cols] += g_v
+
+
+def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, layout: str = "zigzag",
+                         inner_size: Optional[int] = None, softmax_scale: Optional[float] = None,
+                         impl: str = "auto", block_size: int = 64) -> torch.Tensor:
+    """Dense causal attention across the context-parallel ``group`` (same conventions as
+    ``sparse_ring_attention``). ``impl`` picks the dense kernel of the zigzag layout ("auto",
+    "cudnn", "flash", "torch"); ``block_size`` is the stripe of the striped layout."""
+    topo = ring_topology(group, inner_size)
+    b, hq, n_local, d = q.shape
+    seq_len = n_local * topo.world_size
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d)
+    if layout == "striped":
+        index = VSIndex.dense(b, hq, seq_len, block_size, device=q.device)
+        return sparse_ring_attention(q, k, v, index, group, "striped", inner_size, softmax_scale)
+    if layout != "zigzag":
+        raise ValueError(f"layout must be 'striped' or 'zigzag', got {layout!r}")
+    if seq_len % (2 * topo.world_size):
+        raise ValueError(f"zigzag layout: sequence length {seq_len} is not divisible by 2 * context-parallel "
+                         f"size = {2 * topo.world_size}")
+    check_qkv(q, k, v, "torch" if q.device.type == "cpu" else "cuda")
+    return RingAttentionFunction.apply(q, k, v, topo, DenseZigzagSteps(topo.rank, float(softmax_scale), impl))

@@ -1,0 +1,90 @@
+"""Optional per-step timing of the ring: compute and wait time of every step on this rank.
+
+Off by default: the schedule looks up ``current()`` once per step and does nothing else when it
+is None. Turn it on around the calls to measure:
+
+    with record_ring_steps() as timer:
+        out = sparse_ring_attention(...); out.backward(g)
+    steps = timer.summary()   # synchronises; {"forward": {"compute_ms": [...], "wait_ms": [...]}, ...}
+
+On CUDA the intervals are CUDA events on the current stream (no host synchronisation until
+``summary``); on the CPU they are host clock readings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+_active: Optional["StepTimer"] = None
+
+
+class StepTimer:
+    def __init__(self):
+        self._intervals: List[tuple] = []  # (phase, kind, step, start, end)
+
+    @contextlib.contextmanager
+    def measure(self, phase: str, kind: str, step: int):
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self._intervals.append((phase, kind, step, start, end))
+
+    def summary(self) -> Dict[str, Dict[str, List[float]]]:
+        """Milliseconds per step, per phase ("forward"/"backward") and kind ("compute"/"wait");
+        repeated calls of one phase are summed step by step."""
+        if any(isinstance(x[3], torch.cuda.Event) for x in self._intervals):
+            torch.cuda.synchronize()
+        out: Dict[str, Dict[str, List[float]]] = {}
+        for phase, kind, step, start, end in self._intervals:
+            ms = start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else (end - start) * 1e3
+            series = out.setdefault(phase, {}).setdefault(f"{kind}_ms", [])
+            series.extend([0.0] * (step + 1 - len(series)))
+            series[step] += ms
+        return out
+
+
+def current() -> Optional[StepTimer]:
+    return _active
+
+
+@contextlib.contextmanager
+def record_ring_steps():
+    """Time every ring step run inside the block (this rank only)."""
+    global _active
+    previous, _active = _active, StepTimer()
+    try:
+        yield _active
+    finally:
+        _active = previous
+
+
+def measure(phase: str, kind: str, step: int):
+    """A timing context when instrumentation is on, else a no-op."""
+    timer = _active
+    return timer.measure(phase, kind, step) if timer is not None else contextlib.nullcontext()
+
+
+def imbalance_metrics(per_rank_compute: List[List[float]], per_rank_wait: List[List[float]]) -> Dict[str, float]:
+    """The paper's appendix table from every rank's per-step times (ms).
+
+    worker-level: max / mean over ranks of one step's compute time, averaged over steps;
+    step-level:   max / mean over steps of one rank's compute time, averaged over ranks;
+    computation ratio: compute time / (compute + wait) time, summed over ranks and steps.
+    """
+    compute = torch.tensor(per_rank_compute, dtype=torch.float64)   # [ranks, steps]
+    wait = torch.tensor(per_rank_wait, dtype=torch.float64)
+    worker = (compute.max(0).values / compute.mean(0)).mean().item()
+    step = (compute.max(1).values / compute.mean(1)).mean().item()
+    ratio = (compute.sum() / (compute.sum() + wait.sum())).item()
+    return {"worker_imbalance": worker, "step_imbalance": step, "computation_ratio": ratio}
