@@ -24,6 +24,17 @@ from .comm import RingTopology, ring_topology
 from .schedule import ring_backward, ring_forward
 
 _CHECKED_SIGNATURES = set()
+_BLOCK_IDS = {}
+
+
+def _block_ids_on(device, seq_len: int, layout: str, world_size: int, block_size: int):
+    """Every rank's global block ids, on ``device``; cached so steady-state calls copy nothing
+    from the host (a host-to-device copy would synchronise)."""
+    key = (str(device), seq_len, layout, world_size, block_size)
+    if key not in _BLOCK_IDS:
+        _BLOCK_IDS[key] = [local_block_ids(seq_len, layout, world_size, r, block_size).to(device)
+                           for r in range(world_size)]
+    return _BLOCK_IDS[key]
 
 
 def _check_same_on_all_ranks(topo: RingTopology, group, q, k, index: VSIndex, layout: str) -> None:
@@ -117,7 +128,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     B, nb = index.block_size, seq_len // index.block_size
-    blocks = [local_block_ids(seq_len, layout, topo.world_size, r, B).to(q.device) for r in range(topo.world_size)]
+    blocks = _block_ids_on(q.device, seq_len, layout, topo.world_size, B)
     bitmap = index.slash_bitmap(nb)
     plans = [build_step_plan(index, blocks[topo.rank], blocks[src], nb, slash_bitmap=bitmap)
              for src in range(topo.world_size)]
