@@ -13,11 +13,12 @@ $(STAMP): scripts/setup_env.sh setup.py pyproject.toml $(wildcard csrc/*)
 	bash scripts/setup_env.sh $(VENV)
 	touch $(STAMP)
 
-# All GPUs when there are any, else 2 CPU processes with gloo.
-NPROC ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 2)" 2>/dev/null || echo 2)
+# All GPUs when there are any, else 2 CPU processes with gloo (counted after setup, in the recipe).
+COUNT_PROCS := import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 2)
 
 demo: setup
-	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) -m megatron_mtraining.demo
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone \
+		--nproc_per_node=$${NPROC:-$$($(PY) -c "$(COUNT_PROCS)")} -m megatron_mtraining.demo
 
 test: setup
 	$(PY) -m pytest -q tests
