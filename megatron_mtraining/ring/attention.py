@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..attention import check_attention_inputs
+from ..attention import check_attention_inputs, check_qkv
 from ..index import VSIndex
 from ..kernels.plan import build_step_plan
 from ..kernels.step import resolve_backend, step_backward, step_forward
@@ -118,9 +118,10 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     """
     topo = ring_topology(group, inner_size)
     backend = resolve_backend(backend, q.device)
-    check_attention_inputs(q, k, v, index, backend)
+    check_qkv(q, k, v, backend)
     seq_len = q.shape[2] * topo.world_size
-    check_layout(seq_len, layout, topo.world_size, index.block_size)
+    check_layout(seq_len, layout, topo.world_size, index.block_size)  # names the global length
+    check_attention_inputs(q, k, v, index, backend)
     if topo.world_size > 1:
         _check_same_on_all_ranks(topo, group if group is not None else dist.group.WORLD, q, k, index, layout)
     if q.device.type == "cpu":  # full index validation costs no device sync on the CPU

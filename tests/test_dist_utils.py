@@ -1,0 +1,60 @@
+"""The multi-process test helper itself: results, worker errors and timeouts (never a hang)."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import WorkerError, run_distributed
+
+
+def _all_reduce_worker(rank, world_size, scale):
+    x = torch.full((3,), float(rank + 1))
+    dist.all_reduce(x)
+    gathered = [torch.empty(2) for _ in range(world_size)]
+    dist.all_gather(gathered, torch.tensor([rank, rank * scale], dtype=torch.float32))
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": x,
+            "gathered": torch.stack(gathered), "threads": torch.get_num_threads()}
+
+
+def _failing_worker(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one is unhappy")
+    dist.all_reduce(torch.zeros(1))  # waits forever for rank 1: the helper must not hang
+    return rank
+
+
+def _sleeping_worker(rank, world_size):
+    time.sleep(600)
+
+
+def test_all_reduce_and_results():
+    results = run_distributed(_all_reduce_worker, 3, 10.0)
+    expected_gather = torch.tensor([[0.0, 0.0], [1.0, 10.0], [2.0, 20.0]])
+    for rank, r in enumerate(results):
+        assert (r["rank"], r["world"], r["threads"]) == (rank, 3, 1)
+        torch.testing.assert_close(r["sum"], torch.full((3,), 6.0))
+        torch.testing.assert_close(r["gathered"], expected_gather)
+
+
+def test_worker_error_is_reraised_with_traceback():
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        run_distributed(_failing_worker, 2, timeout=120)
+    message = str(info.value)
+    assert "rank 1 raised" in message and "ValueError: rank one is unhappy" in message
+    assert "_failing_worker" in message  # the worker's own traceback
+    assert time.monotonic() - start < 60, "a failure must not wait for the full timeout"
+
+
+def test_timeout_kills_workers():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish within"):
+        run_distributed(_sleeping_worker, 1, timeout=8)
+    assert time.monotonic() - start < 30
+
+
+def test_unpicklable_function_fails_in_parent():
+    with pytest.raises(Exception):
+        run_distributed(lambda rank, world_size: rank, 1)
