@@ -4,7 +4,7 @@
     python benchmarks/make_tables.py --check   # exit 1 if the README section is stale
 
 Results files are named ``<kind>_<device>.json``; each kind has one renderer in ``RENDERERS``
-(``kernel`` now; ring and approximator benchmarks add theirs with ``@renderer("ring")``).
+(``kernel``, ``ring``; the approximator benchmark adds its own with ``@renderer(...)``).
 Without a README or its markers the tables go to stdout and the exit status is 0.
 """
 
@@ -115,6 +115,101 @@ def render_kernel(results: List[Result]) -> str:
     if notes:
         text.append("FlexAttention gets a 128-block BlockMask of exactly the same pairs; the blocks it "
                     "computes, as a share of the causal blocks: " + ", ".join(notes) + ".")
+        text.append("")
+    text.append(source_line(results))
+    return "\n".join(text)
+
+
+RING_LABELS = {
+    "dense_zigzag": "dense ring, zigzag (ours)",
+    "torch_native_cp": "PyTorch context parallel (SDPA)",
+    "sparse_zigzag": "sparse ring, zigzag",
+    "sparse_striped": "sparse ring, striped",
+    "sparse_striped_hier": "sparse ring, striped, hierarchical",
+}
+
+
+def ring_note(name: str, section: Dict) -> str:
+    """What ran (kernel / SDPA backend), or why nothing did."""
+    if "errors" in section:
+        return "failed: " + str(next(iter(section["errors"].values())))[:80].replace("|", "/").replace("\n", " ")
+    if "skipped" in section:
+        return "skipped"
+    if name == "dense_zigzag":
+        return str(section.get("impl", ""))
+    if name == "torch_native_cp":
+        return f"{section.get('sdpa', '?')}, {section.get('rotate_method', '?')}"
+    if section.get("inner_size"):
+        return f"inner {section['inner_size']}"
+    return ""
+
+
+def ring_scaling(results: List[Result]) -> str:
+    """Strong-scaling efficiency T_1 / (T_W * W) where runs of one device at one S with W = 1 exist."""
+    times: Dict[Tuple, float] = {}
+    for _, data in results:
+        device = data.get("meta", {}).get("device", "?")
+        for run in data.get("runs", []):
+            for name, section in run.get("variants", {}).items():
+                if isinstance(section.get("fwdbwd_ms"), (int, float)):
+                    times[(device, run["seq_len"], name, run["world_size"])] = section["fwdbwd_ms"]
+    rows = []
+    for (device, seq_len, name, world), ms in sorted(times.items()):
+        single = times.get((device, seq_len, name, 1))
+        if world > 1 and single:
+            rows.append([device, tokens(seq_len), RING_LABELS.get(name, name), str(world),
+                         num(single), num(ms), num(single / (ms * world), 2)])
+    if not rows:
+        return ""
+    return ("Strong scaling (same S, W GPUs against one): efficiency = T_1 / (T_W · W).\n\n"
+            + table(["device", "S", "variant", "W", "T_1 ms", "T_W ms", "efficiency"], rows))
+
+
+@renderer("ring")
+def render_ring(results: List[Result]) -> str:
+    header = ["device", "GPUs", "S", "density", "variant", "fwd+bwd ms", "fwd ms", "speedup fwd+bwd / fwd",
+              "imbalance worker / step", "compute ratio", "note"]
+    rows = []
+    for _, data in results:
+        device = data.get("meta", {}).get("device", "?")
+        for run in data.get("runs", []):
+            density = run.get("index", {}).get("density_mean")
+            for name, section in run.get("variants", {}).items():
+                if "skipped" in section:   # e.g. the hierarchical ring on 2 GPUs; the JSON says why
+                    continue
+                speed = section.get("speedup", {})
+                imbalance = section.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {})
+                label = RING_LABELS.get(name, name)
+                if name == run.get("best_dense"):
+                    label += " (baseline)"
+                rows.append([
+                    device, str(run.get("world_size")), tokens(run["seq_len"]),
+                    f"{100 * density:.1f}%" if isinstance(density, float) else "—", label,
+                    num(section.get("fwdbwd_ms"), 1), num(section.get("fwd_ms"), 1),
+                    pair(speed.get("vs_best_dense"), speed.get("vs_best_dense_fwd"), 2, "x") if speed else "—",
+                    pair(imbalance.get("worker_imbalance"), imbalance.get("step_imbalance")) if imbalance else "—",
+                    num(imbalance.get("computation_ratio")), ring_note(name, section),
+                ])
+    cfg = results[0][1].get("config", {})
+    text = [
+        f"**Ring attention, one layer over W GPUs.** {cfg.get('heads')} query / {cfg.get('kv_heads')} KV "
+        f"heads, head dim {cfg.get('head_dim')}, {cfg.get('dtype')}, causal, batch {cfg.get('batch')}, block "
+        f"{cfg.get('block_size')}, synthetic `{cfg.get('index_kind', 'fixed')}` index (same on every rank); "
+        f"S/W tokens per GPU. Time: max over ranks of each rank's median of {cfg.get('reps')} runs "
+        "(CUDA events, barrier before each). Speedup: the faster dense baseline (dense zigzag ring, "
+        "PyTorch context parallel) over the variant. Imbalance (paper's appendix, forward+backward "
+        "per step, one instrumented run): worker = max/mean over ranks, step = max/mean over steps, "
+        "compute ratio = compute / (compute + wait).",
+        "",
+        table(header, rows),
+        "",
+    ]
+    scaling = ring_scaling(results)
+    if scaling:
+        text += [scaling, ""]
+    notes = sorted({note for _, data in results for note in data.get("notes", []) if note.startswith("TODO")})
+    text += [f"Open item: {note[len('TODO: '):]}" for note in notes]
+    if notes:
         text.append("")
     text.append(source_line(results))
     return "\n".join(text)
