@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One multi-GPU device call for the ring: GPU ring checks on 2 and 4 GPUs (torchrun, NCCL,
+# bf16 vs fp32 reference, no host sync), then benchmarks/ring.py on all GPUs.
+set -uo pipefail
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+cd "$(dirname "$0")/.."
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
+NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+for n in 2 4; do
+  [ "$n" -le "$NGPU" ] || continue
+  timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node=$n tests/ring_gpu_worker.py \
+    > "$OUT/ring_check_${n}gpu.log" 2>&1
+  echo "ring check ${n} GPUs rc=$?"; grep -h "rank 0\]" "$OUT/ring_check_${n}gpu.log"
+done
+timeout ${BENCH_TIMEOUT:-300} python3 -m torch.distributed.run --standalone --nproc_per_node=$NGPU benchmarks/ring.py \
+  --out "$OUT/ring_nvidia-h200_${NGPU}gpu.json" ${BENCH_ARGS:-} > "$OUT/ring_bench.log" 2>&1
+echo "ring bench rc=$?"; tail -12 "$OUT/ring_bench.log"
