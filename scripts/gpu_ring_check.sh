@@ -16,3 +16,6 @@ done
 timeout ${BENCH_TIMEOUT:-300} python3 -m torch.distributed.run --standalone --nproc_per_node=$NGPU benchmarks/ring.py \
   --out "$OUT/ring_nvidia-h200_${NGPU}gpu.json" ${BENCH_ARGS:-} > "$OUT/ring_bench.log" 2>&1
 echo "ring bench rc=$?"; tail -12 "$OUT/ring_bench.log"
+# The device tool returns at most 8 files: pack the heatmaps.
+ls "$OUT"/*.png >/dev/null 2>&1 && tar czf "$OUT/heatmaps.tgz" -C "$OUT" $(cd "$OUT" && ls *.png) && rm -f "$OUT"/*.png
+ls "$OUT"
