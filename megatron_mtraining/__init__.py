@@ -1,5 +1,6 @@
 """megatron-mtraining: MTraining dynamic sparse context-parallel attention for Megatron-LM."""
 
+from .approx import approximate_index
 from .attention import sparse_attention
 from .config import MTrainingConfig
 from .index import VSIndex
@@ -10,6 +11,6 @@ from .ring import dense_ring_attention, sparse_ring_attention
 __version__ = "0.1.0"
 
 __all__ = [
-    "MTrainingConfig", "VSIndex", "dense_ring_attention", "gather_sequence", "local_positions", "reference_attention", "shard_sequence",
+    "MTrainingConfig", "VSIndex", "approximate_index", "dense_ring_attention", "gather_sequence", "local_positions", "reference_attention", "shard_sequence",
     "sparse_attention", "sparse_ring_attention", "__version__",
 ]

@@ -1,0 +1,224 @@
+"""Distributed online vertical-slash index approximator (paper Algorithm 1, made robust).
+
+Every context-parallel rank holds its layout's share of one layer's post-RoPE q and k. The
+last ``last_q`` queries of the global sequence are scored against all keys; their softmax
+(normalised across ranks) gives two statistics:
+  * vertical: attention mass per key column (token level);
+  * slash: attention mass per block offset ``q//B - k//B`` (block level).
+Per head, the budget is the smallest count whose top entries hold ``top_p`` of the mass,
+clamped to [min, max], plus the mandatory diagonal, local window and sink columns. Ties break
+by position, and every rank reduces the same data, so every rank selects the same index.
+
+Communication is independent of the sequence length per rank except for the slash statistic
+(one value per block offset): the ``last_q`` queries (all-reduce), row max and normaliser
+(all-reduce of ``last_q`` values per head), the block-offset statistic (all-reduce of ``N/B``
+values per head) and each rank's top ``max_vertical`` column candidates (all-gather). No host
+synchronisation; every shape is fixed by the inputs and the config.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .config import MTrainingConfig
+from .index import VSIndex
+from .layout import check_layout, local_positions
+
+KEY_CHUNK = 8192  # keys scored at a time: memory O(last_q x chunk) per head
+
+_POSITIONS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _world(group) -> Tuple[int, int]:
+    """(size, rank) of the CP group; ``group=None`` means one device holding the full sequence."""
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _layout_positions(device, seq_len, layout, world, rank, block_size, last_q):
+    """(key positions, local rows holding last queries, their slots in Q_last), cached on device."""
+    key = (str(device), seq_len, layout, world, rank, block_size, last_q)
+    if key not in _POSITIONS:
+        pos = local_positions(seq_len, layout, world, rank, block_size)
+        rows = torch.nonzero(pos >= seq_len - last_q).flatten()
+        slots = pos[rows] - (seq_len - last_q)
+        _POSITIONS[key] = (pos.to(device), rows.to(device), slots.to(device))
+    return _POSITIONS[key]
+
+
+def _all_reduce(x, op, group, world):
+    if world > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _budget_select(scores: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, mandatory: torch.Tensor,
+                   total: torch.Tensor, top_p: float, lo: int, hi: int, capacity: int):
+    """Top-p selection with fixed shapes.
+
+    ``values`` [b, h, C] masses of candidates at ``positions`` (ascending within the last dim),
+    ``mandatory`` [b, h, C] bool, ``total`` [b, h] the whole mass. Returns (sorted selected
+    positions padded to ``capacity``, counts).
+    """
+    # Mandatory entries first, then by mass; stable sort keeps ascending positions among ties.
+    key = torch.where(mandatory, torch.full_like(values, float("inf")), values)
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    ranked_values = values.gather(-1, order)
+    ranked_positions = positions.gather(-1, order)
+    reached = torch.cumsum(ranked_values, -1) >= top_p * total[..., None]
+    budget = (~reached).sum(-1) + 1                       # smallest count holding top_p of the mass
+    n_mandatory = mandatory.sum(-1)
+    available = (values > 0).sum(-1).clamp_min(n_mandatory)  # never select zero-mass padding
+    count = torch.maximum(budget, n_mandatory).clamp(min=max(lo, 1), max=hi)
+    count = torch.minimum(count, torch.minimum(available, torch.full_like(available, capacity))).clamp_min(
+        n_mandatory.clamp(max=capacity))
+    width = min(capacity, ranked_positions.shape[-1])
+    chosen = ranked_positions[..., :width]
+    keep = torch.arange(width, device=values.device) < count[..., None]
+    big = torch.iinfo(torch.int64).max
+    chosen = torch.sort(torch.where(keep, chosen, torch.full_like(chosen, big)), dim=-1).values
+    out = torch.zeros(*values.shape[:-1], capacity, dtype=torch.int32, device=values.device)
+    out[..., :width] = torch.where(keep.sort(dim=-1, descending=True).values, chosen, 0).to(torch.int32)
+    return out, count.to(torch.int32)
+
+
+def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "striped", softmax_scale=None):
+    """Vertical (per local column) and slash (per global block offset) attention mass of the
+    last ``last_q`` queries, fp64, identical to a single device's up to summation order."""
+    world, rank = _world(group)
+    b, hq, n_local, d = q.shape
+    hkv = k.shape[1]
+    B, L = config.block_size, config.last_q
+    seq_len = n_local * world
+    nb = seq_len // B
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    key_pos, rows, slots = _layout_positions(q.device, seq_len, layout, world, rank, B, L)
+
+    # Q_last from whichever ranks hold it: scatter into zeros, sum across ranks.
+    q_last = torch.zeros(b, hq, L, d, dtype=torch.float32, device=q.device)
+    q_last[:, :, slots] = q[:, :, rows].float()
+    _all_reduce(q_last, dist.ReduceOp.SUM, group, world)
+    q_pos = torch.arange(seq_len - L, seq_len, device=q.device)
+    group_size = hq // hkv
+
+    def chunk_scores(start):
+        kc = k[:, :, start:start + KEY_CHUNK].float().repeat_interleave(group_size, dim=1)
+        s = torch.matmul(q_last, kc.transpose(-1, -2)) * scale
+        visible = key_pos[start:start + KEY_CHUNK][None, :] <= q_pos[:, None]
+        return s.masked_fill(~visible, float("-inf"))
+
+    row_max = torch.full((b, hq, L), float("-inf"), device=q.device)
+    for start in range(0, n_local, KEY_CHUNK):
+        row_max = torch.maximum(row_max, chunk_scores(start).amax(-1))
+    _all_reduce(row_max, dist.ReduceOp.MAX, group, world)
+
+    # Pass 2: softmax normaliser across ranks. Pass 3: recompute the weights (cheap: last_q rows)
+    # rather than keep them (last_q x n_local per head), normalise and accumulate the statistics.
+    normaliser = torch.zeros(b, hq, L, dtype=torch.float64, device=q.device)
+    for start in range(0, n_local, KEY_CHUNK):
+        normaliser += torch.exp(chunk_scores(start) - row_max[..., None]).double().sum(-1)
+    _all_reduce(normaliser, dist.ReduceOp.SUM, group, world)
+    vertical = torch.zeros(b, hq, n_local, dtype=torch.float64, device=q.device)
+    slash = torch.zeros(b, hq, nb, dtype=torch.float64, device=q.device)
+    q_blk = q_pos // B
+    for start in range(0, n_local, KEY_CHUNK):
+        p = torch.exp(chunk_scores(start) - row_max[..., None]).double() / normaliser[..., None]
+        stop = start + p.shape[-1]
+        vertical[..., start:stop] = p.sum(-2)
+        offset = (q_blk[:, None] - key_pos[None, start:stop] // B).clamp(0, nb - 1)  # masked pairs have p = 0
+        slash.scatter_add_(2, offset.reshape(1, 1, -1).expand(b, hq, -1), p.reshape(b, hq, -1))
+    _all_reduce(slash, dist.ReduceOp.SUM, group, world)
+    return vertical, slash, key_pos
+
+
+def approximate_vs_index(q, k, config: MTrainingConfig, group=None, layout: str = "striped",
+                         softmax_scale=None) -> VSIndex:
+    world, _ = _world(group)
+    vertical, slash, key_pos = vs_statistics(q, k, config, group, layout, softmax_scale)
+    b, hq, n_local = vertical.shape
+    seq_len, B = n_local * world, config.block_size
+    nb = seq_len // B
+    total = torch.full((b, hq), float(config.last_q), dtype=torch.float64, device=q.device)
+
+    # Slash: every offset is a candidate; offsets 0..local_window-1 are mandatory (0 always).
+    offsets = torch.arange(nb, device=q.device).expand(b, hq, nb)
+    mandatory_s = offsets < max(1, config.local_window)
+    slash_idx, n_slash = _budget_select(slash, slash, offsets, mandatory_s, total, config.top_p,
+                                        config.min_slash, min(config.max_slash, nb), config.max_slash)
+
+    # Vertical: each rank's top max_vertical columns are the only candidates that can win.
+    cap_v = config.max_vertical
+    if cap_v == 0:
+        empty = torch.zeros(b, hq, 0, dtype=torch.int32, device=q.device)
+        return VSIndex(slash_idx, n_slash, empty, torch.zeros(b, hq, dtype=torch.int32, device=q.device), B)
+    sinks = (key_pos < config.sink_tokens).expand(b, hq, n_local)
+    local_key = torch.where(sinks, torch.full_like(vertical, float("inf")), vertical)
+    take = min(cap_v, n_local)
+    top = torch.sort(local_key, dim=-1, descending=True, stable=True).indices[..., :take]
+    cand_values, cand_positions = vertical.gather(-1, top), key_pos.expand(b, hq, n_local).gather(-1, top)
+    if world > 1:
+        gathered_v = [torch.empty_like(cand_values) for _ in range(world)]
+        gathered_p = [torch.empty_like(cand_positions) for _ in range(world)]
+        dist.all_gather(gathered_v, cand_values, group=group)
+        dist.all_gather(gathered_p, cand_positions, group=group)
+        cand_values, cand_positions = torch.cat(gathered_v, -1), torch.cat(gathered_p, -1)
+    by_position = torch.sort(cand_positions, dim=-1).indices  # ties then break by position
+    cand_values, cand_positions = cand_values.gather(-1, by_position), cand_positions.gather(-1, by_position)
+    vert_idx, n_vert = _budget_select(cand_values, cand_values, cand_positions,
+                                      cand_positions < config.sink_tokens, total, config.top_p,
+                                      config.min_vertical, min(cap_v, seq_len), cap_v)
+    return VSIndex(slash_idx, n_slash, vert_idx, n_vert, B)
+
+
+def fixed_index(batch: int, heads: int, seq_len: int, config: MTrainingConfig, device=None) -> VSIndex:
+    """Fixed budgets spread deterministically (benchmarks): the local window, then offsets spread
+    geometrically up to ``max_slash``; the sinks, then columns spread evenly up to ``max_vertical``."""
+    B = config.block_size
+    nb = seq_len // B
+    n_s = min(config.max_slash, nb)
+    offsets = list(range(min(max(1, config.local_window), n_s)))
+    geometric = torch.logspace(0, math.log10(max(nb - 1, 1)), steps=max(n_s, 1)).long().tolist()
+    for o in geometric + list(range(nb)):  # spread first, then the nearest unused offsets
+        if len(offsets) == n_s:
+            break
+        if o < nb and o not in offsets:
+            offsets.append(o)
+    offsets.sort()
+    n_v = min(config.max_vertical, seq_len)
+    sinks = list(range(min(config.sink_tokens, n_v)))
+    rest = torch.linspace(config.sink_tokens, seq_len - 1, steps=max(n_v - len(sinks), 0)).long().tolist()
+    columns = sorted(set(sinks) | set(rest))[:n_v]
+    return VSIndex.from_lists([[offsets] * heads] * batch, [[columns] * heads] * batch, block_size=B,
+                              device=device, max_slash=config.max_slash, max_vertical=config.max_vertical)
+
+
+def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig, group=None,
+                      layout: str = "striped", softmax_scale: Optional[float] = None) -> VSIndex:
+    """The index for one layer: ``config.index`` picks "vs" (approximated from q and k), "dense"
+    (all blocks) or "fixed" (fixed budgets). q ``[b, hq, n_local, d]``, k ``[b, hkv, n_local, d]``
+    are this rank's post-RoPE tokens in ``layout`` order (``group=None``: the full sequence on
+    one device). Returns the same ``VSIndex`` on every rank."""
+    world, _ = _world(group)
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"approximate_index: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
+                         "[batch, heads, tokens, head_dim] with matching batch, tokens and head_dim")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"approximate_index: query heads ({q.shape[1]}) must be a multiple of key heads "
+                         f"({k.shape[1]})")
+    n_local = q.shape[2]
+    seq_len = n_local * world
+    check_layout(seq_len, layout, world, config.block_size)
+    b, hq = q.shape[:2]
+    if config.index == "dense":
+        return VSIndex.dense(b, hq, seq_len, config.block_size, device=q.device)
+    if config.index == "fixed":
+        return fixed_index(b, hq, seq_len, config, device=q.device)
+    if config.last_q > n_local:
+        raise ValueError(f"approximate_index: last_q ({config.last_q}) exceeds the {n_local} tokens each rank "
+                         "holds; lower --mtraining-last-q")
+    return approximate_vs_index(q, k, config, group, layout, softmax_scale)
