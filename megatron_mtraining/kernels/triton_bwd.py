@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import triton_fwd
-from .triton_fwd import LOG2E, kernel_flags
+from .triton_fwd import LOG2E, _column_tile, kernel_flags
 
 
 @triton.jit
@@ -102,21 +102,9 @@ def _dq_kernel(
 
     n_cols = tl.load(ColCnt + pid_bh)
     for c0 in range(0, n_cols, BLOCK_COL):
-        offs_c = c0 + tl.arange(0, BLOCK_COL)
-        c_ok = offs_c < n_cols
-        col = tl.load(Cols + pid_bh * MAX_V + offs_c, mask=c_ok, other=0)
-        c_blk = tl.load(KBlk + col // BLOCK, mask=c_ok, other=0)
-        delta = q_blk - c_blk
-        covered = tl.load(Bitmap + pid_bh * NB + delta, mask=c_ok & (delta >= 0), other=0)
-        keep = c_ok & (covered == 0)
-        c_pos = c_blk * BLOCK + col % BLOCK
-        k = tl.load(k_base + col[:, None] * stride_kn + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-        v = tl.load(v_base + col[:, None] * stride_vn + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v, active = _column_tile(Cols, KBlk, Bitmap, k_base, v_base, pid_bh * MAX_V, pid_bh * NB, c0, n_cols,
+                                    q_blk, q_pos, stride_kn, stride_vn, offs_d, BLOCK, BLOCK_COL, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        active = keep[None, :] & (c_pos[None, :] <= q_pos[:, None])
         p = tl.where(active, tl.math.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - di[:, None])

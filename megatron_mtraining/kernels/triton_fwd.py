@@ -59,6 +59,28 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _column_tile(Cols, KBlk, Bitmap, k_base, v_base, plan_row, bitmap_row, c0, n_cols, q_blk, q_pos,
+                 stride_kn, stride_vn, offs_d,
+                 BLOCK: tl.constexpr, BLOCK_COL: tl.constexpr, UPCAST: tl.constexpr):
+    """Gather one tile of the plan's columns: K, V and which (query, column) pairs are active
+    (causal, and not already covered by a selected slash block of this query block)."""
+    offs_c = c0 + tl.arange(0, BLOCK_COL)
+    c_ok = offs_c < n_cols
+    col = tl.load(Cols + plan_row + offs_c, mask=c_ok, other=0)
+    c_blk = tl.load(KBlk + col // BLOCK, mask=c_ok, other=0)
+    delta = q_blk - c_blk
+    covered = tl.load(Bitmap + bitmap_row + delta, mask=c_ok & (delta >= 0), other=0)
+    c_pos = c_blk * BLOCK + col % BLOCK
+    active = (c_ok & (covered == 0))[None, :] & (c_pos[None, :] <= q_pos[:, None])
+    k = tl.load(k_base + col[:, None] * stride_kn + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+    v = tl.load(v_base + col[:, None] * stride_vn + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v, active
+
+
+@triton.jit
 def _vs_attn_fwd_kernel(
     Q, K, V, Out, Lse,
     QBlk, KBlk, KVCnt, KVIdx, ColCnt, Cols, Bitmap,
@@ -115,21 +137,10 @@ def _vs_attn_fwd_kernel(
     # Vertical part: gathered columns not covered by a selected slash block of this query block.
     n_cols = tl.load(ColCnt + pid_bh)
     for c0 in range(0, n_cols, BLOCK_COL):
-        offs_c = c0 + tl.arange(0, BLOCK_COL)
-        c_ok = offs_c < n_cols
-        col = tl.load(Cols + pid_bh * MAX_V + offs_c, mask=c_ok, other=0)
-        c_blk = tl.load(KBlk + col // BLOCK, mask=c_ok, other=0)
-        delta = q_blk - c_blk
-        covered = tl.load(Bitmap + pid_bh * NB + delta, mask=c_ok & (delta >= 0), other=0)
-        keep = c_ok & (covered == 0)
-        c_pos = c_blk * BLOCK + col % BLOCK
-        k = tl.load(k_base + col[:, None] * stride_kn + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-        v = tl.load(v_base + col[:, None] * stride_vn + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v, active = _column_tile(Cols, KBlk, Bitmap, k_base, v_base, pid_bh * MAX_V, pid_bh * NB, c0, n_cols,
+                                    q_blk, q_pos, stride_kn, stride_vn, offs_d, BLOCK, BLOCK_COL, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(keep[None, :] & (c_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        s = tl.where(active, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     has_key = l_i > 0
