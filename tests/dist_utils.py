@@ -140,10 +140,10 @@ def _worker(rank: int, world_size: int, tmp: str, payload: bytes, sys_path: list
     os.environ["OMP_NUM_THREADS"] = "1"
     if os.path.exists("/sys/class/net/lo"):  # every rank runs on this host: talk over loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if not torch.cuda.is_available():
-        # Triton's CPU interpreter must be chosen before any kernel module is imported, i.e.
-        # before fn (and with it the test module and the package) is unpickled below.
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    # The gloo workers compute on CPU tensors, also on GPU machines, so Triton kernels run in
+    # its CPU interpreter. It must be chosen before any kernel module is imported, i.e. before
+    # fn (and with it the test module and the package) is unpickled below.
+    os.environ["TRITON_INTERPRET"] = "1"
     torch.set_num_threads(1)
     sys.path[:] = sys_path
     import torch.distributed as dist
