@@ -220,6 +220,34 @@ def render_ring(results: List[Result]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+@renderer("approx")
+def render_approx(results: List[Result]) -> str:
+    quality_rows, overhead_rows = [], []
+    for _, data in results:
+        device = data.get("meta", {}).get("device", "?")
+        quality = data.get("quality", [])
+        for top_p in sorted({r["top_p"] for r in quality}):
+            sel = [r for r in quality if r["top_p"] == top_p]
+            quality_rows.append([device, tokens(sel[0]["seq_len"]), num(top_p),
+                                 num(sum(r["recall"] for r in sel) / len(sel), 3),
+                                 num(sum(r["density"] for r in sel) / len(sel), 3), str(len(sel))])
+        for o in data.get("overhead", []):
+            overhead_rows.append([device, tokens(o["seq_len"]), num(o["approximator_ms"]),
+                                  num(o["sparse_attention_fwdbwd_ms"]), num(o["overhead"], 3),
+                                  num(o["index_density"], 3)])
+    parts = ["**Index approximator.** Synthetic post-RoPE q/k with a vertical-slash structure "
+             "(`megatron_mtraining.synthetic`, 8/2 heads, d 64): recall = share of the true dense "
+             "attention mass the approximated index covers, averaged over heads and seeds.",
+             table(["device", "S", "top-p", "recall", "density", "seeds"], quality_rows)]
+    if overhead_rows:
+        parts += ["Cost on one GPU, canonical shape (16/2 heads, d 128, bf16), top-p 0.9: approximator "
+                  "time against sparse attention forward+backward of the same layer with its index.",
+                  table(["device", "S", "approximator ms", "sparse attention fwd+bwd ms", "overhead",
+                         "density"], overhead_rows)]
+    parts.append(source_line(results))
+    return "\n\n".join(parts)
+
+
 def load_results(results_dir: str) -> Dict[str, List[Result]]:
     """Parsed results per kind, in file-name order; smoke runs and unknown kinds are left out."""
     found: Dict[str, List[Result]] = {}

@@ -28,7 +28,7 @@ from .config import MTrainingConfig
 from .index import VSIndex
 from .layout import check_layout, local_positions
 
-KEY_CHUNK = 8192  # keys scored at a time: memory O(last_q x chunk) per head
+KEY_CHUNK = 8192  # keys scored at a time (a multiple of every block size): memory O(last_q x chunk) per head
 
 _POSITIONS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -130,8 +130,11 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
         p = torch.exp(chunk_scores(start) - row_max[..., None]).double() / normaliser[..., None]
         stop = start + p.shape[-1]
         vertical[..., start:stop] = p.sum(-2)
-        offset = (q_blk[:, None] - key_pos[None, start:stop] // B).clamp(0, nb - 1)  # masked pairs have p = 0
-        slash.scatter_add_(2, offset.reshape(1, 1, -1).expand(b, hq, -1), p.reshape(b, hq, -1))
+        # Slash: sum each local key block first (a local block is one global block in every
+        # layout), then scatter last_q x blocks values instead of last_q x keys.
+        block_mass = p.reshape(b, hq, L, -1, B).sum(-1)
+        offset = (q_blk[:, None] - key_pos[None, start:stop:B] // B).clamp(0, nb - 1)  # masked pairs: p = 0
+        slash.scatter_add_(2, offset.reshape(1, 1, -1).expand(b, hq, -1), block_mass.reshape(b, hq, -1))
     _all_reduce(slash, dist.ReduceOp.SUM, group, world)
     return vertical, slash, key_pos
 

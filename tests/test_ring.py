@@ -15,6 +15,7 @@ import importlib.util
 import traceback
 from typing import Optional
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -190,6 +191,11 @@ SPAWNS = {
 _SPAWN_RESULTS = {}
 
 
+def interpreter_works() -> bool:
+    """Triton 3.6's interpreter turns 1-element arrays into scalars, an error from numpy 2.4 on."""
+    return tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4)
+
+
 def spawn_results(spawn: str) -> list:
     """Per-rank results of one spawn, run once per session; a failure is re-raised in every test."""
     if spawn not in _SPAWN_RESULTS:
@@ -257,6 +263,9 @@ CASE_IDS = [(spawn, case) for spawn, (_, cases) in SPAWNS.items() for case in ca
 @requires_ring
 @pytest.mark.parametrize("spawn,case", CASE_IDS, ids=[f"{s}-{c.name}" for s, c in CASE_IDS])
 def test_ring_matches_single_device(spawn, case):
+    if case.backend == "triton" and not interpreter_works():
+        pytest.skip(f"Triton 3.6's CPU interpreter needs numpy < 2.4 (found {np.__version__}); on GPU "
+                    "machines tests/ring_gpu_worker.py runs the Triton ring instead")
     world_size = SPAWNS[spawn][0]
     per_rank = spawn_results(spawn)
     for ranks, seed in cp_groups(case, world_size):
