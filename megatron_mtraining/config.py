@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 from typing import Optional
 
 LAYOUTS = ("striped", "zigzag")
@@ -24,7 +26,9 @@ class MTrainingConfig:
     layout: token layout across context-parallel ranks, "striped" (balanced) or "zigzag".
     inner_ring_size: ranks per inner (intra-node) ring; None runs one flat ring.
     index: index builder, "vs" (approximated), "dense" (all blocks) or "fixed".
-    deterministic: backward without atomics, bit-identical from run to run.
+    deterministic: backward without atomics, bit-identical from run to run. Every backward of
+        this version is deterministic (split reductions, no atomics); the switch is reserved
+        for faster atomic variants.
     """
 
     block_size: int = 64
@@ -70,3 +74,29 @@ class MTrainingConfig:
             fail(f"inner_ring_size must be None or >= 1, got {self.inner_ring_size}")
         if self.index not in INDEX_BUILDERS:
             fail(f"index must be one of {INDEX_BUILDERS}, got {self.index!r}")
+
+    @classmethod
+    def from_args(cls, args) -> "MTrainingConfig":
+        """Build the config from a parsed Megatron namespace (``args.mtraining_<field>``).
+
+        Missing or None attributes keep the field defaults. A None ``inner_ring_size`` is
+        taken from the launcher: ``LOCAL_WORLD_SIZE`` (torchrun), else ``GPUS_PER_NODE``,
+        else None (one flat ring). Validation errors are ValueErrors naming the flag.
+        """
+        values = {f.name: getattr(args, "mtraining_" + f.name, None) for f in dataclasses.fields(cls)}
+        values = {name: value for name, value in values.items() if value is not None}
+        if "inner_ring_size" not in values:
+            for var in ("LOCAL_WORLD_SIZE", "GPUS_PER_NODE"):
+                if os.environ.get(var):
+                    try:
+                        values["inner_ring_size"] = int(os.environ[var])
+                    except ValueError:
+                        raise ValueError(f"MTrainingConfig: {var}={os.environ[var]!r} is not an integer "
+                                         "(sets the default of --mtraining-inner-ring-size)") from None
+                    break
+        try:
+            return cls(**values)
+        except ValueError as e:
+            flags = [f"--mtraining-{f.name.replace('_', '-')}" for f in dataclasses.fields(cls)
+                     if re.search(rf"\b{f.name}\b", str(e))]
+            raise ValueError(f"{e} (check {', '.join(flags)})" if flags else str(e)) from None
