@@ -1,0 +1,284 @@
+"""MTrainingAttention: megatron-core core attention backed by MTraining sparse attention.
+
+``MTrainingAttention`` has the constructor and forward of megatron-core's core-attention
+modules (``DotProductAttention`` / ``TEDotProductAttention``), so it drops into the
+``self_attention.submodules.core_attention`` slot of a GPT layer spec (see ``spec.py``):
+
+    forward(query [sq, b, np, hn], key/value [sk, b, ng, hn]) -> [sq, b, np * hn]
+
+The inputs are post-RoPE and hold this context-parallel rank's tokens, in the token layout of
+the MTraining config ("striped" or "zigzag"; the batch split and RoPE slicing patches put them
+there). Each forward first builds the layer's vertical-slash index from q and k
+(``build_index``, the per-layer pre-attention step), then runs ``sparse_ring_attention`` over
+the context-parallel group, or ``sparse_attention`` when CP == 1. Context parallelism needs
+neither Transformer Engine nor apex.
+
+The MTraining settings are module-level (``set_mtraining_config``) so that layer specs stay
+plain data; each ``MTrainingAttention`` reads them once, when it is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..approx import approximate_index
+from ..attention import sparse_attention
+from ..config import MTrainingConfig
+from ..index import VSIndex
+from ..ring import sparse_ring_attention
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["MTrainingAttention", "get_dense_layers", "get_mtraining_config", "inner_ring_size",
+           "set_mtraining_config"]
+
+# Module-level MTraining settings, read by every MTrainingAttention when it is constructed.
+_MTRAINING_CONFIG: Optional[MTrainingConfig] = None
+_DENSE_LAYERS: int = 0
+
+
+def set_mtraining_config(config: Optional[MTrainingConfig], dense_layers: int = 0) -> None:
+    """Set the MTraining config used by MTrainingAttention modules built from now on.
+
+    ``dense_layers``: layers with ``layer_number <= dense_layers`` (1-based, global across
+    pipeline stages) use the dense index, i.e. exact causal attention. ``config=None`` resets
+    to the defaults.
+    """
+    global _MTRAINING_CONFIG, _DENSE_LAYERS
+    if config is not None and not isinstance(config, MTrainingConfig):
+        raise TypeError(f"set_mtraining_config expects an MTrainingConfig, got {type(config).__name__}")
+    if int(dense_layers) < 0:
+        raise ValueError(f"dense_layers must be >= 0, got {dense_layers}")
+    _MTRAINING_CONFIG = config
+    _DENSE_LAYERS = int(dense_layers)
+
+
+def get_mtraining_config() -> MTrainingConfig:
+    """The config set by ``set_mtraining_config``, or ``MTrainingConfig()`` if none was set."""
+    return _MTRAINING_CONFIG if _MTRAINING_CONFIG is not None else MTrainingConfig()
+
+
+def get_dense_layers() -> int:
+    """Number of leading layers that run dense attention (see ``set_mtraining_config``)."""
+    return _DENSE_LAYERS
+
+
+def _group_size(group) -> int:
+    if group is None:
+        return 1
+    size = getattr(group, "size", None)
+    return size() if callable(size) else dist.get_world_size(group)
+
+
+def inner_ring_size(group_ranks, ranks_per_node: Optional[int]) -> Optional[int]:
+    """Ranks of the inner (intra-node) ring for a CP group with these global ranks.
+
+    ``ranks_per_node`` (``MTrainingConfig.inner_ring_size``; its default is the launcher's
+    ranks per node) counts global ranks, while CP groups are strided by tensor parallelism:
+    the inner ring is the CP ranks that share a node. None (flat ring) when the whole group is
+    on one node or no ``ranks_per_node`` is set. ValueError when nodes hold unequal or
+    non-contiguous parts of the group (the hierarchical ring needs ``W = W_outer * W_inner``).
+    """
+    if ranks_per_node is None:
+        return None
+    ranks_per_node = int(ranks_per_node)
+    nodes = [r // ranks_per_node for r in group_ranks]
+    world = len(nodes)
+    per_node = nodes.count(nodes[0])
+    if per_node == world:
+        return None
+    expected = [nodes[i - i % per_node] for i in range(world)]
+    if world % per_node or nodes != expected or len(set(nodes)) != world // per_node:
+        raise ValueError(f"MTraining: the context-parallel ranks {list(group_ranks)} are not split evenly "
+                         f"and contiguously across nodes of {ranks_per_node} ranks "
+                         "(--mtraining-inner-ring-size); set it to match the launch or leave it unset")
+    return per_node
+
+
+def _is_window_layer(config: TransformerConfig, layer_number: int) -> bool:
+    window_size = getattr(config, "window_size", None)
+    if window_size is None:
+        return False
+    try:
+        from megatron.core.transformer.utils import is_layer_window_attention
+    except ImportError:  # older megatron-core: every layer uses the window
+        return True
+    return bool(is_layer_window_attention(window_size, getattr(config, "window_attn_skip_freq", None),
+                                          layer_number))
+
+
+class MTrainingAttention(MegatronModule):
+    """Vertical-slash sparse causal attention with Megatron's core-attention interface.
+
+    Args follow megatron-core's ``DotProductAttention``. ``pg_collection`` (megatron-core >=
+    0.14) and ``model_comm_pgs`` (older releases) are the same thing under two names; its
+    ``cp`` group is the context-parallel ring. Without either, the CP group comes from
+    ``parallel_state``. ``mtraining_config`` / ``dense_layers`` override the module-level
+    settings (e.g. through ``ModuleSpec.params``). Further keyword arguments that newer
+    megatron-core versions may pass are accepted and ignored.
+
+    Not supported (ValueError): non-causal masks, cross attention, attention dropout while
+    training, attention bias, packed (THD) sequences, sliding-window attention and
+    non-vanilla softmax. The ``attention_mask`` argument is ignored: the attention is causal.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        model_comm_pgs=None,
+        mtraining_config: Optional[MTrainingConfig] = None,
+        dense_layers: Optional[int] = None,
+        **kwargs,
+    ):
+        super().__init__(config=config)
+        if kwargs:
+            logger.debug("MTrainingAttention ignores the arguments %s", sorted(kwargs))
+        if pg_collection is not None and model_comm_pgs is not None and pg_collection is not model_comm_pgs:
+            raise ValueError("MTrainingAttention: pass pg_collection or model_comm_pgs, not both")
+
+        self.config: TransformerConfig = config
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.cp_comm_type = cp_comm_type  # the ring is MTraining's own; kept for reference only
+        self.pg_collection = pg_collection if pg_collection is not None else model_comm_pgs
+
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"MTrainingAttention supports only causal attention, got attn_mask_type="
+                             f"{getattr(attn_mask_type, 'name', attn_mask_type)}")
+        if attention_type != "self":
+            raise ValueError(f"MTrainingAttention supports only self attention, got attention_type="
+                             f"{attention_type!r}")
+        if _is_window_layer(config, layer_number):
+            raise ValueError("MTrainingAttention does not support sliding-window attention (window_size)")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(f"MTrainingAttention supports only softmax_type='vanilla', got "
+                             f"{config.softmax_type!r}")
+        if getattr(config, "qk_clip", False):
+            raise ValueError("MTrainingAttention does not support qk_clip (no attention logits are kept)")
+
+        self.mtraining_config = mtraining_config if mtraining_config is not None else get_mtraining_config()
+        self.dense_layers = get_dense_layers() if dense_layers is None else int(dense_layers)
+        self.dense = self.layer_number <= self.dense_layers
+        # The config the index is built with: the dense index for the leading dense layers.
+        self.index_config = (dataclasses.replace(self.mtraining_config, index="dense")
+                             if self.dense else self.mtraining_config)
+
+        self.attention_dropout_p = float(config.attention_dropout if attention_dropout is None
+                                         else attention_dropout)
+        head_dim = config.kv_channels
+        # apply_query_key_layer_scaling divides the scale by the layer number in the scores and
+        # multiplies it back in the softmax: the net scale is unchanged, so it is ignored here.
+        self.softmax_scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+        # The index of the last forward (telemetry, tests); dropped with the next forward.
+        self.last_index: Optional[VSIndex] = None
+        self._inner_sizes = {}  # CP group -> inner ring size
+
+    # ------------------------------------------------------------------ process groups
+
+    def cp_group(self):
+        """This layer's context-parallel group, or None when CP == 1 (single device)."""
+        group = getattr(self.pg_collection, "cp", None) if self.pg_collection is not None else None
+        if group is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                return None
+            if not parallel_state.model_parallel_is_initialized():
+                return None
+            if parallel_state.get_context_parallel_world_size() == 1:
+                return None
+            group = parallel_state.get_context_parallel_group()
+        return group if _group_size(group) > 1 else None
+
+    def ring_inner_size(self, group) -> Optional[int]:
+        """The inner ring size of the hierarchical ring over ``group`` (None: flat ring)."""
+        if group not in self._inner_sizes:
+            ranks = dist.get_process_group_ranks(group)
+            self._inner_sizes[group] = inner_ring_size(ranks, self.mtraining_config.inner_ring_size)
+        return self._inner_sizes[group]
+
+    # ------------------------------------------------------------------ index (pre-attention)
+
+    def build_index(self, q: Tensor, k: Tensor) -> VSIndex:
+        """The vertical-slash index of this layer from its post-RoPE q ``[b, np, s_local, hn]``
+        and k ``[b, ng, s_local, hn]`` (the pre-attention step; replace it to hook in another
+        index builder). Layers within ``dense_layers`` get the dense index. Deterministic, so it
+        rebuilds the same index under activation recompute."""
+        cfg = self.index_config
+        group = self.cp_group()
+        with torch.no_grad():
+            return approximate_index(q.detach(), k.detach(), cfg, group=group, layout=cfg.layout,
+                                     softmax_scale=self.softmax_scale)
+
+    # ------------------------------------------------------------------ forward
+
+    def _check_forward_args(self, attn_mask_type, attention_bias, packed_seq_params) -> None:
+        if packed_seq_params is not None:
+            raise ValueError("MTrainingAttention does not support packed sequences (THD format, "
+                             "packed_seq_params); use unpacked [s, b, ...] batches")
+        if attention_bias is not None:
+            raise ValueError("MTrainingAttention does not support attention_bias")
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if mask_type != AttnMaskType.causal:
+            raise ValueError(f"MTrainingAttention supports only causal attention, got attn_mask_type="
+                             f"{getattr(mask_type, 'name', mask_type)}")
+        if self.training and self.attention_dropout_p > 0.0:
+            raise ValueError(f"MTrainingAttention does not support attention dropout in training "
+                             f"(attention_dropout={self.attention_dropout_p}); set attention_dropout=0")
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params=None,
+    ) -> Tensor:
+        """q ``[sq, b, np, hn]``, k/v ``[sk, b, ng, hn]`` (this rank's tokens) -> ``[sq, b, np*hn]``."""
+        self._check_forward_args(attn_mask_type, attention_bias, packed_seq_params)
+        if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+            raise ValueError(f"MTrainingAttention expects [s, b, heads, head_dim] inputs, got q "
+                             f"{tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}")
+        sq, b, np_, hn = query.shape
+        if key.shape[0] != sq:
+            raise ValueError(f"MTrainingAttention is self attention: sq ({sq}) != sk ({key.shape[0]})")
+
+        group = self.cp_group()
+        # [s, b, heads, hn] -> [b, heads, s, hn]; the ring sends k/v, so give it dense tensors.
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        if group is not None:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+
+        index = self.build_index(q, k)
+        self.last_index = index
+        if group is None:
+            out = sparse_attention(q, k, v, index, softmax_scale=self.softmax_scale)
+        else:
+            cfg = self.mtraining_config
+            out = sparse_ring_attention(q, k, v, index, group=group, layout=cfg.layout,
+                                        inner_size=self.ring_inner_size(group), softmax_scale=self.softmax_scale)
+
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+

@@ -1,0 +1,67 @@
+"""GPT layer specs whose core attention is MTrainingAttention.
+
+``get_gpt_layer_spec`` rewrites the ``self_attention.submodules.core_attention`` slot of a
+megatron-core GPT layer spec (the local spec by default; the Transformer Engine spec has the
+same slot, where it replaces ``TEDotProductAttention``). Everything else in the spec (fused
+layer-norm linears, MLP, MoE) is kept as it is.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from ..config import MTrainingConfig
+from .attention import MTrainingAttention, set_mtraining_config
+
+__all__ = ["get_gpt_layer_spec"]
+
+
+def _module_name(module) -> str:
+    if isinstance(module, tuple):  # (import path, name)
+        return str(module[-1])
+    return getattr(module, "__name__", type(module).__name__)
+
+
+def _set_core_attention(layer_spec, where: str) -> None:
+    """Point one transformer layer spec's core attention at MTrainingAttention, in place."""
+    layer_sub = getattr(layer_spec, "submodules", None)
+    self_attention = getattr(layer_sub, "self_attention", None)
+    attn_sub = getattr(self_attention, "submodules", None)
+    if attn_sub is None or not hasattr(attn_sub, "core_attention"):
+        raise ValueError(f"{where}: expected a transformer layer spec with "
+                         "submodules.self_attention.submodules.core_attention, got "
+                         f"{_module_name(getattr(layer_spec, 'module', layer_spec))}")
+    kind = _module_name(getattr(self_attention, "module", "")) + " " + type(attn_sub).__name__
+    if "MLA" in kind:
+        raise ValueError(f"{where}: multi-latent attention (MLA) is not supported by MTraining "
+                         "(its q/k and v head dims differ)")
+    attn_sub.core_attention = MTrainingAttention
+
+
+def get_gpt_layer_spec(config: Optional[MTrainingConfig] = None, base_spec=None, dense_layers: int = 0):
+    """A deep copy of ``base_spec`` with MTrainingAttention as every layer's core attention.
+
+    ``base_spec``: a GPT transformer-layer ``ModuleSpec`` (default:
+    ``get_gpt_layer_local_spec()``; a Transformer Engine spec works the same way), or a
+    ``TransformerBlockSubmodules`` (``.layer_specs``, e.g. from ``get_gpt_decoder_block_spec``).
+    ``config``: when given, installed with ``set_mtraining_config(config, dense_layers)`` for
+    the MTrainingAttention modules built from the returned spec.
+    """
+    if config is not None:
+        set_mtraining_config(config, dense_layers=dense_layers)
+    if base_spec is None:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        base_spec = get_gpt_layer_local_spec()
+
+    spec = copy.deepcopy(base_spec)
+    layer_specs = getattr(spec, "layer_specs", None)
+    if layer_specs is not None:  # TransformerBlockSubmodules
+        if not layer_specs:
+            raise ValueError("get_gpt_layer_spec: the block spec has no layer_specs")
+        for i, layer_spec in enumerate(layer_specs):
+            _set_core_attention(layer_spec, f"get_gpt_layer_spec: layer_specs[{i}]")
+    else:
+        _set_core_attention(spec, "get_gpt_layer_spec")
+    return spec

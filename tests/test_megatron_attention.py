@@ -1,0 +1,471 @@
+"""MTrainingAttention inside a real megatron-core GPTModel, on CPU (gloo, world size 1).
+
+Needs megatron-core (skipped without it). The model code runs on the CPU through the
+test-only shims of ``megatron_mtraining.integration.cpu_shims``.
+"""
+
+import os
+import tempfile
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("megatron.core")
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+from megatron_mtraining import MTrainingConfig  # noqa: E402
+from megatron_mtraining.integration import attention as mt_attention  # noqa: E402
+from megatron_mtraining.integration.attention import (  # noqa: E402
+    MTrainingAttention,
+    get_mtraining_config,
+    set_mtraining_config,
+)
+from megatron_mtraining.integration.cpu_shims import apply_cpu_shims  # noqa: E402
+from megatron_mtraining.integration.spec import get_gpt_layer_spec  # noqa: E402
+
+SEQ, VOCAB, BATCH = 256, 128, 2
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    """A gloo world of size 1 with megatron's parallel state, plus the CPU shims."""
+    owns_dist = not dist.is_initialized()
+    tmp = tempfile.TemporaryDirectory(prefix="mtraining-megatron-")
+    if owns_dist:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp.name, 'store')}",
+                                rank=0, world_size=1)
+    shims = apply_cpu_shims()
+    parallel_state.initialize_model_parallel()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        shims.remove()
+        if owns_dist:
+            dist.destroy_process_group()
+        tmp.cleanup()
+
+
+@pytest.fixture(autouse=True)
+def reset_mtraining_config():
+    saved = (mt_attention._MTRAINING_CONFIG, mt_attention._DENSE_LAYERS)
+    yield
+    mt_attention._MTRAINING_CONFIG, mt_attention._DENSE_LAYERS = saved
+
+
+def transformer_config(**overrides) -> TransformerConfig:
+    kwargs = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+        use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, attention_dropout=0.0, hidden_dropout=0.0,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt(layer_spec, seed=1234) -> GPTModel:
+    torch.manual_seed(seed)
+    return GPTModel(config=transformer_config(), transformer_layer_spec=layer_spec, vocab_size=VOCAB,
+                    max_sequence_length=SEQ, position_embedding_type="rope")
+
+
+def batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    # True = masked out; the stock local attention needs it, MTraining is causal by construction.
+    causal_mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    return tokens, position_ids, causal_mask, labels
+
+
+def logits_and_grads(model: GPTModel, data):
+    tokens, position_ids, mask, labels = data
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens, position_ids, mask)
+    loss = model(tokens, position_ids, mask, labels=labels).float().mean()
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), loss.detach(), grads
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def core_attentions(model):
+    return [layer.self_attention.core_attention for layer in model.decoder.layers]
+
+
+# ---------------------------------------------------------------------------- GPTModel end to end
+
+
+def test_dense_mtraining_equals_local_attention(megatron_cpu):
+    reference = build_gpt(get_gpt_layer_local_spec())
+    model = build_gpt(get_gpt_layer_spec(MTrainingConfig(index="dense", block_size=64)))
+    model.load_state_dict(reference.state_dict())
+    assert all(isinstance(m, MTrainingAttention) for m in core_attentions(model))
+    assert not any(isinstance(m, MTrainingAttention) for m in core_attentions(reference))
+
+    data = batch()
+    ref_logits, ref_loss, ref_grads = logits_and_grads(reference, data)
+    logits, loss, grads = logits_and_grads(model, data)
+
+    assert logits.shape == (BATCH, SEQ, VOCAB)
+    assert rel_err(logits, ref_logits) < 1e-5
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+    assert grads.keys() == ref_grads.keys()
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert rel_err(grads[qkv], ref_grads[qkv]) < 1e-5
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < 1e-5, name
+
+
+# top_p=0.9 keeps every block of this small random model; the second config is really sparse.
+@pytest.mark.parametrize("sparse_kwargs", [dict(top_p=0.9), dict(top_p=0.5, max_vertical=32, max_slash=2)])
+def test_vs_index_forward_backward(megatron_cpu, sparse_kwargs):
+    cfg = MTrainingConfig(index="vs", block_size=64, last_q=64, **sparse_kwargs)
+    model = build_gpt(get_gpt_layer_spec(cfg))
+    tokens, position_ids, mask, labels = batch(1)
+    loss = model(tokens, position_ids, mask, labels=labels).float().mean()
+    assert torch.isfinite(loss)
+    loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+    for attn in core_attentions(model):
+        assert attn.last_index is not None and attn.last_index.block_size == 64
+        assert attn.last_index.heads == 4 and attn.last_index.batch == BATCH
+        if cfg.max_slash < SEQ // 64:
+            assert attn.last_index.density(SEQ).mean().item() < 0.9
+
+
+def test_dense_layers_use_dense_index(megatron_cpu):
+    set_mtraining_config(MTrainingConfig(index="vs", top_p=0.5, block_size=64), dense_layers=1)
+    model = build_gpt(get_gpt_layer_spec())
+    first, second = core_attentions(model)
+    assert first.dense and first.index_config.index == "dense"
+    assert not second.dense and second.index_config.index == "vs"
+    tokens, position_ids, mask, _ = batch(2)
+    with torch.no_grad():
+        model(tokens, position_ids, mask)
+    nb = SEQ // 64
+    assert bool((first.last_index.n_slash == nb).all())  # every causal block
+
+
+# ---------------------------------------------------------------------------- constructor / errors
+
+
+def pg_collection_stub():
+    return types.SimpleNamespace(tp=None, cp=None)
+
+
+@pytest.mark.parametrize("keyword", ["pg_collection", "model_comm_pgs"])
+def test_constructor_accepts_both_pg_keywords(keyword):
+    pgs = pg_collection_stub()
+    attn = MTrainingAttention(config=transformer_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                              attention_type="self", cp_comm_type="p2p", softmax_scale=None, **{keyword: pgs})
+    assert attn.pg_collection is pgs
+    assert attn.cp_group() is None  # cp=None: single device
+    assert attn.softmax_scale == pytest.approx(1.0 / 4.0)  # head dim 16
+
+
+def test_constructor_ignores_unknown_kwargs():
+    attn = MTrainingAttention(config=transformer_config(), layer_number=2, attn_mask_type=AttnMaskType.causal,
+                              attention_type="self", some_future_argument=3)
+    assert attn.layer_number == 2
+
+
+def test_module_config_is_read_at_construction():
+    cfg = MTrainingConfig(index="fixed", block_size=128)
+    set_mtraining_config(cfg, dense_layers=0)
+    assert get_mtraining_config() is cfg
+    attn = MTrainingAttention(config=transformer_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                              attention_type="self")
+    set_mtraining_config(MTrainingConfig())
+    assert attn.mtraining_config is cfg
+    with pytest.raises(TypeError):
+        set_mtraining_config({"index": "vs"})
+    with pytest.raises(ValueError):
+        set_mtraining_config(cfg, dense_layers=-1)
+
+
+def make_attention(**config_overrides):
+    return MTrainingAttention(config=transformer_config(**config_overrides), layer_number=1,
+                              attn_mask_type=AttnMaskType.causal, attention_type="self",
+                              pg_collection=pg_collection_stub())
+
+
+def qkv(s=128, b=1, np_=4, ng=2, hn=16):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(s, b, np_, hn, generator=g), torch.randn(s, b, ng, hn, generator=g),
+            torch.randn(s, b, ng, hn, generator=g))
+
+
+def test_forward_single_device_matches_reference():
+    set_mtraining_config(MTrainingConfig(index="dense"))
+    attn = make_attention()
+    q, k, v = qkv()
+    out = attn(q, k, v, None)
+    assert out.shape == (128, 1, 64)
+    # dense causal attention with GQA expanded, [s, b, h, d] -> [b, h, s, d]
+    qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+    kb, vb = kb.repeat_interleave(2, dim=1), vb.repeat_interleave(2, dim=1)
+    ref = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+    assert rel_err(out, ref.permute(2, 0, 1, 3).reshape(128, 1, 64)) < 1e-5
+
+
+def test_forward_rejects_packed_sequences():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="packed"):
+        make_attention()(q, k, v, None, packed_seq_params=object())
+
+
+def test_forward_rejects_attention_bias():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="attention_bias"):
+        make_attention()(q, k, v, None, attention_bias=torch.zeros(1))
+
+
+def test_forward_rejects_non_causal_mask():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="causal"):
+        make_attention()(q, k, v, None, attn_mask_type=AttnMaskType.padding)
+    with pytest.raises(ValueError, match="causal"):
+        MTrainingAttention(config=transformer_config(), layer_number=1, attn_mask_type=AttnMaskType.no_mask,
+                           attention_type="self")
+
+
+def test_attention_dropout_only_rejected_in_training():
+    q, k, v = qkv()
+    attn = make_attention(attention_dropout=0.1)
+    attn.train()
+    with pytest.raises(ValueError, match="dropout"):
+        attn(q, k, v, None)
+    attn.eval()
+    assert attn(q, k, v, None).shape == (128, 1, 64)
+    # an explicit attention_dropout argument overrides the config's
+    explicit = MTrainingAttention(config=transformer_config(attention_dropout=0.1), layer_number=1,
+                                  attn_mask_type=AttnMaskType.causal, attention_type="self",
+                                  attention_dropout=0.0)
+    assert explicit.training and explicit(q, k, v, None).shape == (128, 1, 64)
+
+
+def test_rejects_cross_attention_and_window():
+    with pytest.raises(ValueError, match="self attention"):
+        MTrainingAttention(config=transformer_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                           attention_type="cross")
+    with pytest.raises(ValueError, match="window"):
+        make_attention(window_size=(64, 0))
+
+
+# ---------------------------------------------------------------------------- spec rewrite
+
+
+def test_spec_rewrites_local_spec_and_keeps_the_base():
+    base = get_gpt_layer_local_spec()
+    original = base.submodules.self_attention.submodules.core_attention
+    spec = get_gpt_layer_spec(base_spec=base)
+    assert spec.submodules.self_attention.submodules.core_attention is MTrainingAttention
+    assert base.submodules.self_attention.submodules.core_attention is original  # deep copy
+    assert spec.submodules.self_attention.submodules.linear_qkv is \
+        base.submodules.self_attention.submodules.linear_qkv
+
+
+def test_spec_default_is_local_spec_and_sets_config():
+    cfg = MTrainingConfig(top_p=0.8)
+    spec = get_gpt_layer_spec(cfg, dense_layers=2)
+    assert spec.submodules.self_attention.submodules.core_attention is MTrainingAttention
+    assert get_mtraining_config() is cfg and mt_attention.get_dense_layers() == 2
+
+
+class TEDotProductAttention:  # stand-ins for TE classes: the rewrite must not import TE
+    pass
+
+
+class TELayerNormColumnParallelLinear:
+    pass
+
+
+class TERowParallelLinear:
+    pass
+
+
+@dataclass
+class FakeSelfAttentionSubmodules:
+    linear_qkv: object = None
+    core_attention: object = None
+    linear_proj: object = None
+
+
+@dataclass
+class FakeLayerSubmodules:
+    self_attention: object = None
+    mlp: object = None
+
+
+def fake_te_layer_spec():
+    """The structure of get_gpt_layer_with_transformer_engine_spec(), with dummy TE classes."""
+    return ModuleSpec(
+        module=("megatron.core.transformer.transformer_layer", "TransformerLayer"),
+        submodules=FakeLayerSubmodules(
+            self_attention=ModuleSpec(
+                module=("megatron.core.transformer.attention", "SelfAttention"),
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=FakeSelfAttentionSubmodules(
+                    linear_qkv=TELayerNormColumnParallelLinear,
+                    core_attention=TEDotProductAttention,
+                    linear_proj=TERowParallelLinear,
+                ),
+            ),
+            mlp=ModuleSpec(module=("megatron.core.transformer.mlp", "MLP")),
+        ),
+    )
+
+
+def test_spec_rewrites_te_structure_without_te():
+    base = fake_te_layer_spec()
+    spec = get_gpt_layer_spec(base_spec=base)
+    attn = spec.submodules.self_attention
+    assert attn.submodules.core_attention is MTrainingAttention
+    assert attn.submodules.linear_qkv is TELayerNormColumnParallelLinear  # fused LN-linear kept
+    assert attn.params == {"attn_mask_type": AttnMaskType.causal}
+    assert base.submodules.self_attention.submodules.core_attention is TEDotProductAttention
+
+
+def test_spec_rewrites_every_layer_of_a_block_spec():
+    block = TransformerBlockSubmodules(layer_specs=[fake_te_layer_spec(), get_gpt_layer_local_spec()])
+    spec = get_gpt_layer_spec(base_spec=block)
+    assert isinstance(spec, TransformerBlockSubmodules) and spec is not block
+    for layer in spec.layer_specs:
+        assert layer.submodules.self_attention.submodules.core_attention is MTrainingAttention
+    assert block.layer_specs[0].submodules.self_attention.submodules.core_attention is TEDotProductAttention
+
+
+def test_spec_rejects_non_attention_and_mla_specs():
+    with pytest.raises(ValueError, match="core_attention"):
+        get_gpt_layer_spec(base_spec=ModuleSpec(module=torch.nn.Identity))
+    mla = get_gpt_layer_local_spec(multi_latent_attention=True)
+    with pytest.raises(ValueError, match="MLA"):
+        get_gpt_layer_spec(base_spec=mla)
+
+
+def test_cpu_shims_are_reversible():
+    original = torch.cuda.current_device
+    from megatron.core.tensor_parallel import random as tp_random
+
+    fork = tp_random.CudaRNGStatesTracker.__dict__["fork"]
+    with apply_cpu_shims():
+        assert torch.cuda.current_device() == "cpu"
+        with tp_random.CudaRNGStatesTracker().fork():
+            pass
+    assert torch.cuda.current_device is original
+    assert tp_random.CudaRNGStatesTracker.__dict__["fork"] is fork
+
+
+# ---------------------------------------------------------------------------- context parallel (gloo)
+
+CP_BLOCK = 64
+
+
+def _cp_worker(rank, world_size, cases, data):
+    """One CP rank: for each ``(cfg, state_dict)``, the GPTModel on this rank's tokens in
+    ``cfg.layout`` order. Returns per case the local logits and the loss gradients summed over
+    the CP group. (One spawn for all cases: starting workers dominates the runtime.)"""
+    from megatron.core.models.common.embeddings import rotary_pos_embedding
+
+    from megatron_mtraining.layout import local_positions, shard_sequence
+
+    layout = {}
+
+    def pos_emb_on_this_cp_rank(emb, seq_dim, cp_group):
+        # What the plugin's install() does: slice RoPE in the MTraining layout (here on the CPU).
+        pos = local_positions(emb.shape[seq_dim], layout["name"], cp_group.size(), cp_group.rank(), CP_BLOCK)
+        return emb.index_select(seq_dim, pos.to(emb.device))
+
+    shims = apply_cpu_shims()
+    original_slicer = rotary_pos_embedding.get_pos_emb_on_this_cp_rank
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
+    parallel_state.initialize_model_parallel(context_parallel_size=world_size)
+    try:
+        results = []
+        for cfg, state_dict in cases:
+            layout["name"] = cfg.layout
+            torch.manual_seed(1234)
+            model = GPTModel(config=transformer_config(context_parallel_size=world_size),
+                             transformer_layer_spec=get_gpt_layer_spec(cfg), vocab_size=VOCAB,
+                             max_sequence_length=SEQ, position_embedding_type="rope")
+            model.load_state_dict(state_dict)
+            tokens, position_ids, _, labels = data
+            tokens, position_ids, labels = (shard_sequence(x, 1, cfg.layout, world_size, rank, CP_BLOCK)
+                                            for x in (tokens, position_ids, labels))
+            logits = model(tokens, position_ids, None)
+            loss = model(tokens, position_ids, None, labels=labels).float().sum() / (BATCH * SEQ)
+            loss.backward()
+            grads = {}
+            for name, p in model.named_parameters():
+                dist.all_reduce(p.grad, group=parallel_state.get_context_parallel_group())
+                grads[name] = p.grad
+            results.append((logits.detach(), grads))
+        return results
+    finally:
+        parallel_state.destroy_model_parallel()
+        rotary_pos_embedding.get_pos_emb_on_this_cp_rank = original_slicer
+        shims.remove()
+
+
+def test_context_parallel_2_matches_single_device(megatron_cpu):
+    """CP = 2 (gloo) equals one device: dense index vs the stock local attention in both
+    layouts, and the approximated sparse index vs MTraining on one device (the last case with
+    one CP rank per "node", i.e. through the two-level ring's setup)."""
+    from dist_utils import run_distributed
+
+    from megatron_mtraining.layout import gather_sequence
+
+    data = batch(3)
+    tokens, position_ids, mask, labels = data
+    cases, references = [], []
+    for layout, index, inner in (("striped", "dense", None), ("zigzag", "dense", None),
+                                 ("striped", "vs", None), ("zigzag", "vs", 1)):
+        cfg = MTrainingConfig(index=index, layout=layout, block_size=CP_BLOCK, top_p=0.5, max_slash=2,
+                              max_vertical=32, inner_ring_size=inner)
+        reference = build_gpt(get_gpt_layer_local_spec() if index == "dense" else get_gpt_layer_spec(cfg))
+        ref_logits = reference(tokens, position_ids, mask).detach()
+        reference(tokens, position_ids, mask, labels=labels).float().mean().backward()
+        state = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in reference.state_dict().items()}
+        cases.append((cfg, state))
+        references.append((ref_logits, {name: p.grad for name, p in reference.named_parameters()}))
+
+    results = run_distributed(_cp_worker, 2, cases, data, timeout=120)
+    for i, (cfg, _) in enumerate(cases):
+        what = f"{cfg.layout}/{cfg.index}/inner={cfg.inner_ring_size}"
+        ref_logits, ref_grads = references[i]
+        logits = gather_sequence([r[i][0] for r in results], 1, cfg.layout, CP_BLOCK)
+        assert rel_err(logits, ref_logits) < 1e-5, what
+        for name, ref_grad in ref_grads.items():
+            for r in results:
+                assert rel_err(r[i][1][name], ref_grad) < 1e-5, (what, name)
+
+
+def test_inner_ring_size_counts_cp_ranks_per_node():
+    from megatron_mtraining.integration.attention import inner_ring_size
+
+    assert inner_ring_size([0, 1, 2, 3], None) is None
+    assert inner_ring_size([0, 1, 2, 3], 8) is None  # one node: flat ring
+    assert inner_ring_size([0, 1, 2, 3, 4, 5, 6, 7], 4) == 4
+    assert inner_ring_size([0, 2, 4, 6, 8, 10, 12, 14], 8) == 4  # TP = 2 strides the CP group
+    assert inner_ring_size([0, 8], 8) == 1  # one CP rank per node
+    with pytest.raises(ValueError, match="evenly"):
+        inner_ring_size([0, 1, 2, 8], 8)
