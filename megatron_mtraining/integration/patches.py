@@ -1,0 +1,320 @@
+"""Patches that let an unmodified megatron-core run MTraining context parallelism (DESIGN.md §6).
+
+Megatron splits every batch across context-parallel (CP) ranks in its zigzag layout and slices
+the RoPE frequency table the same way. MTraining's default ``striped`` layout gives rank ``r`` of
+``W`` the global blocks ``r, r+W, ...`` of ``block_size`` tokens, so both splits must follow it:
+
+1. the per-sequence CP batch split (``megatron.core.utils``): in megatron-core <= 0.16 the
+   public ``get_batch_on_this_cp_rank`` itself; in newer versions the dispatcher
+   ``get_batch_on_this_cp_rank`` calls the module global
+   ``_get_batch_on_this_cp_rank_per_sequence_balancing`` at call time, and only that is patched;
+2. the RoPE CP slicing ``get_pos_emb_on_this_cp_rank`` in ``rope_utils`` *and* in every module
+   that imported it by name (``rotary_pos_embedding``, ``yarn_rotary_pos_embedding``, and any
+   other loaded ``megatron.*`` module whose namespace holds the same function object).
+
+``install(config)`` applies them (idempotent: a second call only updates the config the patched
+functions read), ``uninstall()`` restores the exact original objects, ``installed()`` tells.
+Every replaced attribute is logged once at INFO. Every patch is listed in ``PATCHES``.
+
+Install after importing the Megatron modules that import the patched functions by name (for
+example ``megatron.training.utils`` / ``pretrain_gpt``): a module imported later still holds the
+original function. ``validate_megatron_config`` rejects unsupported settings at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import sys
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..config import MTrainingConfig
+from ..layout import check_layout, local_positions
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PATCHES", "Patch", "install", "uninstall", "installed", "validate_megatron_config"]
+
+# Batch entries that carry no sequence dimension to split (packed-sequence / hybrid-CP metadata).
+_NON_SEQUENCE_KEYS = frozenset({"cu_seqlens", "cu_seqlens_padded", "max_seqlen", "local_cp_size",
+                                "hybrid_cp_group"})
+# Modules scanned for by-name imports of a patched function.
+_SCAN_PREFIXES = ("megatron.",)
+_SCAN_NAMES = ("megatron", "__main__")
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One module attribute to replace.
+
+    replacement_factory(original) -> replacement. The replacement reads the installed config at
+    call time (``_current_config()``), so re-installing with another config needs no re-patching.
+    optional: skip (with a DEBUG log) when the attribute does not exist in this Megatron version.
+    unless_attr: skip when the module has this attribute (a newer version patched elsewhere).
+    scan_importers: also replace the attribute in every loaded ``megatron.*`` module whose
+    namespace holds the same original object (imported by name).
+    """
+
+    module_name: str
+    attribute: str
+    replacement_factory: Callable[[Callable], Callable]
+    reason: str
+    optional: bool = False
+    unless_attr: Optional[str] = None
+    scan_importers: bool = False
+
+
+# ------------------------------------------------------------------------------ installed state
+
+_lock = threading.RLock()
+_config: Optional[MTrainingConfig] = None
+# (module, attribute, original, replacement), in the order applied.
+_applied: List[Tuple[Any, str, Any, Any]] = []
+
+
+def _current_config() -> MTrainingConfig:
+    cfg = _config
+    if cfg is None:  # only reachable if someone kept a reference to a replacement after uninstall
+        raise RuntimeError("megatron_mtraining patches are not installed (call install(config))")
+    return cfg
+
+
+def installed() -> bool:
+    """Whether ``install`` is in effect."""
+    return _config is not None
+
+
+# ------------------------------------------------------------------------------ helpers
+
+@functools.lru_cache(maxsize=256)
+def _positions(seq_len: int, layout: str, world_size: int, rank: int, block_size: int) -> torch.Tensor:
+    return local_positions(seq_len, layout, world_size, rank, block_size)
+
+
+def _group_size_rank(cp_group) -> Tuple[int, int]:
+    """CP size and rank from ``cp_group`` (``group.size()`` / ``group.rank()``, as Megatron's RoPE
+    slicer does), or from ``parallel_state`` when it is None (looked up at call time)."""
+    if cp_group is None:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+    return cp_group.size(), cp_group.rank()
+
+
+def _check_seq_len(seq_len: int, layout: str, cp_size: int, block_size: int, what: str) -> None:
+    try:
+        check_layout(seq_len, layout, cp_size, block_size)
+    except ValueError as err:
+        raise ValueError(f"MTraining context parallelism ({what}): {err}. Choose a sequence length "
+                         f"that is a multiple of the layout unit, or another block_size / CP size.") from None
+
+
+def _sequence_tensors(batch: Dict[str, Any]):
+    """(key, tensor, seq_dim) of every batch entry Megatron splits along the sequence:
+    ``attention_mask`` on dim 2, the others (``[b, s]``) on dim 1."""
+    for key, val in batch.items():
+        if val is None or key in _NON_SEQUENCE_KEYS or not isinstance(val, torch.Tensor):
+            continue
+        seq_dim = 2 if key == "attention_mask" else 1
+        if val.dim() <= seq_dim:  # per-sample metadata without a sequence dimension
+            continue
+        yield key, val, seq_dim
+
+
+# ------------------------------------------------------------------------------ replacements
+
+def _make_batch_split(original: Callable) -> Callable:
+    """The per-sequence CP batch split in the configured layout."""
+
+    @functools.wraps(original)
+    def get_batch_on_this_cp_rank_mtraining(batch, cp_group=None, *args, **kwargs):
+        cfg = _current_config()
+        cp_size, cp_rank = _group_size_rank(cp_group)
+        if cp_size <= 1:
+            return original(batch, cp_group, *args, **kwargs)
+        for key, val, seq_dim in _sequence_tensors(batch):
+            _check_seq_len(val.shape[seq_dim], cfg.layout, cp_size, cfg.block_size, f"batch split of {key!r}")
+        if cfg.layout == "zigzag":  # Megatron's own split is the zigzag layout
+            return original(batch, cp_group, *args, **kwargs)
+        for key, val, seq_dim in list(_sequence_tensors(batch)):
+            pos = _positions(val.shape[seq_dim], cfg.layout, cp_size, cp_rank, cfg.block_size)
+            batch[key] = val.index_select(seq_dim, pos.to(val.device))
+        return batch
+
+    get_batch_on_this_cp_rank_mtraining.__mtraining_patch__ = True
+    return get_batch_on_this_cp_rank_mtraining
+
+
+def _make_pos_emb_slicer(original: Callable) -> Callable:
+    """RoPE table rows of this CP rank's tokens, in the configured layout (device-agnostic)."""
+
+    @functools.wraps(original)
+    def get_pos_emb_on_this_cp_rank_mtraining(pos_emb, seq_dim, cp_group=None, *args, **kwargs):
+        cfg = _current_config()
+        cp_size, cp_rank = _group_size_rank(cp_group)
+        if cp_size <= 1:
+            return pos_emb
+        seq_len = pos_emb.shape[seq_dim]
+        _check_seq_len(seq_len, cfg.layout, cp_size, cfg.block_size, "RoPE table slicing")
+        pos = _positions(seq_len, cfg.layout, cp_size, cp_rank, cfg.block_size)
+        return pos_emb.index_select(seq_dim, pos.to(pos_emb.device))
+
+    get_pos_emb_on_this_cp_rank_mtraining.__mtraining_patch__ = True
+    return get_pos_emb_on_this_cp_rank_mtraining
+
+
+_ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
+_BATCH_REASON = ("per-sequence CP batch split: tokens/labels/loss_mask/position_ids (dim 1) and "
+                 "attention_mask (dim 2) follow the MTraining layout instead of Megatron's zigzag")
+_ROPE_REASON = "RoPE CP slicing: each rank takes the RoPE rows of its own tokens in the MTraining layout"
+
+PATCHES: Tuple[Patch, ...] = (
+    # megatron-core >= 0.17-ish: the dispatcher calls this module global at call time.
+    Patch("megatron.core.utils", "_get_batch_on_this_cp_rank_per_sequence_balancing", _make_batch_split,
+          _BATCH_REASON, optional=True),
+    # megatron-core <= 0.16: the public function does the zigzag split itself.
+    Patch("megatron.core.utils", "get_batch_on_this_cp_rank", _make_batch_split, _BATCH_REASON,
+          unless_attr="_get_batch_on_this_cp_rank_per_sequence_balancing", scan_importers=True),
+    Patch(_ROPE_UTILS, "get_pos_emb_on_this_cp_rank", _make_pos_emb_slicer, _ROPE_REASON, scan_importers=True),
+    Patch("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank",
+          _make_pos_emb_slicer, _ROPE_REASON + " (imported by name)"),
+    Patch("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank",
+          _make_pos_emb_slicer, _ROPE_REASON + " (imported by name)", optional=True),
+)
+
+
+# ------------------------------------------------------------------------------ install / uninstall
+
+def _import_optional(name: str, optional: bool):
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        if optional:
+            return None
+        raise
+
+
+def _importers(original: Any, skip: Any) -> List[Any]:
+    """Loaded megatron modules (other than ``skip``) whose namespace holds ``original``."""
+    found = []
+    for name, mod in list(sys.modules.items()):
+        if mod is None or mod is skip or not (name in _SCAN_NAMES or name.startswith(_SCAN_PREFIXES)):
+            continue
+        found.append(mod)
+    return [m for m in found if any(v is original for v in list(vars(m).values()))]
+
+
+def _replace(module, attribute: str, original, replacement, reason: str, done: Dict[Tuple[int, str], bool]):
+    key = (id(module), attribute)
+    if key in done:
+        return
+    done[key] = True
+    setattr(module, attribute, replacement)
+    _applied.append((module, attribute, original, replacement))
+    logger.info("megatron_mtraining: replaced %s.%s (%s)", module.__name__, attribute, reason)
+
+
+def install(config: MTrainingConfig) -> None:
+    """Apply every patch of ``PATCHES`` for ``config``. Idempotent: when already installed, only
+    the config the patched functions read is updated (and logged if it changed)."""
+    global _config
+    if not isinstance(config, MTrainingConfig):
+        raise TypeError(f"install() needs an MTrainingConfig, got {type(config).__name__}")
+    with _lock:
+        if _config is not None:
+            if config != _config:
+                logger.info("megatron_mtraining: patches already installed; config updated to layout=%s "
+                            "block_size=%d", config.layout, config.block_size)
+            _config = config
+            return
+        done: Dict[Tuple[int, str], bool] = {}
+        try:
+            for patch in PATCHES:
+                module = _import_optional(patch.module_name, patch.optional)
+                if module is None or (patch.unless_attr and hasattr(module, patch.unless_attr)):
+                    continue
+                if not hasattr(module, patch.attribute):
+                    if patch.optional:
+                        logger.debug("megatron_mtraining: %s.%s not present, patch skipped",
+                                     patch.module_name, patch.attribute)
+                        continue
+                    raise RuntimeError(f"megatron_mtraining: cannot patch {patch.module_name}.{patch.attribute}: "
+                                       f"not found in this megatron-core version")
+                original = getattr(module, patch.attribute)
+                if getattr(original, "__mtraining_patch__", False):
+                    continue  # already replaced through another entry (same function object)
+                replacement = patch.replacement_factory(original)
+                _replace(module, patch.attribute, original, replacement, patch.reason, done)
+                if patch.scan_importers:
+                    for other in _importers(original, module):
+                        for attr, val in list(vars(other).items()):
+                            if val is original:
+                                _replace(other, attr, original, replacement,
+                                         f"{patch.reason}; imported by name from {patch.module_name}", done)
+        except BaseException:
+            _restore()
+            raise
+        _config = config
+
+
+def _restore() -> None:
+    while _applied:
+        module, attribute, original, replacement = _applied.pop()
+        current = getattr(module, attribute, None)
+        if current is not replacement:
+            logger.warning("megatron_mtraining: %s.%s was changed by someone else after install; "
+                           "restoring the original anyway", module.__name__, attribute)
+        setattr(module, attribute, original)
+        logger.info("megatron_mtraining: restored %s.%s", module.__name__, attribute)
+
+
+def uninstall() -> None:
+    """Restore every attribute ``install`` replaced (the exact original objects). Safe to repeat."""
+    global _config
+    with _lock:
+        _restore()
+        _config = None
+
+
+# ------------------------------------------------------------------------------ validation
+
+def validate_megatron_config(transformer_config, mtraining_config: MTrainingConfig,
+                             seq_length: Optional[int] = None, cp_size: Optional[int] = None) -> None:
+    """Start-up check of a Megatron ``TransformerConfig`` for MTraining; one ValueError listing
+    every problem. ``cp_size`` defaults to ``transformer_config.context_parallel_size``;
+    the sequence-length check runs when ``seq_length`` is given."""
+    problems: List[str] = []
+    if cp_size is None:
+        cp_size = int(getattr(transformer_config, "context_parallel_size", 1) or 1)
+    layout, block = mtraining_config.layout, mtraining_config.block_size
+    if seq_length is not None:
+        unit = block * cp_size * (2 if layout == "zigzag" else 1)
+        if seq_length % unit:
+            what = "block_size * CP" if layout == "striped" else "2 * CP * block_size"
+            problems.append(f"seq_length {seq_length} is not divisible by {what} = {unit} "
+                            f"({layout} layout, block_size {block}, CP {cp_size})")
+    dropout = getattr(transformer_config, "attention_dropout", 0.0)
+    if dropout:
+        problems.append(f"attention_dropout must be 0 (MTraining sparse attention has no dropout), got {dropout}")
+    hcp = getattr(transformer_config, "hierarchical_context_parallel_sizes", None)
+    if hcp:
+        problems.append(f"hierarchical context parallelism (hierarchical_context_parallel_sizes={hcp}) is not "
+                        f"supported; use MTraining's inner_ring_size for a two-level ring")
+    mtp = getattr(transformer_config, "mtp_num_layers", None)
+    if mtp and cp_size > 1:
+        problems.append(f"multi-token prediction (mtp_num_layers={mtp}) with context parallelism (CP {cp_size}) "
+                        f"is not supported yet")
+    if hasattr(transformer_config, "cp_comm_type"):
+        comm = transformer_config.cp_comm_type
+        comms = comm if isinstance(comm, (list, tuple)) else [comm]
+        bad = [c for c in comms if c not in (None, "p2p")]
+        if bad:
+            problems.append(f"cp_comm_type={comm!r}: Transformer Engine's context-parallel options are not used "
+                            f"by MTraining attention (it runs its own ring); leave cp_comm_type unset or 'p2p'")
+    if problems:
+        raise ValueError("MTraining cannot run with this Megatron configuration:\n  - " + "\n  - ".join(problems))

@@ -1,0 +1,318 @@
+"""install()/uninstall() of the Megatron patches (CPU, no process groups: CP size/rank mocked)."""
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core import utils as core_utils  # noqa: E402
+from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding  # noqa: E402
+
+from megatron_mtraining.config import MTrainingConfig  # noqa: E402
+from megatron_mtraining.integration import patches  # noqa: E402
+from megatron_mtraining.layout import local_positions, shard_sequence  # noqa: E402
+
+try:
+    from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
+except ImportError:  # pragma: no cover
+    yarn_rotary_pos_embedding = None
+
+BLOCK = 64
+NEW_BATCH_NAME = "_get_batch_on_this_cp_rank_per_sequence_balancing"
+BATCH_ATTR = NEW_BATCH_NAME if hasattr(core_utils, NEW_BATCH_NAME) else "get_batch_on_this_cp_rank"
+ROPE_MODULES = [m for m in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding)
+                if m is not None and hasattr(m, "get_pos_emb_on_this_cp_rank")]
+
+
+@pytest.fixture(autouse=True)
+def clean_install():
+    patches.uninstall()
+    yield
+    patches.uninstall()
+
+
+def cfg(**kw):
+    return MTrainingConfig(block_size=BLOCK, **kw)
+
+
+def snapshot():
+    snap = {(m.__name__, "get_pos_emb_on_this_cp_rank"): m.get_pos_emb_on_this_cp_rank for m in ROPE_MODULES}
+    snap[(core_utils.__name__, BATCH_ATTR)] = getattr(core_utils, BATCH_ATTR)
+    return snap
+
+
+def current(snap):
+    return {k: getattr(sys.modules[k[0]], k[1]) for k in snap}
+
+
+def mock_cp(monkeypatch, size, rank):
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: size)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: rank)
+
+
+class FakeGroup:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+# ------------------------------------------------------------------------------ install / uninstall
+
+def test_install_uninstall_restores_identity():
+    before = snapshot()
+    assert not patches.installed()
+    patches.install(cfg())
+    assert patches.installed()
+    after = current(before)
+    for key, fn in after.items():
+        assert fn is not before[key], f"{key} not patched"
+    # rope_utils and its by-name importers share one replacement
+    assert len({id(m.get_pos_emb_on_this_cp_rank) for m in ROPE_MODULES}) == 1
+    patches.uninstall()
+    assert not patches.installed()
+    for key, fn in current(before).items():
+        assert fn is before[key], f"{key} not restored"
+    patches.uninstall()  # repeat is harmless
+    assert all(fn is before[k] for k, fn in current(before).items())
+
+
+def test_install_is_idempotent_and_logs_once(caplog):
+    before = snapshot()
+    with caplog.at_level(logging.INFO, logger=patches.__name__):
+        patches.install(cfg())
+        first = current(before)
+        n_logs = len([r for r in caplog.records if "replaced" in r.getMessage()])
+        patches.install(cfg())
+        assert current(before) == first
+        assert len([r for r in caplog.records if "replaced" in r.getMessage()]) == n_logs
+    replaced = [r.getMessage() for r in caplog.records if "replaced" in r.getMessage()]
+    assert n_logs >= len(before)  # plus any other module that imported a patched function by name
+    for name, attr in before:
+        assert sum(f"{name}.{attr} " in msg for msg in replaced) == 1, (name, attr)
+    assert all(r.levelno == logging.INFO for r in caplog.records if "replaced" in r.getMessage())
+    patches.uninstall()
+    assert all(fn is before[k] for k, fn in current(before).items())
+
+
+def test_reinstall_updates_config(monkeypatch):
+    patches.install(cfg(layout="zigzag"))
+    patches.install(cfg(layout="striped"))
+    mock_cp(monkeypatch, 2, 1)
+    emb = torch.arange(256.0).reshape(256, 1, 1, 1)
+    out = rotary_pos_embedding.get_pos_emb_on_this_cp_rank(emb, 0, None)
+    assert torch.equal(out.flatten().long(), local_positions(256, "striped", 2, 1, BLOCK))
+
+
+def test_scan_patches_other_by_name_importers():
+    original = rope_utils.get_pos_emb_on_this_cp_rank
+    fake = types.ModuleType("megatron.core._mtraining_fake_importer")
+    fake.slicer = original
+    sys.modules[fake.__name__] = fake
+    try:
+        patches.install(cfg())
+        assert fake.slicer is rope_utils.get_pos_emb_on_this_cp_rank is not original
+        patches.uninstall()
+        assert fake.slicer is original
+    finally:
+        del sys.modules[fake.__name__]
+
+
+# ------------------------------------------------------------------------------ batch split
+
+def make_batch(b=2, s=256):
+    return {
+        "tokens": torch.arange(b * s).reshape(b, s),
+        "labels": torch.arange(b * s).reshape(b, s) + 1000,
+        "loss_mask": torch.rand(b, s),
+        "position_ids": torch.arange(s).repeat(b, 1),
+        "attention_mask": torch.rand(b, 1, s, s) > 0.5,
+    }
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_batch_split_is_striped(monkeypatch, rank):
+    mock_cp(monkeypatch, 2, rank)
+    full = make_batch()
+    patches.install(cfg(layout="striped"))
+    out = core_utils.get_batch_on_this_cp_rank(dict(full))
+    for key, val in full.items():
+        dim = 2 if key == "attention_mask" else 1
+        assert torch.equal(out[key], shard_sequence(val, dim, "striped", 2, rank, BLOCK)), key
+    assert out["attention_mask"].shape == (2, 1, 128, 256)
+
+
+def test_batch_split_with_cp_group(monkeypatch):
+    mock_cp(monkeypatch, 1, 0)  # must not be used when a group is passed
+    full = make_batch()
+    patches.install(cfg(layout="striped"))
+    out = core_utils.get_batch_on_this_cp_rank(dict(full), cp_group=FakeGroup(4, 3))
+    assert torch.equal(out["tokens"], shard_sequence(full["tokens"], 1, "striped", 4, 3, BLOCK))
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_batch_split_zigzag_keeps_megatron(monkeypatch, rank):
+    mock_cp(monkeypatch, 2, rank)
+    full = make_batch()
+    expected = core_utils.get_batch_on_this_cp_rank(dict(full))  # Megatron's own split
+    patches.install(cfg(layout="zigzag"))
+    out = core_utils.get_batch_on_this_cp_rank(dict(full))
+    for key in full:
+        assert torch.equal(out[key], expected[key]), key
+        dim = 2 if key == "attention_mask" else 1
+        assert torch.equal(out[key], shard_sequence(full[key], dim, "zigzag", 2, rank, BLOCK)), key
+
+
+@pytest.mark.parametrize("layout,s", [("striped", 192), ("zigzag", 192)])
+def test_batch_split_rejects_indivisible_length(monkeypatch, layout, s):
+    mock_cp(monkeypatch, 2, 0)
+    patches.install(cfg(layout=layout))
+    with pytest.raises(ValueError, match="not divisible"):
+        core_utils.get_batch_on_this_cp_rank(make_batch(s=s))
+
+
+def test_batch_split_cp1_unchanged(monkeypatch):
+    mock_cp(monkeypatch, 1, 0)
+    full = make_batch(s=100)
+    patches.install(cfg())
+    out = core_utils.get_batch_on_this_cp_rank(dict(full))
+    assert all(torch.equal(out[k], full[k]) for k in full)
+
+
+def test_batch_split_skips_metadata(monkeypatch):
+    mock_cp(monkeypatch, 2, 1)
+    batch = make_batch()
+    batch["dataset_id"] = torch.zeros(2, dtype=torch.long)
+    batch["cu_seqlens"] = None
+    patches.install(cfg())
+    out = core_utils.get_batch_on_this_cp_rank(batch)
+    assert out["dataset_id"].shape == (2,) and out["cu_seqlens"] is None
+    assert out["tokens"].shape == (2, 128)
+
+
+# ------------------------------------------------------------------------------ RoPE
+
+@pytest.mark.parametrize("layout", ["striped", "zigzag"])
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_rope_slicing_follows_layout(layout, rank):
+    patches.install(cfg(layout=layout))
+    emb = torch.randn(512, 1, 1, 8)
+    pos = local_positions(512, layout, 4, rank, BLOCK)
+    for mod in ROPE_MODULES:
+        out = mod.get_pos_emb_on_this_cp_rank(emb, 0, FakeGroup(4, rank))
+        assert out.device == emb.device
+        assert torch.equal(out, emb[pos]), mod.__name__
+    # other seq_dim
+    out = rotary_pos_embedding.get_pos_emb_on_this_cp_rank(emb.transpose(0, 3), 3, FakeGroup(4, rank))
+    assert torch.equal(out, emb.transpose(0, 3)[..., pos])
+
+
+def test_rotary_embedding_forward_uses_patch():
+    """RotaryEmbedding.forward looks the slicer up in its own module: the patch reaches it."""
+    from megatron_mtraining.integration.cpu_shims import apply_cpu_shims
+
+    with apply_cpu_shims():  # RoPE calls torch.cuda.current_device()
+        rope = rotary_pos_embedding.RotaryEmbedding(kv_channels=8, rotary_percent=1.0,
+                                                    use_cpu_initialization=True)
+        full = rope(256)
+        patches.install(cfg())
+        local = rope(256, cp_group=FakeGroup(2, 1))
+    assert torch.equal(local, full[local_positions(256, "striped", 2, 1, BLOCK)])
+
+
+def test_yarn_module_patched():
+    if yarn_rotary_pos_embedding is None or not hasattr(yarn_rotary_pos_embedding, "get_pos_emb_on_this_cp_rank"):
+        pytest.skip("YaRN module does not import get_pos_emb_on_this_cp_rank")
+    original = yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank
+    patches.install(cfg())
+    assert yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank is not original
+    patches.uninstall()
+    assert yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank is original
+
+
+def test_rope_rejects_indivisible_length():
+    patches.install(cfg())
+    with pytest.raises(ValueError, match="RoPE"):
+        rotary_pos_embedding.get_pos_emb_on_this_cp_rank(torch.randn(200, 1, 1, 8), 0, FakeGroup(2, 0))
+
+
+# ------------------------------------------------------------------------------ validation
+
+def tcfg(**kw):
+    base = dict(attention_dropout=0.0, hierarchical_context_parallel_sizes=None, mtp_num_layers=None,
+                cp_comm_type=None, context_parallel_size=2)
+    base.update(kw)
+    return types.SimpleNamespace(**base)
+
+
+def test_validate_accepts_good_config():
+    patches.validate_megatron_config(tcfg(), cfg(), seq_length=256)
+    patches.validate_megatron_config(tcfg(cp_comm_type="p2p"), cfg(layout="zigzag"), seq_length=256)
+    patches.validate_megatron_config(types.SimpleNamespace(), cfg(), seq_length=128, cp_size=2)
+
+
+def test_validate_with_real_transformer_config():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    tc = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, attention_dropout=0.0,
+                           use_cpu_initialization=True)
+    patches.validate_megatron_config(tc, cfg(), seq_length=128, cp_size=2)
+    with pytest.raises(ValueError, match="attention_dropout"):
+        patches.validate_megatron_config(TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4),
+                                         cfg(), seq_length=128)
+
+
+@pytest.mark.parametrize("kw,seq,layout,match", [
+    ({}, 192, "striped", r"block_size \* CP = 128"),
+    ({}, 384, "zigzag", r"2 \* CP \* block_size = 256"),
+    ({"attention_dropout": 0.1}, 256, "striped", "attention_dropout"),
+    ({"hierarchical_context_parallel_sizes": [2, 1]}, 256, "striped", "hierarchical"),
+    ({"mtp_num_layers": 1}, 256, "striped", "mtp_num_layers"),
+    ({"cp_comm_type": "a2a"}, 256, "striped", "Transformer Engine"),
+    ({"cp_comm_type": ["p2p", "all_gather"]}, 256, "striped", "Transformer Engine"),
+])
+def test_validate_errors(kw, seq, layout, match):
+    with pytest.raises(ValueError, match=match):
+        patches.validate_megatron_config(tcfg(**kw), cfg(layout=layout), seq_length=seq)
+
+
+def test_validate_mtp_ok_without_cp():
+    patches.validate_megatron_config(tcfg(mtp_num_layers=1, context_parallel_size=1), cfg(), seq_length=64)
+
+
+def test_validate_lists_every_problem():
+    with pytest.raises(ValueError) as err:
+        patches.validate_megatron_config(tcfg(attention_dropout=0.1, cp_comm_type="a2a"), cfg(), seq_length=100)
+    msg = str(err.value)
+    assert "attention_dropout" in msg and "Transformer Engine" in msg and "not divisible" in msg
+
+
+def test_newer_megatron_patches_per_sequence_balancing_only(monkeypatch):
+    """megatron-core >= 0.17 layout: the dispatcher stays, its per-sequence helper is replaced."""
+    calls = []
+
+    def per_sequence_balancing(batch, cp_group=None):
+        calls.append(cp_group)
+        return batch
+
+    public = core_utils.get_batch_on_this_cp_rank
+    monkeypatch.setattr(core_utils, NEW_BATCH_NAME, per_sequence_balancing, raising=False)
+    mock_cp(monkeypatch, 2, 1)
+    patches.install(cfg())
+    assert core_utils.get_batch_on_this_cp_rank is public
+    helper = getattr(core_utils, NEW_BATCH_NAME)
+    assert helper is not per_sequence_balancing
+    full = make_batch()
+    out = helper(dict(full), None)
+    assert torch.equal(out["tokens"], shard_sequence(full["tokens"], 1, "striped", 2, 1, BLOCK))
+    patches.uninstall()
+    assert getattr(core_utils, NEW_BATCH_NAME) is per_sequence_balancing
