@@ -83,12 +83,14 @@ def main(argv=None) -> int:
     install(cfg)  # RoPE tables sliced in the MTraining layout
     parallel_state.initialize_model_parallel(context_parallel_size=world)
     torch.manual_seed(args.seed)
+    if use_cuda:  # megatron-core's CUDA RNG tracker (the CPU shims stand in for it on CPUs)
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(args.seed)
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups, context_parallel_size=world, use_cpu_initialization=True,
         gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, attention_dropout=0.0, hidden_dropout=0.0,
-        bf16=use_cuda, params_dtype=torch.bfloat16 if use_cuda else torch.float32)
+        apply_rope_fusion=False, attention_dropout=0.0, hidden_dropout=0.0)  # fp32: no optimizer wrapper needed
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_spec(cfg), vocab_size=args.vocab_size,
                      max_sequence_length=seq, position_embedding_type="rope").to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
