@@ -23,8 +23,8 @@ def _load():
         _module = _C
     except ImportError as exc:  # not built: the PyTorch reference stands in
         _error = str(exc)
-        logger.info("megatron_mtraining: compiled extension _C not available (%s); "
-                    "using the PyTorch index conversion", exc)
+        logger.warning("megatron_mtraining: compiled extension _C not available (%s); "
+                       "using the PyTorch index conversion", exc)
 
 
 def module():

@@ -71,7 +71,7 @@ class _SparseAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         d_out = d_out.contiguous()
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        delta = (d_out.to(acc) * out.to(acc)).sum(-1).to(torch.float32 if acc == torch.float32 else acc)
+        delta = (d_out.to(acc) * out.to(acc)).sum(-1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)
