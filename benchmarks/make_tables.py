@@ -244,6 +244,9 @@ def render_approx(results: List[Result]) -> str:
                   "time against sparse attention forward+backward of the same layer with its index.",
                   table(["device", "S", "approximator ms", "sparse attention fwd+bwd ms", "overhead",
                          "density"], overhead_rows)]
+    plots = [data["plot"] for _, data in results if data.get("plot")]
+    if plots:
+        parts.append("Recall against density per head: " + ", ".join(f"`{p}`" for p in plots) + ".")
     parts.append(source_line(results))
     return "\n\n".join(parts)
 
