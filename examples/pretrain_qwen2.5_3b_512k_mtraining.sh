@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# Pretrain (or continue pretraining) a Qwen2.5-3B-architecture GPT at 512K tokens per sequence
+# with MTraining dynamic sparse context-parallel attention.
+#
+# Model: 36 layers, hidden 2048, FFN 11008 (SwiGLU), 16 query heads / 2 KV groups (head dim 128),
+# RMSNorm, QKV bias, untied embeddings, vocab 151936. Sequence length 524288 (512K), context
+# parallelism over ALL GPUs (CP = GPUS_PER_NODE * NNODES), micro batch 1, bf16, full recompute,
+# striped layout, top-p 0.9, block size 64; two-level (hierarchical) ring when NNODES > 1.
+#
+# Requirements:
+#   - a Megatron-LM checkout of branch core_r0.19.x (the folder with pretrain_gpt.py), in $MEGATRON_LM
+#   - this plugin installed in the same Python environment:
+#       pip install --no-build-isolation -e <path to this repo>
+#   - real data: a Megatron indexed dataset (prefix in $DATA_PATH, built with
+#     $MEGATRON_LM/tools/preprocess_data.py) and a Hugging Face tokenizer ($TOKENIZER_MODEL,
+#     e.g. Qwen/Qwen2.5-3B or a local folder); without $DATA_PATH it trains on --mock-data.
+#
+# Run (one node, 8 GPUs):
+#   MEGATRON_LM=/path/to/Megatron-LM bash examples/pretrain_qwen2.5_3b_512k_mtraining.sh
+# Multi-node: set NNODES, NODE_RANK, MASTER_ADDR (and GPUS_PER_NODE) on every node.
+# Extra arguments are appended to the Megatron command line (later flags win), e.g. --train-iters 100.
+set -euo pipefail
+
+# ---- distributed setup (defaults: one node) ----
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-localhost}
+MASTER_PORT=${MASTER_PORT:-6000}
+WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
+
+# ---- Megatron-LM checkout ----
+if [[ -z "${MEGATRON_LM:-}" ]]; then
+    echo "error: MEGATRON_LM is not set; point it at a Megatron-LM core_r0.19.x checkout (the folder containing pretrain_gpt.py)" >&2
+    exit 1
+fi
+if [[ ! -f "$MEGATRON_LM/pretrain_gpt.py" ]]; then
+    echo "error: MEGATRON_LM=$MEGATRON_LM does not contain pretrain_gpt.py; point it at a Megatron-LM core_r0.19.x checkout" >&2
+    exit 1
+fi
+export PYTHONPATH="$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+
+# ---- run configuration ----
+SEQ_LENGTH=${SEQ_LENGTH:-524288}
+GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-8}
+TRAIN_ITERS=${TRAIN_ITERS:-1000}
+CHECKPOINT_PATH=${CHECKPOINT_PATH:-checkpoints/qwen2.5_3b_512k_mtraining}
+LOG_INTERVAL=${LOG_INTERVAL:-1}
+MTRAINING_LOG_INTERVAL=${MTRAINING_LOG_INTERVAL:-10}
+# Qwen2.5 was pretrained with rope base 1e6 at 32K; YaRN stretches it 16x to 512K.
+YARN_ORIGINAL_MAX_POSITIONS=${YARN_ORIGINAL_MAX_POSITIONS:-32768}
+YARN_SCALING_FACTOR=${YARN_SCALING_FACTOR:-$((SEQ_LENGTH / YARN_ORIGINAL_MAX_POSITIONS))}
+
+DISTRIBUTED_ARGS=(
+    --nproc_per_node "$GPUS_PER_NODE"
+    --nnodes "$NNODES"
+    --node_rank "$NODE_RANK"
+    --master_addr "$MASTER_ADDR"
+    --master_port "$MASTER_PORT"
+)
+
+MODEL_ARGS=(
+    --num-layers 36
+    --hidden-size 2048
+    --ffn-hidden-size 11008
+    --num-attention-heads 16
+    --group-query-attention
+    --num-query-groups 2
+    --kv-channels 128
+    --swiglu
+    --normalization RMSNorm
+    --norm-epsilon 1e-6
+    --disable-bias-linear
+    --add-qkv-bias
+    --untie-embeddings-and-output-weights
+    --seq-length "$SEQ_LENGTH"
+    --max-position-embeddings "$SEQ_LENGTH"
+    # RoPE + YaRN as exposed by Megatron-LM core_r0.19.x: --position-embedding-type yarn with
+    # --rotary-scaling-factor (becomes TransformerConfig.yarn_rotary_scaling_factor) and
+    # --yarn-original-max-position-embeddings. For plain RoPE use --position-embedding-type rope.
+    --position-embedding-type yarn
+    --rotary-base 1000000
+    --rotary-scaling-factor "$YARN_SCALING_FACTOR"
+    --yarn-original-max-position-embeddings "$YARN_ORIGINAL_MAX_POSITIONS"
+    --attention-dropout 0
+    --hidden-dropout 0
+    --init-method-std 0.02
+    --transformer-impl local          # Transformer Engine is optional: MTraining replaces core attention
+)
+
+TRAINING_ARGS=(
+    --micro-batch-size 1
+    --global-batch-size "$GLOBAL_BATCH_SIZE"
+    --train-iters "$TRAIN_ITERS"
+    --lr 1e-5
+    --min-lr 1e-6
+    --lr-decay-style cosine
+    --lr-warmup-iters 50
+    --weight-decay 0.1
+    --adam-beta2 0.95
+    --clip-grad 1.0
+    --bf16
+    --recompute-granularity full
+    --recompute-method uniform
+    --recompute-num-layers 1
+    --no-gradient-accumulation-fusion   # needs apex; harmless to drop when apex is installed
+    --use-distributed-optimizer
+)
+
+PARALLEL_ARGS=(
+    --tensor-model-parallel-size 1
+    --pipeline-model-parallel-size 1
+    --context-parallel-size "$WORLD_SIZE"
+    --cp-comm-type p2p
+)
+
+MTRAINING_ARGS=(
+    --mtraining
+    --mtraining-top-p 0.9
+    --mtraining-layout striped
+    --mtraining-block-size 64
+    --mtraining-log-interval "$MTRAINING_LOG_INTERVAL"
+)
+# Hierarchical ring across nodes: inner ring = the GPUs of one node.
+if (( NNODES > 1 )); then
+    MTRAINING_ARGS+=(--mtraining-inner-ring-size "${MTRAINING_INNER_RING_SIZE:-$GPUS_PER_NODE}")
+fi
+
+if [[ -n "${DATA_PATH:-}" ]]; then
+    if [[ -z "${TOKENIZER_MODEL:-}" ]]; then
+        echo "error: DATA_PATH is set but TOKENIZER_MODEL is not (a Hugging Face tokenizer name or folder, e.g. Qwen/Qwen2.5-3B)" >&2
+        exit 1
+    fi
+    DATA_ARGS=(
+        --data-path "$DATA_PATH"
+        --split 99,1,0
+        --tokenizer-type HuggingFaceTokenizer
+        --tokenizer-model "$TOKENIZER_MODEL"
+    )
+else
+    DATA_ARGS=(
+        --mock-data
+        --tokenizer-type NullTokenizer
+        --vocab-size 151936
+    )
+fi
+
+LOGGING_ARGS=(
+    --log-interval "$LOG_INTERVAL"
+    --log-throughput
+    --save-interval 500
+    --eval-interval 1000
+    --eval-iters 0
+    --save "$CHECKPOINT_PATH"
+    --load "$CHECKPOINT_PATH"
+    --tensorboard-dir "$CHECKPOINT_PATH/tensorboard"
+)
+
+torchrun "${DISTRIBUTED_ARGS[@]}" -m megatron_mtraining.launch "$MEGATRON_LM/pretrain_gpt.py" \
+    "${MODEL_ARGS[@]}" \
+    "${TRAINING_ARGS[@]}" \
+    "${PARALLEL_ARGS[@]}" \
+    "${MTRAINING_ARGS[@]}" \
+    "${DATA_ARGS[@]}" \
+    "${LOGGING_ARGS[@]}" \
+    "$@"
