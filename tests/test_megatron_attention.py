@@ -384,25 +384,15 @@ def _cp_worker(rank, world_size, cases, data):
     """One CP rank: for each ``(cfg, state_dict)``, the GPTModel on this rank's tokens in
     ``cfg.layout`` order. Returns per case the local logits and the loss gradients summed over
     the CP group. (One spawn for all cases: starting workers dominates the runtime.)"""
-    from megatron.core.models.common.embeddings import rotary_pos_embedding
-
-    from megatron_mtraining.layout import local_positions, shard_sequence
-
-    layout = {}
-
-    def pos_emb_on_this_cp_rank(emb, seq_dim, cp_group):
-        # What the plugin's install() does: slice RoPE in the MTraining layout (here on the CPU).
-        pos = local_positions(emb.shape[seq_dim], layout["name"], cp_group.size(), cp_group.rank(), CP_BLOCK)
-        return emb.index_select(seq_dim, pos.to(emb.device))
+    from megatron_mtraining.integration import patches
+    from megatron_mtraining.layout import shard_sequence
 
     shims = apply_cpu_shims()
-    original_slicer = rotary_pos_embedding.get_pos_emb_on_this_cp_rank
-    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
     parallel_state.initialize_model_parallel(context_parallel_size=world_size)
     try:
         results = []
         for cfg, state_dict in cases:
-            layout["name"] = cfg.layout
+            patches.install(cfg)  # RoPE tables sliced in cfg.layout (a new config replaces the old)
             torch.manual_seed(1234)
             model = GPTModel(config=transformer_config(context_parallel_size=world_size),
                              transformer_layer_spec=get_gpt_layer_spec(cfg), vocab_size=VOCAB,
@@ -422,7 +412,7 @@ def _cp_worker(rank, world_size, cases, data):
         return results
     finally:
         parallel_state.destroy_model_parallel()
-        rotary_pos_embedding.get_pos_emb_on_this_cp_rank = original_slicer
+        patches.uninstall()
         shims.remove()
 
 
