@@ -75,15 +75,14 @@ def _budget_select(scores: torch.Tensor, values: torch.Tensor, positions: torch.
     n_mandatory = mandatory.sum(-1)
     available = (values > 0).sum(-1).clamp_min(n_mandatory)  # never select zero-mass padding
     count = torch.maximum(budget, n_mandatory).clamp(min=max(lo, 1), max=hi)
-    count = torch.minimum(count, torch.minimum(available, torch.full_like(available, capacity))).clamp_min(
-        n_mandatory.clamp(max=capacity))
-    width = min(capacity, ranked_positions.shape[-1])
-    chosen = ranked_positions[..., :width]
+    count = torch.minimum(count, available.clamp(max=capacity)).clamp_min(n_mandatory.clamp(max=capacity))
+    width = min(capacity, ranked_positions.shape[-1])  # count <= width
     keep = torch.arange(width, device=values.device) < count[..., None]
-    big = torch.iinfo(torch.int64).max
-    chosen = torch.sort(torch.where(keep, chosen, torch.full_like(chosen, big)), dim=-1).values
+    # The first `count` ranked positions, in ascending order, then zero padding.
+    chosen = torch.where(keep, ranked_positions[..., :width], torch.iinfo(torch.int64).max)
+    chosen = torch.where(keep, torch.sort(chosen, dim=-1).values, 0)
     out = torch.zeros(*values.shape[:-1], capacity, dtype=torch.int32, device=values.device)
-    out[..., :width] = torch.where(keep.sort(dim=-1, descending=True).values, chosen, 0).to(torch.int32)
+    out[..., :width] = chosen.to(torch.int32)
     return out, count.to(torch.int32)
 
 
