@@ -5,9 +5,14 @@
    density and the share of the true (dense softmax) attention mass it covers (recall).
 2. Overhead (GPU): approximator time / sparse attention forward+backward time of the same
    layer, canonical shape (16/2 heads, d 128, bf16), one GPU holding S tokens.
+3. Overhead over a context-parallel ring (``--ring``, under torchrun, NCCL): every GPU holds
+   ``--ring-local-len`` tokens (default 128K) of a W x longer sequence in the striped layout;
+   the distributed approximator against ``sparse_ring_attention`` forward+backward with the
+   index it built.
 
-    python benchmarks/approx.py                     # GPU: both parts
+    python benchmarks/approx.py                     # GPU: parts 1 and 2
     python benchmarks/approx.py --quality-only      # CPU: part 1 (writes a plot too)
+    torchrun --nproc-per-node 4 benchmarks/approx.py --ring   # part 3
 """
 
 from __future__ import annotations
@@ -67,6 +72,49 @@ def overhead(device, seq_len, warmup, reps):
             "n_vertical_mean": index.n_vertical.float().mean().item()}
 
 
+def ring_overhead(local_len, warmup, reps):
+    import torch.distributed as dist
+
+    from megatron_mtraining import shard_sequence, sparse_ring_attention
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device("cuda")
+    cfg = MTrainingConfig(top_p=0.9)
+    seq_len = local_len * world
+    q, k = synthetic_vs_qk(1, 16, 2, seq_len, 128, seed=0, device=device, dtype=torch.bfloat16)
+    q, k = (shard_sequence(x, 2, "striped", world, rank, cfg.block_size).contiguous() for x in (q, k))
+    v = torch.randn_like(k)
+    group = dist.group.WORLD
+
+    def approx():
+        return approximate_index(q, k, cfg, group=group)
+
+    approx_ms = time_ms(approx, [()], device, warmup, reps)
+    index = approx()
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    grad = torch.randn_like(q)
+
+    def attention():
+        sparse_ring_attention(qg, kg, vg, index, group=group).backward(grad)
+
+    attn_ms = time_ms(attention, [()], device, warmup, reps)
+    # Every rank's medians; the slowest rank is the one the layer waits for.
+    local = torch.tensor([median(approx_ms), median(attn_ms)], device=device, dtype=torch.float64)
+    table = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(table, local)
+    approx_max = max(t[0].item() for t in table)
+    attn_max = max(t[1].item() for t in table)
+    row = {"world_size": world, "tokens_per_gpu": local_len, "seq_len": seq_len, "approximator_ms": approx_max,
+           "sparse_ring_attention_fwdbwd_ms": attn_max, "overhead": approx_max / attn_max,
+           "approximator_ms_per_rank": [t[0].item() for t in table],
+           "attention_ms_per_rank": [t[1].item() for t in table],
+           "index_density": index.density(seq_len).mean().item()}
+    dist.destroy_process_group()
+    return rank, row
+
+
 def plot(rows, path):
     try:
         import matplotlib
@@ -97,8 +145,22 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--ring", action="store_true", help="part 3 only, under torchrun")
+    p.add_argument("--ring-local-len", type=int, default=131072)
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.ring:
+        rank, row = ring_overhead(args.ring_local_len, args.warmup, args.reps)
+        if rank == 0:
+            out = args.out or os.path.join(RESULTS_DIR, f"approx_ring_{device_slug(device)}_{row['world_size']}gpu.json")
+            with open(out, "w") as f:
+                json.dump(json_ready({"benchmark": "approx_ring", "meta": run_metadata(device), "ring": row}), f,
+                          indent=1)
+            print(f"wrote {out}\nW={row['world_size']} x {row['tokens_per_gpu']} tokens: approximator "
+                  f"{row['approximator_ms']:.2f} ms, sparse ring attention fwd+bwd "
+                  f"{row['sparse_ring_attention_fwdbwd_ms']:.2f} ms, overhead {row['overhead']:.3f} "
+                  f"(density {row['index_density']:.3f})")
+        return
     result = {"benchmark": "approx", "meta": run_metadata(device),
               "quality": quality(device, args.quality_len, 8, 2, 64, (0.8, 0.9, 0.95), (0, 1))}
     if device.type == "cuda" and not args.quality_only:

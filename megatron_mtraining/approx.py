@@ -103,25 +103,35 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
     q_last[:, :, slots] = q[:, :, rows].float()
     _all_reduce(q_last, dist.ReduceOp.SUM, group, world)
     q_pos = torch.arange(seq_len - L, seq_len, device=q.device)
-    group_size = hq // hkv
+    # GQA without copying K per query head: the g query heads of one KV head are one matmul.
+    q_grouped = q_last.reshape(b, hkv, (hq // hkv) * L, d)
 
     def chunk_scores(start):
-        kc = k[:, :, start:start + KEY_CHUNK].float().repeat_interleave(group_size, dim=1)
-        s = torch.matmul(q_last, kc.transpose(-1, -2)) * scale
+        kc = k[:, :, start:start + KEY_CHUNK].float()
+        s = torch.matmul(q_grouped, kc.transpose(-1, -2)).view(b, hq, L, -1) * scale
         visible = key_pos[start:start + KEY_CHUNK][None, :] <= q_pos[:, None]
         return s.masked_fill(~visible, float("-inf"))
 
-    row_max = torch.full((b, hq, L), float("-inf"), device=q.device)
-    for start in range(0, n_local, KEY_CHUNK):
-        row_max = torch.maximum(row_max, chunk_scores(start).amax(-1))
-    _all_reduce(row_max, dist.ReduceOp.MAX, group, world)
+    def finite(m):  # a row with no visible key yet has max -inf: exp(x - 0) of -inf scores is 0
+        return torch.where(torch.isinf(m), torch.zeros_like(m), m)
 
-    # Pass 2: softmax normaliser across ranks. Pass 3: recompute the weights (cheap: last_q rows)
-    # rather than keep them (last_q x n_local per head), normalise and accumulate the statistics.
+    # Pass 1: online row max and normaliser over local keys, then combined across ranks.
+    row_max = torch.full((b, hq, L), float("-inf"), device=q.device)
     normaliser = torch.zeros(b, hq, L, dtype=torch.float64, device=q.device)
     for start in range(0, n_local, KEY_CHUNK):
-        normaliser += torch.exp(chunk_scores(start) - row_max[..., None]).double().sum(-1)
+        s = chunk_scores(start)
+        new_max = torch.maximum(row_max, s.amax(-1))
+        m = finite(new_max)
+        normaliser = (normaliser * torch.exp(row_max - m).double()
+                      + torch.exp(s - m[..., None]).double().sum(-1))
+        row_max = new_max
+    local_max = row_max.clone()
+    _all_reduce(row_max, dist.ReduceOp.MAX, group, world)
+    normaliser *= torch.exp(local_max - finite(row_max)).double()
     _all_reduce(normaliser, dist.ReduceOp.SUM, group, world)
+
+    # Pass 2: recompute the weights (cheap: last_q rows) rather than keep them (last_q x
+    # n_local per head), normalise and accumulate the statistics.
     vertical = torch.zeros(b, hq, n_local, dtype=torch.float64, device=q.device)
     slash = torch.zeros(b, hq, nb, dtype=torch.float64, device=q.device)
     q_blk = q_pos // B

@@ -37,7 +37,8 @@ def parse_args(argv=None):
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--seed", type=int, default=1234)
     add_mtraining_args(p)
-    p.set_defaults(mtraining_max_slash=8, mtraining_max_vertical=64)  # short demo sequences stay sparse
+    # Short demo sequences stay sparse; sparse-attention telemetry every 10 iterations.
+    p.set_defaults(mtraining_max_slash=8, mtraining_max_vertical=64, mtraining_log_interval=10)
     return p.parse_args(argv)
 
 
@@ -56,6 +57,27 @@ def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int) -> t
     return tokens
 
 
+def build_small_gpt(cfg: MTrainingConfig, *, num_layers: int, hidden_size: int, num_attention_heads: int,
+                    num_query_groups: int, vocab_size: int, seq_length: int, context_parallel_size: int = 1,
+                    dense_layers: int = 0):
+    """A megatron-core GPTModel (local spec, RoPE, GQA, fp32 parameters on the CPU)
+    whose core attention is MTrainingAttention with ``cfg`` (``cfg.index == "dense"``: exact
+    causal attention through the same code path). Shared by the demo and the quality benchmark."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from .integration.spec import get_gpt_layer_spec
+
+    config = TransformerConfig(
+        num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups, context_parallel_size=context_parallel_size,
+        use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, apply_rope_fusion=False, attention_dropout=0.0,
+        hidden_dropout=0.0)  # fp32: no optimizer wrapper needed
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_spec(cfg, dense_layers=dense_layers),
+                    vocab_size=vocab_size, max_sequence_length=seq_length, position_embedding_type="rope")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     use_cuda = torch.cuda.is_available()
@@ -68,12 +90,11 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if use_cuda else "cpu")
 
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from .integration import telemetry
+    from .integration.args import integration_options
     from .integration.cpu_shims import apply_cpu_shims
     from .integration.patches import install, uninstall
-    from .integration.spec import get_gpt_layer_spec
 
     shims = None if use_cuda else apply_cpu_shims()
     cfg = MTrainingConfig.from_args(args)
@@ -86,13 +107,9 @@ def main(argv=None) -> int:
     if use_cuda:  # megatron-core's CUDA RNG tracker (the CPU shims stand in for it on CPUs)
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(args.seed)
-    config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups, context_parallel_size=world, use_cpu_initialization=True,
-        gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, attention_dropout=0.0, hidden_dropout=0.0)  # fp32: no optimizer wrapper needed
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_spec(cfg), vocab_size=args.vocab_size,
-                     max_sequence_length=seq, position_embedding_type="rope").to(device)
+    model = build_small_gpt(cfg, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                            num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                            vocab_size=args.vocab_size, seq_length=seq, context_parallel_size=world).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     cp_group = parallel_state.get_context_parallel_group()
     if rank == 0:
@@ -102,9 +119,13 @@ def main(argv=None) -> int:
               f"context parallel {world} ({'nccl' if use_cuda else 'gloo'}), {seq} tokens/sequence, "
               f"layout {cfg.layout}, index {cfg.index} top-p {cfg.top_p}", flush=True)
 
+    log_interval = integration_options(args)["log_interval"]
+    tele = telemetry.enable_telemetry(log_interval) if log_interval > 0 else None
     losses = []
     start = time.perf_counter()
     for it in range(1, args.iterations + 1):
+        if tele is not None:
+            tele.step(it)  # megatron.training's loop provides this; a hand-written loop says it
         stream = synthetic_batch(it, args.micro_batch_size, seq, args.vocab_size, args.seed)
         tokens, labels = stream[:, :-1], stream[:, 1:]
         position_ids = torch.arange(seq).expand(args.micro_batch_size, seq)
@@ -130,6 +151,9 @@ def main(argv=None) -> int:
                   f"tokens/s {it * args.micro_batch_size * seq / elapsed:,.0f} | index density per layer "
                   + " ".join(f"{d:.3f}" for d in density), flush=True)
 
+    if tele is not None:
+        tele.flush()  # the last log iteration
+        telemetry.disable_telemetry()
     ok = losses[-1] < losses[0] - 0.5 and all(l == l for l in losses)
     if rank == 0:
         print(f"[demo] loss {losses[0]:.3f} -> {losses[-1]:.3f}: {'OK' if ok else 'FAILED (loss did not go down)'}",

@@ -13,9 +13,9 @@ no Megatron source is edited. Every change is a logged, reversible attribute rep
    has ``--mtraining`` (a patched fork, or a script that registers them itself).
 2. ``megatron.training.initialize.initialize_megatron`` (and its by-name imports, e.g. in
    ``megatron.training.training``) is wrapped: after it returns, if ``get_args().mtraining`` is
-   set, it builds ``MTrainingConfig.from_args(args)``, calls ``patches.install(config)`` and
-   wraps ``GPTModel.__init__`` so its ``transformer_layer_spec`` goes through
-   ``get_gpt_layer_spec(config, base_spec=spec, dense_layers=--mtraining-dense-layers)``.
+   set, it calls ``integration.enable.enable_mtraining(args)`` (config, ``patches.install``,
+   telemetry) and wraps ``GPTModel.__init__`` so its ``transformer_layer_spec`` goes through
+   the returned hook (``get_gpt_layer_spec(config, base_spec=spec, dense_layers=...)``).
 3. The script runs as ``__main__`` (``runpy.run_path``) with ``sys.argv = [script, *args]`` and
    its directory first on ``sys.path``, like ``python script.py``.
 
@@ -141,28 +141,25 @@ class _Launcher:
         self.config = None
         self.dense_layers = 0
         self.gpt_hooked = False
+        self.spec_hook = None
 
     def _enable(self) -> None:
         """After initialize_megatron: install the MTraining patches and the GPT spec hook."""
         import megatron.training as megatron_training
 
-        from .config import MTrainingConfig
         from .integration import patches
-        from .integration.args import integration_options
-        from .integration.spec import get_gpt_layer_spec
+        from .integration.enable import enable_mtraining
 
         args = megatron_training.get_args()
         if not getattr(args, "mtraining", False):
             return
-        self.config = MTrainingConfig.from_args(args)
-        self.dense_layers = integration_options(args)["dense_layers"]
         if not patches.installed():
             self.installed_patches = True
-        patches.install(self.config)
+        self.spec_hook = enable_mtraining(args)
+        self.config, self.dense_layers = self.spec_hook.config, self.spec_hook.dense_layers
         if not self.gpt_hooked:
             gpt_model = importlib.import_module(_GPT_MODEL)
-            hook = lambda spec: get_gpt_layer_spec(self.config, base_spec=spec,  # noqa: E731
-                                                   dense_layers=self.dense_layers)
+            hook = lambda spec: self.spec_hook(spec)  # noqa: E731  (the latest settings)
             self.patcher.replace(gpt_model.GPTModel, "__init__", _wrap_gpt_init(gpt_model.GPTModel.__init__, hook),
                                  "transformer_layer_spec -> MTrainingAttention core attention")
             self.gpt_hooked = True
@@ -201,6 +198,9 @@ class _Launcher:
 
                 patches.uninstall()
                 self.installed_patches = False
+            from .integration import telemetry
+
+            telemetry.disable_telemetry()
         finally:
             self.patcher.restore()
 

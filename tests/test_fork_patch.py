@@ -138,14 +138,12 @@ def test_training_selects_backend(patched_tree):
     tree = ast.parse((patched_tree / "megatron/training/training.py").read_text())
     body = ast.unparse(_function(tree, "pretrain"))
     assert "getattr(args, 'mtraining', False)" in body
-    for needle in ("MTrainingConfig.from_args(args)", "mtraining_patches.install(mtraining_config)",
-                   "integration_options(args)['dense_layers']",
-                   "mtraining_gpt_model.transformer_layer_spec_hook",
-                   "get_gpt_layer_spec(mtraining_config, base_spec=spec"):
-        assert needle in body, needle
+    selection = "mtraining_gpt_model.transformer_layer_spec_hook = enable_mtraining(args)"
+    assert "from megatron_mtraining.integration.enable import enable_mtraining" in body
+    assert selection in body
     # Selection happens after initialize_megatron has parsed the args, before the model is built.
-    assert body.index("initialize_megatron(") < body.index("mtraining_patches.install")
-    assert body.index("mtraining_patches.install") < body.index("setup_model_and_optimizer(")
+    assert body.index("initialize_megatron(") < body.index(selection)
+    assert body.index(selection) < body.index("setup_model_and_optimizer(")
 
 
 def test_gpt_model_applies_spec_hook(patched_tree):

@@ -156,8 +156,8 @@ def test_dense_layers_use_dense_index(megatron_cpu):
     set_mtraining_config(MTrainingConfig(index="vs", top_p=0.5, block_size=64), dense_layers=1)
     model = build_gpt(get_gpt_layer_spec())
     first, second = core_attentions(model)
-    assert first.dense and first.index_config.index == "dense"
-    assert not second.dense and second.index_config.index == "vs"
+    assert first.dense and first.indexer.mtraining_config.index == "dense"
+    assert not second.dense and second.indexer.mtraining_config.index == "vs"
     tokens, position_ids, mask, _ = batch(2)
     with torch.no_grad():
         model(tokens, position_ids, mask)
@@ -416,10 +416,10 @@ def _cp_worker(rank, world_size, cases, data):
         shims.remove()
 
 
-def test_context_parallel_2_matches_single_device(megatron_cpu):
-    """CP = 2 (gloo) equals one device: dense index vs the stock local attention in both
-    layouts, and the approximated sparse index vs MTraining on one device (the last case with
-    one CP rank per "node", i.e. through the two-level ring's setup)."""
+def _check_context_parallel(world_size, settings):
+    """GPTModel at CP = ``world_size`` (gloo) equals one device, logits and every gradient:
+    the dense index against megatron-core's own local attention, the approximated ``vs``
+    index against the plugin on one device. ``settings``: (layout, index, inner_ring_size)."""
     from dist_utils import run_distributed
 
     from megatron_mtraining.layout import gather_sequence
@@ -427,8 +427,7 @@ def test_context_parallel_2_matches_single_device(megatron_cpu):
     data = batch(3)
     tokens, position_ids, mask, labels = data
     cases, references = [], []
-    for layout, index, inner in (("striped", "dense", None), ("zigzag", "dense", None),
-                                 ("striped", "vs", None), ("zigzag", "vs", 1)):
+    for layout, index, inner in settings:
         cfg = MTrainingConfig(index=index, layout=layout, block_size=CP_BLOCK, top_p=0.5, max_slash=2,
                               max_vertical=32, inner_ring_size=inner)
         reference = build_gpt(get_gpt_layer_local_spec() if index == "dense" else get_gpt_layer_spec(cfg))
@@ -438,15 +437,26 @@ def test_context_parallel_2_matches_single_device(megatron_cpu):
         cases.append((cfg, state))
         references.append((ref_logits, {name: p.grad for name, p in reference.named_parameters()}))
 
-    results = run_distributed(_cp_worker, 2, cases, data, timeout=120)
+    results = run_distributed(_cp_worker, world_size, cases, data, timeout=240)
     for i, (cfg, _) in enumerate(cases):
-        what = f"{cfg.layout}/{cfg.index}/inner={cfg.inner_ring_size}"
+        what = f"CP={world_size} {cfg.layout}/{cfg.index}/inner={cfg.inner_ring_size}"
         ref_logits, ref_grads = references[i]
         logits = gather_sequence([r[i][0] for r in results], 1, cfg.layout, CP_BLOCK)
         assert rel_err(logits, ref_logits) < 1e-5, what
         for name, ref_grad in ref_grads.items():
             for r in results:
                 assert rel_err(r[i][1][name], ref_grad) < 1e-5, (what, name)
+
+
+def test_context_parallel_2_matches_single_device(megatron_cpu):
+    """Both layouts; the last case has one CP rank per "node" (the two-level ring's set-up)."""
+    _check_context_parallel(2, [("striped", "dense", None), ("zigzag", "dense", None),
+                                ("striped", "vs", None), ("zigzag", "vs", 1)])
+
+
+def test_context_parallel_4_matches_single_device(megatron_cpu):
+    """Flat and hierarchical 2x2 rings (inner_ring_size=2: two "nodes" of two CP ranks)."""
+    _check_context_parallel(4, [("striped", "dense", None), ("striped", "dense", 2), ("striped", "vs", 2)])
 
 
 def test_inner_ring_size_counts_cp_ranks_per_node():

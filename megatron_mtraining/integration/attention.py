@@ -8,10 +8,10 @@ modules (``DotProductAttention`` / ``TEDotProductAttention``), so it drops into 
 
 The inputs are post-RoPE and hold this context-parallel rank's tokens, in the token layout of
 the MTraining config ("striped" or "zigzag"; the batch split and RoPE slicing patches put them
-there). Each forward first builds the layer's vertical-slash index from q and k
-(``build_index``, the per-layer pre-attention step), then runs ``sparse_ring_attention`` over
-the context-parallel group, or ``sparse_attention`` when CP == 1. Context parallelism needs
-neither Transformer Engine nor apex.
+there). Each forward first builds the layer's vertical-slash index from q and k with its
+``indexer`` submodule (``indexer.py``: the per-layer pre-attention step), then runs
+``sparse_ring_attention`` over the context-parallel group, or ``sparse_attention`` when
+CP == 1. Context parallelism needs neither Transformer Engine nor apex.
 
 The MTraining settings are module-level (``set_mtraining_config``) so that layer specs stay
 plain data; each ``MTrainingAttention`` reads them once, when it is built.
@@ -19,7 +19,7 @@ plain data; each ``MTrainingAttention`` reads them once, when it is built.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import logging
 import math
 from typing import Optional
@@ -31,13 +31,15 @@ from torch import Tensor
 from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..approx import approximate_index
 from ..attention import sparse_attention
 from ..config import MTrainingConfig
 from ..index import VSIndex
 from ..ring import sparse_ring_attention
+from . import telemetry
+from .indexer import MTrainingAttentionSubmodules
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,11 @@ def _is_window_layer(config: TransformerConfig, layer_number: int) -> bool:
                                           layer_number))
 
 
+@contextlib.contextmanager
+def _untimed(what: str, cuda: bool):
+    yield
+
+
 class MTrainingAttention(MegatronModule):
     """Vertical-slash sparse causal attention with Megatron's core-attention interface.
 
@@ -147,6 +154,7 @@ class MTrainingAttention(MegatronModule):
         model_comm_pgs=None,
         mtraining_config: Optional[MTrainingConfig] = None,
         dense_layers: Optional[int] = None,
+        submodules: Optional[MTrainingAttentionSubmodules] = None,
         **kwargs,
     ):
         super().__init__(config=config)
@@ -179,9 +187,6 @@ class MTrainingAttention(MegatronModule):
         self.mtraining_config = mtraining_config if mtraining_config is not None else get_mtraining_config()
         self.dense_layers = get_dense_layers() if dense_layers is None else int(dense_layers)
         self.dense = self.layer_number <= self.dense_layers
-        # The config the index is built with: the dense index for the leading dense layers.
-        self.index_config = (dataclasses.replace(self.mtraining_config, index="dense")
-                             if self.dense else self.mtraining_config)
 
         self.attention_dropout_p = float(config.attention_dropout if attention_dropout is None
                                          else attention_dropout)
@@ -189,6 +194,11 @@ class MTrainingAttention(MegatronModule):
         # apply_query_key_layer_scaling divides the scale by the layer number in the scores and
         # multiplies it back in the softmax: the net scale is unchanged, so it is ignored here.
         self.softmax_scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+        submodules = submodules if submodules is not None else MTrainingAttentionSubmodules()
+        self.indexer = build_module(submodules.indexer, config=config, layer_number=self.layer_number,
+                                    mtraining_config=self.mtraining_config, dense=self.dense,
+                                    softmax_scale=self.softmax_scale)
 
         # The index of the last forward (telemetry, tests); dropped with the next forward.
         self.last_index: Optional[VSIndex] = None
@@ -216,18 +226,9 @@ class MTrainingAttention(MegatronModule):
             self._inner_sizes[group] = inner_ring_size(ranks, self.mtraining_config.inner_ring_size)
         return self._inner_sizes[group]
 
-    # ------------------------------------------------------------------ index (pre-attention)
-
-    def build_index(self, q: Tensor, k: Tensor) -> VSIndex:
-        """The vertical-slash index of this layer from its post-RoPE q ``[b, np, s_local, hn]``
-        and k ``[b, ng, s_local, hn]`` (the pre-attention step; replace it to hook in another
-        index builder). Layers within ``dense_layers`` get the dense index. Deterministic, so it
-        rebuilds the same index under activation recompute."""
-        cfg = self.index_config
-        group = self.cp_group()
-        with torch.no_grad():
-            return approximate_index(q.detach(), k.detach(), cfg, group=group, layout=cfg.layout,
-                                     softmax_scale=self.softmax_scale)
+    @staticmethod
+    def _group_world(group) -> int:
+        return 1 if group is None else _group_size(group)
 
     # ------------------------------------------------------------------ forward
 
@@ -270,14 +271,25 @@ class MTrainingAttention(MegatronModule):
         if group is not None:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
 
-        index = self.build_index(q, k)
+        tele = telemetry.get_telemetry()
+        record = tele.recorder(group) if tele is not None and self.training else None
+        timed = record.timed if record is not None else _untimed
+        cuda = q.is_cuda
+
+        with timed("approximator", cuda):
+            index = self.indexer(q, k, group)  # the pre-attention step: this layer's VSIndex
         self.last_index = index
-        if group is None:
-            out = sparse_attention(q, k, v, index, softmax_scale=self.softmax_scale)
-        else:
-            cfg = self.mtraining_config
-            out = sparse_ring_attention(q, k, v, index, group=group, layout=cfg.layout,
-                                        inner_size=self.ring_inner_size(group), softmax_scale=self.softmax_scale)
+        with timed("attention_fwd", cuda):
+            if group is None:
+                out = sparse_attention(q, k, v, index, softmax_scale=self.softmax_scale)
+            else:
+                cfg = self.mtraining_config
+                out = sparse_ring_attention(q, k, v, index, group=group, layout=cfg.layout,
+                                            inner_size=self.ring_inner_size(group),
+                                            softmax_scale=self.softmax_scale)
+        if record is not None:
+            record.record_index(self.layer_number, index, sq * self._group_world(group))
+            record.time_backward(out, q, cuda)
 
         # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)

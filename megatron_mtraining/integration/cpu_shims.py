@@ -9,6 +9,8 @@ patches them (see docs/megatron-notes.md, "Running megatron-core on CPU"):
    RNG exists to fork).
 3. ``model_parallel_cuda_manual_seed`` is a no-op (it seeds CUDA generators).
 4. ``get_default_causal_mask`` builds its mask on the CPU (it is built on "cuda").
+5. Activation recompute's CUDA RNG state save/restore (``_get_cuda_rng_state`` /
+   ``_set_cuda_rng_state``) does nothing (the CPU generator is still saved and restored).
 
 Also build the model with ``TransformerConfig(use_cpu_initialization=True,
 gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
@@ -52,6 +54,10 @@ def _noop_manual_seed(*args, **kwargs) -> None:
     return None
 
 
+def _no_cuda_rng_state(*args, **kwargs) -> None:
+    return None
+
+
 def _make_cpu_fork(original_fork: Callable, default_name: str) -> Callable:
     def fork(self, name=default_name):
         if torch.cuda.is_available() and name in getattr(self, "states_", {}):
@@ -83,6 +89,10 @@ class CpuShims:
         self._patch(torch.cuda, "current_device", _cpu_current_device)
         tracker = tp_random.CudaRNGStatesTracker
         self._patch(tracker, "fork", _make_cpu_fork(tracker.fork, tp_random._MODEL_PARALLEL_RNG_TRACKER_NAME))
+        # Activation recompute saves and restores the CUDA RNG state around the re-run forward.
+        for name, shim in (("_get_cuda_rng_state", _no_cuda_rng_state), ("_set_cuda_rng_state", _noop_manual_seed)):
+            if hasattr(tp_random, name):
+                self._patch(tp_random, name, shim)
         for mod_name in ("megatron.core.tensor_parallel.random", "megatron.core.tensor_parallel"):
             mod = importlib.import_module(mod_name)
             if hasattr(mod, "model_parallel_cuda_manual_seed"):

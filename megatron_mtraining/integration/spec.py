@@ -13,6 +13,7 @@ from typing import Optional
 
 from ..config import MTrainingConfig
 from .attention import MTrainingAttention, set_mtraining_config
+from .indexer import MTrainingAttentionSubmodules
 
 __all__ = ["get_gpt_layer_spec"]
 
@@ -23,7 +24,7 @@ def _module_name(module) -> str:
     return getattr(module, "__name__", type(module).__name__)
 
 
-def _set_core_attention(layer_spec, where: str) -> None:
+def _set_core_attention(layer_spec, where: str, core_attention) -> None:
     """Point one transformer layer spec's core attention at MTrainingAttention, in place."""
     layer_sub = getattr(layer_spec, "submodules", None)
     self_attention = getattr(layer_sub, "self_attention", None)
@@ -36,10 +37,11 @@ def _set_core_attention(layer_spec, where: str) -> None:
     if "MLA" in kind:
         raise ValueError(f"{where}: multi-latent attention (MLA) is not supported by MTraining "
                          "(its q/k and v head dims differ)")
-    attn_sub.core_attention = MTrainingAttention
+    attn_sub.core_attention = core_attention
 
 
-def get_gpt_layer_spec(config: Optional[MTrainingConfig] = None, base_spec=None, dense_layers: int = 0):
+def get_gpt_layer_spec(config: Optional[MTrainingConfig] = None, base_spec=None, dense_layers: int = 0,
+                       indexer=None):
     """A deep copy of ``base_spec`` with MTrainingAttention as every layer's core attention.
 
     ``base_spec``: a GPT transformer-layer ``ModuleSpec`` (default:
@@ -47,6 +49,8 @@ def get_gpt_layer_spec(config: Optional[MTrainingConfig] = None, base_spec=None,
     ``TransformerBlockSubmodules`` (``.layer_specs``, e.g. from ``get_gpt_decoder_block_spec``).
     ``config``: when given, installed with ``set_mtraining_config(config, dense_layers)`` for
     the MTrainingAttention modules built from the returned spec.
+    ``indexer``: a module class or ``ModuleSpec`` replacing ``MTrainingIndexer`` as the
+    pre-attention index step (see ``indexer.py``).
     """
     if config is not None:
         set_mtraining_config(config, dense_layers=dense_layers)
@@ -55,13 +59,19 @@ def get_gpt_layer_spec(config: Optional[MTrainingConfig] = None, base_spec=None,
 
         base_spec = get_gpt_layer_local_spec()
 
+    core_attention = MTrainingAttention
+    if indexer is not None:
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        core_attention = ModuleSpec(module=MTrainingAttention,
+                                    submodules=MTrainingAttentionSubmodules(indexer=indexer))
     spec = copy.deepcopy(base_spec)
     layer_specs = getattr(spec, "layer_specs", None)
     if layer_specs is not None:  # TransformerBlockSubmodules
         if not layer_specs:
             raise ValueError("get_gpt_layer_spec: the block spec has no layer_specs")
         for i, layer_spec in enumerate(layer_specs):
-            _set_core_attention(layer_spec, f"get_gpt_layer_spec: layer_specs[{i}]")
+            _set_core_attention(layer_spec, f"get_gpt_layer_spec: layer_specs[{i}]", core_attention)
     else:
-        _set_core_attention(spec, "get_gpt_layer_spec")
+        _set_core_attention(spec, "get_gpt_layer_spec", core_attention)
     return spec

@@ -69,6 +69,19 @@ def record_ring_steps():
         _active = previous
 
 
+def activate(timer: StepTimer) -> None:
+    """Record ring steps into ``timer`` until ``deactivate(timer)`` (spans forward and backward,
+    unlike ``record_ring_steps``; used by the training telemetry)."""
+    global _active
+    _active = timer
+
+
+def deactivate(timer: StepTimer) -> None:
+    global _active
+    if _active is timer:
+        _active = None
+
+
 def measure(phase: str, kind: str, step: int):
     """A timing context when instrumentation is on, else a no-op."""
     timer = _active

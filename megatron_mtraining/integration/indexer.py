@@ -1,0 +1,71 @@
+"""MTrainingIndexer: the per-layer pre-attention step that builds the vertical-slash index.
+
+Megatron's in-tree precedent for an attention that needs an index is an attention module that
+owns an indexer submodule (``experimental_attention_variant/dsa.py``); MTraining follows it
+rather than stashing the index through a forward pre-hook:
+
+* the data flow is explicit: ``index = self.indexer(q, k, group)`` inside the attention's
+  forward, so calling ``forward`` directly works and nothing is left behind between calls;
+* the indexer shows up in ``print(model)`` and is swapped through the layer spec like any other
+  Megatron submodule (``MTrainingAttentionSubmodules(indexer=MyIndexer)``);
+* under activation recompute (``--recompute-granularity full`` or ``selective``) the attention
+  forward re-runs and so does the indexer; the approximator is deterministic, so the
+  recomputed index is bit-identical to the first one;
+* observers (telemetry, tests) attach as ordinary forward hooks on the indexer and see the
+  index it returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..approx import approximate_index
+from ..config import MTrainingConfig
+from ..index import VSIndex
+
+__all__ = ["MTrainingAttentionSubmodules", "MTrainingIndexer"]
+
+
+class MTrainingIndexer(MegatronModule):
+    """Builds one layer's ``VSIndex`` from its post-RoPE q ``[b, np, s_local, hn]`` and k
+    ``[b, ng, s_local, hn]`` with ``approximate_index`` (the ``index`` builder of the config:
+    ``vs``, ``dense`` or ``fixed``); layers marked dense get the dense index. No parameters;
+    no autograd (the index is integer data)."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, mtraining_config: MTrainingConfig,
+                 dense: bool = False, softmax_scale: Optional[float] = None):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.dense = bool(dense)
+        self.mtraining_config = (dataclasses.replace(mtraining_config, index="dense") if self.dense
+                                 else mtraining_config)
+        self.softmax_scale = softmax_scale
+
+    @torch.no_grad()
+    def forward(self, q: Tensor, k: Tensor, group=None) -> VSIndex:
+        cfg = self.mtraining_config
+        return approximate_index(q.detach(), k.detach(), cfg, group=group, layout=cfg.layout,
+                                 softmax_scale=self.softmax_scale)
+
+    def extra_repr(self) -> str:
+        cfg = self.mtraining_config
+        return (f"layer={self.layer_number}, index={cfg.index}, top_p={cfg.top_p}, "
+                f"block_size={cfg.block_size}, layout={cfg.layout}")
+
+
+@dataclass
+class MTrainingAttentionSubmodules:
+    """Submodules of ``MTrainingAttention`` (set in the layer spec). ``indexer`` is built with
+    ``(config=, layer_number=, mtraining_config=, dense=, softmax_scale=)`` and called as
+    ``indexer(q, k, group) -> VSIndex``."""
+
+    indexer: Union[ModuleSpec, type] = MTrainingIndexer

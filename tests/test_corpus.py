@@ -1,0 +1,220 @@
+"""Synthetic long-context retrieval corpus (megatron_mtraining.corpus)."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+from megatron_mtraining.corpus import (
+    ANS, BOS, KEY, NUM_SPECIAL, PAD, QUERY, VAL, CorpusConfig, _lexicon, make_batch, make_needle_probe,
+    make_sequence, retrieval_accuracy, write_indexed_dataset,
+)
+
+CONFIGS = [
+    CorpusConfig(),
+    CorpusConfig(vocab_size=128, seq_len=300, num_needles=6, num_queries=6, key_len=2, value_len=3, seed=7),
+    CorpusConfig(vocab_size=1000, seq_len=1 + 3 * 10 + 2 * 10, num_needles=3, num_queries=2),  # no filler at all
+]
+
+
+def parse(tokens, cfg):
+    """Parse a sequence back: (needles {key: (start, value)}, queries [(start, key, value)])."""
+    t = tokens.tolist()
+    K, V = cfg.key_len, cfg.value_len
+    needles, queries = {}, []
+    for i, tok in enumerate(t):
+        if tok in (KEY, QUERY):
+            key, value = tuple(t[i + 1:i + 1 + K]), tuple(t[i + 2 + K:i + 2 + K + V])
+            assert t[i + 1 + K] == (VAL if tok == KEY else ANS)
+            if tok == KEY:
+                assert key not in needles, "duplicate key"
+                needles[key] = (i, value)
+            else:
+                queries.append((i, key, value))
+    return needles, queries
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "small", "no-filler"])
+def test_layout_and_answers(cfg):
+    for index in range(3):
+        s = make_sequence(cfg, index)
+        tokens = s.tokens
+        assert tokens.dtype == torch.int64 and tokens.shape == (cfg.seq_len,) and tokens[0] == BOS
+        needles, queries = parse(tokens, cfg)
+        assert len(needles) == cfg.num_needles and len(queries) == cfg.num_queries
+        # Query block: exactly the last num_queries * query_len tokens.
+        q_start = cfg.seq_len - cfg.num_queries * cfg.query_len
+        assert [q[0] for q in queries] == list(range(q_start, cfg.seq_len, cfg.query_len))
+        # Needles are disjoint and end before the query block.
+        starts = sorted(start for start, _ in needles.values())
+        assert starts[0] >= 1 and starts[-1] + cfg.needle_len <= q_start
+        assert all(b - a >= cfg.needle_len for a, b in zip(starts, starts[1:]))
+        # Every query asks for a distinct needle and its answer is that needle's value.
+        assert len({q[1] for q in queries}) == cfg.num_queries
+        for _, key, value in queries:
+            assert key in needles and needles[key][1] == value
+        # Targets are exactly the value tokens after each ANS; depths are the needles' start / seq_len.
+        expected = [p + 2 + cfg.key_len + j for p, _, _ in queries for j in range(cfg.value_len)]
+        assert s.target_positions.tolist() == expected
+        depths = [needles[key][0] / cfg.seq_len for _, key, _ in queries]
+        torch.testing.assert_close(s.needle_depths, torch.tensor(depths, dtype=torch.float32))
+        # Outside needles and queries: only word-range tokens (no symbols, no specials).
+        structural = torch.zeros(cfg.seq_len, dtype=torch.bool)
+        structural[0] = True
+        for p in starts:
+            structural[p:p + cfg.needle_len] = True
+        structural[q_start:] = True
+        filler = tokens[~structural]
+        assert ((filler >= NUM_SPECIAL) & (filler < cfg.symbol_start)).all()
+        # Keys and values are symbols.
+        kv = [tok for _, (_, v) in needles.items() for tok in v] + [tok for k in needles for tok in k]
+        assert min(kv) >= cfg.symbol_start and max(kv) < cfg.vocab_size
+
+
+def test_determinism_and_independence_from_global_rng():
+    cfg = CorpusConfig(seq_len=2048)
+    torch.manual_seed(0)
+    np.random.seed(0)
+    a = make_sequence(cfg, 5)
+    torch.manual_seed(99)
+    np.random.seed(99)
+    torch.rand(10)
+    b = make_sequence(cfg, 5)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.target_positions, b.target_positions)
+    assert torch.equal(a.needle_depths, b.needle_depths)
+    assert not torch.equal(a.tokens, make_sequence(cfg, 6).tokens)
+    assert not torch.equal(a.tokens, make_sequence(CorpusConfig(seq_len=2048, seed=1235), 5).tokens)
+    assert torch.equal(make_needle_probe(cfg, 2, 0.3).tokens, make_needle_probe(cfg, 2, 0.3).tokens)
+    # Needle positions vary across the corpus (random depths, not a fixed slot).
+    depths = torch.cat([make_sequence(cfg, i).needle_depths for i in range(20)])
+    assert depths.min() < 0.25 and depths.max() > 0.75
+
+
+def test_filler_is_made_of_lexicon_words():
+    cfg = CorpusConfig(seq_len=1024)
+    flat, offsets, lengths, probs = _lexicon(cfg.vocab_size, cfg.lexicon_size, cfg.seed)
+    assert len(lengths) == cfg.lexicon_size and lengths.min() >= 2 and lengths.max() <= 6
+    assert np.all(np.diff(probs) <= 0) and abs(probs.sum() - 1) < 1e-9  # Zipf: rank-decreasing
+    words = {tuple(flat[o:o + n].tolist()) for o, n in zip(offsets, lengths)}
+    prefixes = {w[:i] for w in words for i in range(1, len(w) + 1)}
+    # Probe at depth 0: the needle follows BOS, then the filler is contiguous up to the query.
+    s = make_needle_probe(cfg, 0, 0.0)
+    filler = s.tokens[1 + cfg.needle_len:cfg.seq_len - cfg.query_len].tolist()
+    # Segment into whole words (the last one may be cut off): dynamic programme over positions.
+    reachable = [True] + [False] * len(filler)
+    for i in range(len(filler)):
+        if reachable[i]:
+            for n in range(2, 7):
+                if i + n <= len(filler) and tuple(filler[i:i + n]) in words:
+                    reachable[i + n] = True
+    assert any(reachable[i] and tuple(filler[i:]) in prefixes for i in range(len(filler)))
+    # A different index gives a different haystack over the same lexicon.
+    assert make_needle_probe(cfg, 1, 0.0).tokens.tolist() != s.tokens.tolist()
+
+
+def test_needle_probe_depth():
+    cfg = CorpusConfig(seq_len=4096)
+    usable = cfg.seq_len - 1 - cfg.needle_len - cfg.query_len
+    hay = None
+    for depth in (0.0, 0.5, 0.99):
+        s = make_needle_probe(cfg, 3, depth)
+        needles, queries = parse(s.tokens, cfg)
+        assert len(needles) == 1 and len(queries) == 1
+        (key, (start, value)), = needles.items()
+        assert start == 1 + round(depth * usable)
+        assert queries[0] == (cfg.seq_len - cfg.query_len, key, value)
+        assert s.target_positions.tolist() == list(range(cfg.seq_len - cfg.value_len, cfg.seq_len))
+        assert s.needle_depths.tolist() == pytest.approx([start / cfg.seq_len])
+        # Same haystack and needle at every depth: only the insertion point moves.
+        rest = torch.cat([s.tokens[:start], s.tokens[start + cfg.needle_len:]])
+        hay = rest if hay is None else hay
+        assert torch.equal(rest, hay)
+    with pytest.raises(ValueError, match="depth"):
+        make_needle_probe(cfg, 0, 1.0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(vocab_size=100), "vocab_size must be >= 128"),
+    (dict(seq_len=40), "seq_len=40 is too short"),
+    (dict(num_queries=5), r"num_queries \(5\) must be <= num_needles \(4\)"),
+    (dict(num_needles=0), "num_needles must be a positive integer"),
+    (dict(key_len=-1), "key_len must be a positive integer"),
+    (dict(num_queries=0), "num_queries must be a positive integer"),
+    (dict(seed=-3), "seed must be a non-negative integer"),
+    (dict(vocab_size=128, key_len=1, num_needles=40, num_queries=1, seq_len=4096), "distinct keys"),
+])
+def test_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CorpusConfig(**kwargs)
+
+
+def test_make_batch():
+    cfg = CorpusConfig(seq_len=512, num_needles=3, num_queries=2)
+    tokens, loss_mask, target_mask = make_batch(cfg, [4, 0, 4])
+    assert tokens.shape == loss_mask.shape == target_mask.shape == (3, 512)
+    assert loss_mask.dtype == torch.float32 and target_mask.dtype == torch.bool
+    assert torch.equal(tokens[0], make_sequence(cfg, 4).tokens) and torch.equal(tokens[0], tokens[2])
+    assert torch.equal(target_mask[1].nonzero().squeeze(1), make_sequence(cfg, 0).target_positions)
+    assert torch.equal(loss_mask, (tokens != PAD).float())
+
+
+def test_retrieval_accuracy():
+    cfg = CorpusConfig(seq_len=256, num_needles=3, num_queries=2)
+    tokens, _, target_mask = make_batch(cfg, [0, 1])
+    preds = torch.full_like(tokens, PAD)
+    preds[:, :-1] = tokens[:, 1:]  # preds[:, p] predicts tokens[:, p + 1]: a perfect model
+    assert retrieval_accuracy(preds, tokens, target_mask) == 1.0
+    # Errors outside the targets do not matter.
+    noisy = preds.clone()
+    noisy[:, :100] = PAD
+    assert retrieval_accuracy(noisy, tokens, target_mask) == 1.0
+    # One wrong value token makes that query (one of four) wrong.
+    p = int(make_sequence(cfg, 1).target_positions[-1])  # last value token of row 1's last query
+    wrong = preds.clone()
+    wrong[1, p - 1] = tokens[1, p] + 1
+    assert retrieval_accuracy(wrong, tokens, target_mask) == 0.75
+    # Predictions shifted the wrong way (aligned with tokens, not with the next token) all fail.
+    assert retrieval_accuracy(tokens, tokens, target_mask) == 0.0
+    # Logits: argmax over the vocabulary.
+    logits = torch.nn.functional.one_hot(wrong, cfg.vocab_size).float()
+    assert retrieval_accuracy(logits, tokens, target_mask) == 0.75
+    with pytest.raises(ValueError, match="no target"):
+        retrieval_accuracy(preds, tokens, torch.zeros_like(target_mask))
+
+
+@pytest.mark.parametrize("vocab_size, dtype", [(512, np.uint16), (70000, np.int32)])
+def test_indexed_dataset_round_trip(tmp_path, vocab_size, dtype):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    cfg = CorpusConfig(vocab_size=vocab_size, seq_len=300, num_needles=2, num_queries=1)
+    prefix = write_indexed_dataset(str(tmp_path / "corpus"), cfg, num_sequences=4, start_index=10)
+    assert prefix == str(tmp_path / "corpus")
+    ds = IndexedDataset(prefix)
+    assert len(ds) == 4 and ds.index.dtype == dtype
+    assert ds.document_indices.tolist() == [0, 1, 2, 3, 4]
+    for i in range(4):
+        assert ds[i].dtype == dtype
+        assert np.array_equal(ds[i].astype(np.int64), make_sequence(cfg, 10 + i).tokens.numpy())
+
+
+def test_cli(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefix = str(tmp_path / "cli")
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_mtraining.corpus", "--output-prefix", prefix, "--num-sequences", "3",
+         "--seq-length", "256", "--vocab-size", "256", "--num-needles", "3", "--num-queries", "1", "--seed", "9"],
+        capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.count("\n") == 1 and "3 sequences" in out.stdout and prefix in out.stdout
+    ds = IndexedDataset(prefix)
+    cfg = CorpusConfig(vocab_size=256, seq_len=256, num_needles=3, num_queries=1, seed=9)
+    assert len(ds) == 3 and np.array_equal(ds[2].astype(np.int64), make_sequence(cfg, 2).tokens.numpy())
+    bad = subprocess.run(
+        [sys.executable, "-m", "megatron_mtraining.corpus", "--output-prefix", prefix, "--num-sequences", "1",
+         "--seq-length", "10"], capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "too short" in bad.stderr
