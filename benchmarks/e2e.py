@@ -1,0 +1,120 @@
+"""End-to-end Megatron training: MTraining vs the dense ring, iteration time and tokens/s.
+
+Runs ``examples/pretrain_gpt_mtraining.py`` (``megatron.training.pretrain``, mock data) with
+torchrun on every GPU of the machine, context parallel over all of them, twice from the same
+settings: ``--mtraining`` (``vs`` index, top-p 0.9) and ``--mtraining --mtraining-index dense``
+(exact causal attention over the same ring: the dense baseline that works without Transformer
+Engine). Model: Qwen2.5-3B attention and MLP shapes (hidden 2048, FFN 11008, 16 query heads / 2
+KV groups, head dim 128, QKV bias, SwiGLU, RMSNorm) with fewer layers and a small vocabulary
+(flags below). Parses Megatron's "elapsed time per iteration" lines, drops the warm-up
+iterations, and writes one JSON with both runs and their ratio.
+
+    python benchmarks/e2e.py --seq-length 262144 --num-layers 4 --train-iters 8 --out e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import device_slug, json_ready, run_metadata  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def model_flags(args):
+    return [
+        "--num-layers", str(args.num_layers), "--hidden-size", "2048", "--ffn-hidden-size", "11008",
+        "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "128",
+        "--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--disable-bias-linear",
+        "--add-qkv-bias", "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
+        "--rotary-base", "1000000", "--seq-length", str(args.seq_length),
+        "--max-position-embeddings", str(args.seq_length), "--attention-dropout", "0", "--hidden-dropout", "0",
+        "--transformer-impl", "local",
+    ]
+
+
+def training_flags(args, world):
+    flags = [
+        "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", str(args.train_iters),
+        "--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+        "--weight-decay", "0.1", "--clip-grad", "1.0", "--bf16", "--no-gradient-accumulation-fusion",
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+        "--context-parallel-size", str(world), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", str(args.vocab_size), "--log-interval", "1", "--eval-iters", "0",
+        "--eval-interval", "100000", "--seed", "1234",
+    ]
+    if args.recompute:
+        flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    return flags
+
+
+def run_one(name, extra, args, world, log_dir):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           os.path.join(REPO, "examples", "pretrain_gpt_mtraining.py"),
+           *model_flags(args), *training_flags(args, world), *extra]
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="4")
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    log = proc.stdout + proc.stderr
+    with open(os.path.join(log_dir, f"e2e_{name}.log"), "w") as f:
+        f.write(" ".join(cmd) + "\n\n" + log)
+    times = [float(x) for x in ITERATION_MS.findall(log)]
+    measured = times[args.warmup_iters:]
+    row = {"name": name, "flags": extra, "returncode": proc.returncode, "wall_s": time.time() - start,
+           "iteration_ms": times}
+    if proc.returncode == 0 and measured:
+        mean_ms = sum(measured) / len(measured)
+        row.update(mean_iteration_ms=mean_ms, tokens_per_s=args.seq_length / (mean_ms / 1e3))
+    print(f"{name}: rc={proc.returncode} iteration ms {['%.0f' % t for t in times]}", flush=True)
+    if proc.returncode != 0:
+        print(log[-3000:], flush=True)
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq-length", type=int, default=262144)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--train-iters", type=int, default=8)
+    p.add_argument("--warmup-iters", type=int, default=3, help="first iterations left out of the mean")
+    p.add_argument("--recompute", action="store_true")
+    p.add_argument("--timeout", type=int, default=300)
+    p.add_argument("--runs", default="mtraining,dense")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    world = torch.cuda.device_count()
+    if world < 1:
+        raise SystemExit("benchmarks/e2e.py needs GPUs (megatron.training is CUDA-only)")
+    out = args.out or os.path.join(REPO, "benchmarks", "results", f"e2e_{device_slug(torch.device('cuda'))}_{world}gpu.json")
+    log_dir = os.path.dirname(os.path.abspath(out))
+    variants = {"mtraining": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "4"],
+                "dense": ["--mtraining", "--mtraining-index", "dense"]}
+    rows = [run_one(name, variants[name], args, world, log_dir) for name in args.runs.split(",")]
+    by_name = {r["name"]: r for r in rows}
+    result = {"benchmark": "e2e", "meta": run_metadata(torch.device("cuda")), "world_size": world,
+              "model": {"num_layers": args.num_layers, "hidden": 2048, "ffn": 11008, "heads": 16, "kv_groups": 2,
+                        "head_dim": 128, "vocab": args.vocab_size, "shape_of": "Qwen2.5-3B (fewer layers)"},
+              "seq_length": args.seq_length, "recompute": args.recompute, "runs": rows}
+    if all(by_name.get(n, {}).get("tokens_per_s") for n in ("mtraining", "dense")):
+        result["e2e_speedup"] = by_name["mtraining"]["tokens_per_s"] / by_name["dense"]["tokens_per_s"]
+        print(f"tokens/s: MTraining {by_name['mtraining']['tokens_per_s']:.0f}, dense ring "
+              f"{by_name['dense']['tokens_per_s']:.0f}: speedup {result['e2e_speedup']:.2f}x")
+    with open(out, "w") as f:
+        json.dump(json_ready(result), f, indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

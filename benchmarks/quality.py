@@ -1,0 +1,403 @@
+"""Does sparse training learn like dense? Loss and long-range retrieval, MTraining vs dense.
+
+The same small megatron-core GPT (RoPE, GQA) trains from the same seed on the same synthetic
+corpus (``megatron_mtraining.corpus``: word-completion filler plus key-value needles queried at
+the end of each sequence, stored in Megatron's indexed-dataset format) twice: with dense causal
+attention and with MTraining (``vs`` index, top-p 0.9). Both go through ``MTrainingAttention``;
+the dense run uses the dense index (exact causal attention), so the attention code is the only
+difference. Training follows a short-to-long schedule (``--phases``, e.g. 4K then 32K tokens per
+sequence, the same token count per iteration). Then both are evaluated:
+
+* held-out LM loss on unseen sequences at the longest length;
+* needle-in-a-haystack retrieval accuracy on a depth x length grid (a query counts when all its
+  value tokens are predicted exactly), with dense attention at inference for both models (what
+  the weights learned) and, for MTraining, also with its own sparse attention;
+* the per-layer index density over training (the paper's sparsity dynamics).
+
+    python benchmarks/quality.py --run dense     --out q_dense.json      # one process, one device
+    python benchmarks/quality.py --run mtraining --out q_mtraining.json
+    python benchmarks/quality.py --merge q_dense.json q_mtraining.json  # -> results/quality.json + plots
+
+(``scripts/gpu_quality.sh`` runs the two trainings side by side on two GPUs.) On the CPU use
+tiny ``--phases`` / model flags (the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import json_ready, run_metadata  # noqa: E402
+
+from megatron_mtraining import MTrainingConfig  # noqa: E402
+from megatron_mtraining.corpus import (  # noqa: E402
+    CorpusConfig, make_needle_probe, retrieval_accuracy, write_indexed_dataset,
+)
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HELD_OUT_START = 10_000_000  # corpus indices of held-out sequences (training uses 0, 1, 2, ...)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run", choices=("dense", "mtraining"))
+    p.add_argument("--merge", nargs=2, metavar=("DENSE_JSON", "MTRAINING_JSON"))
+    p.add_argument("--out", default=None)
+    p.add_argument("--phases", default="4096:300,32768:150",
+                   help="training schedule, comma-separated SEQ_LEN:ITERATIONS")
+    p.add_argument("--tokens-per-iteration", type=int, default=32768)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--num-query-groups", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--needles-per-1k", type=float, default=1.0, help="needles per 1024 tokens (at least 2)")
+    p.add_argument("--queries", type=int, default=8, help="queries per sequence (at most the needles)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--last-q", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--eval-lengths", default="4096,16384,32768")
+    p.add_argument("--eval-depths", default="0.05,0.25,0.45,0.65,0.85")
+    p.add_argument("--eval-probes", type=int, default=4, help="probes per (length, depth) cell")
+    p.add_argument("--held-out", type=int, default=4, help="held-out sequences at the longest length")
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--seed", type=int, default=1234)
+    args = p.parse_args(argv)
+    if (args.run is None) == (args.merge is None):
+        p.error("give exactly one of --run and --merge")
+    return args
+
+
+def phases(spec: str):
+    out = []
+    for item in spec.split(","):
+        seq, iters = item.split(":")
+        out.append((int(seq), int(iters)))
+    return out
+
+
+def corpus_config(args, seq_len: int) -> CorpusConfig:
+    """Sequences of ``seq_len + 1`` tokens: the model reads ``seq_len`` (a multiple of the block
+    size) and predicts the next token at each of them."""
+    needles = max(2, int(args.needles_per_1k * seq_len / 1024))
+    return CorpusConfig(vocab_size=args.vocab_size, seq_len=seq_len + 1, num_needles=needles,
+                        num_queries=min(args.queries, needles), seed=args.seed)
+
+
+def mtraining_config(args, run: str) -> MTrainingConfig:
+    return MTrainingConfig(index="dense" if run == "dense" else "vs", top_p=args.top_p, last_q=args.last_q,
+                           block_size=args.block_size)
+
+
+# ---------------------------------------------------------------------------- set-up
+
+
+def init_single_process(device):
+    """A world of one process with megatron's parallel state (the model code needs it)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
+    tmp = tempfile.mkdtemp(prefix="mtraining-quality-")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
+    shims = None
+    if device.type == "cpu":
+        from megatron_mtraining.integration.cpu_shims import apply_cpu_shims
+
+        shims = apply_cpu_shims()
+    parallel_state.initialize_model_parallel()
+    return shims
+
+
+def build_model(args, run: str, max_len: int, device):
+    from megatron_mtraining.demo import build_small_gpt
+
+    torch.manual_seed(args.seed)  # the same initial weights for both runs
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(args.seed)
+    return build_small_gpt(mtraining_config(args, run), num_layers=args.num_layers, hidden_size=args.hidden_size,
+                           num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                           vocab_size=args.vocab_size, seq_length=max_len).to(device)
+
+
+def write_training_data(args, schedule, folder):
+    """One Megatron indexed dataset per phase (exactly the sequences that phase trains on)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    datasets = []
+    for i, (seq_len, iters) in enumerate(schedule):
+        batch = max(1, args.tokens_per_iteration // seq_len)
+        prefix = write_indexed_dataset(os.path.join(folder, f"phase{i}_{seq_len}"), corpus_config(args, seq_len),
+                                       iters * batch, start_index=i * 1_000_000)
+        datasets.append((IndexedDataset(prefix), seq_len, iters, batch))
+    return datasets
+
+
+def core_attentions(model):
+    return [layer.self_attention.core_attention for layer in model.decoder.layers]
+
+
+@contextlib.contextmanager
+def dense_inference(model):
+    """Evaluate with the dense index (exact attention) whatever index the model trained with."""
+    indexers = [a.indexer for a in core_attentions(model)]
+    saved = [ix.mtraining_config for ix in indexers]
+    for ix in indexers:
+        ix.mtraining_config = dataclasses.replace(ix.mtraining_config, index="dense")
+    try:
+        yield
+    finally:
+        for ix, cfg in zip(indexers, saved):
+            ix.mtraining_config = cfg
+
+
+# ---------------------------------------------------------------------------- train / eval
+
+
+def lm_loss(model, tokens):
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    position_ids = torch.arange(inputs.shape[1], device=tokens.device).expand_as(inputs)
+    return model(inputs, position_ids, None, labels=labels).float().mean()
+
+
+def lr_at(args, it, total):
+    if it <= args.warmup:
+        return args.lr * it / args.warmup
+    progress = (it - args.warmup) / max(1, total - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(args, model, datasets, device):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    total = sum(iters for _, _, iters, _ in datasets)
+    curve, density_log, it = [], [], 0
+    start = time.perf_counter()
+    for dataset, seq_len, iters, batch in datasets:
+        for i in range(iters):
+            it += 1
+            rows = [torch.from_numpy(dataset[i * batch + j].astype("int64")) for j in range(batch)]
+            tokens = torch.stack(rows).to(device)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_at(args, it, total)
+            loss = lm_loss(model, tokens)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            if it % args.log_interval == 0 or it == 1 or it == total:
+                value = loss.item()
+                densities = [a.last_index.density(seq_len).float().mean().item() for a in core_attentions(model)]
+                curve.append({"iteration": it, "seq_len": seq_len, "loss": value})
+                density_log.append({"iteration": it, "seq_len": seq_len, "density_per_layer": densities})
+                print(f" iteration {it:>5}/{total} | seq {seq_len} | lm loss {value:.4f} | density per layer "
+                      + " ".join(f"{d:.3f}" for d in densities)
+                      + f" | {time.perf_counter() - start:.0f} s", flush=True)
+    return curve, density_log, time.perf_counter() - start
+
+
+@torch.no_grad()
+def held_out_loss(args, model, seq_len, device):
+    cfg = corpus_config(args, seq_len)
+    from megatron_mtraining.corpus import make_sequence
+
+    losses = [lm_loss(model, make_sequence(cfg, HELD_OUT_START + i).tokens[None].to(device)).item()
+              for i in range(args.held_out)]
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def retrieval_grid(args, model, device):
+    """Accuracy per (length, depth): one needle at that depth, queried at the end."""
+    lengths = [int(x) for x in args.eval_lengths.split(",")]
+    depths = [float(x) for x in args.eval_depths.split(",")]
+    grid = []
+    for seq_len in lengths:
+        cfg = corpus_config(args, seq_len)
+        row = []
+        for depth in depths:
+            correct = 0.0
+            for i in range(args.eval_probes):
+                sample = make_needle_probe(cfg, HELD_OUT_START + i, depth)
+                tokens = sample.tokens[None].to(device)
+                target = torch.zeros_like(tokens, dtype=torch.bool)
+                target[0, sample.target_positions.to(device)] = True
+                inputs = tokens[:, :-1]
+                position_ids = torch.arange(seq_len, device=device)[None]
+                # logits[:, p] predicts tokens[:, p + 1]; pad one column to align with tokens.
+                predictions = model(inputs, position_ids, None).argmax(-1)
+                predictions = torch.cat([predictions, torch.zeros_like(tokens[:, :1])], 1)
+                correct += retrieval_accuracy(predictions, tokens, target)
+            row.append(correct / args.eval_probes)
+        grid.append(row)
+    return {"lengths": lengths, "depths": depths, "accuracy": grid,
+            "mean": sum(map(sum, grid)) / (len(lengths) * len(depths))}
+
+
+def run(args):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    schedule = phases(args.phases)
+    max_len = max([s for s, _ in schedule] + [int(x) for x in args.eval_lengths.split(",")])
+    shims = init_single_process(device)
+    try:
+        model = build_model(args, args.run, max_len, device)
+        with tempfile.TemporaryDirectory(prefix="mtraining-corpus-") as folder:
+            datasets = write_training_data(args, schedule, folder)
+            print(f"[quality] {args.run}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+                  f"schedule {schedule}, {args.tokens_per_iteration} tokens/iteration, device {device}", flush=True)
+            model.train()
+            curve, density_log, train_s = train(args, model, datasets, device)
+        model.eval()
+        longest = schedule[-1][0]
+        result = {"run": args.run, "train_seconds": train_s, "loss_curve": curve, "density_log": density_log,
+                  "settings": {k: v for k, v in vars(args).items() if k not in ("merge", "out")}}
+        with dense_inference(model):
+            result["held_out_loss"] = held_out_loss(args, model, longest, device)
+            result["retrieval_dense_inference"] = retrieval_grid(args, model, device)
+        if args.run == "mtraining":
+            result["held_out_loss_sparse_inference"] = held_out_loss(args, model, longest, device)
+            result["retrieval_sparse_inference"] = retrieval_grid(args, model, device)
+        print(f"[quality] {args.run}: held-out loss {result['held_out_loss']:.4f}, retrieval (dense inference) "
+              f"{result['retrieval_dense_inference']['mean']:.3f}", flush=True)
+    finally:
+        from megatron.core import parallel_state
+        import torch.distributed as dist
+
+        parallel_state.destroy_model_parallel()
+        if shims is not None:
+            shims.remove()
+        dist.destroy_process_group()
+    result["meta"] = run_metadata(device)
+    out = args.out or f"quality_{args.run}.json"
+    with open(out, "w") as f:
+        json.dump(json_ready(result), f, indent=1)
+    print(f"wrote {out}")
+
+
+# ---------------------------------------------------------------------------- merge and plots
+
+
+def merge(args):
+    with open(args.merge[0]) as f:
+        dense = json.load(f)
+    with open(args.merge[1]) as f:
+        sparse = json.load(f)
+    if dense["run"] != "dense" or sparse["run"] != "mtraining":
+        raise SystemExit("--merge expects the dense result first, then the mtraining one")
+    longest = max(r["seq_len"] for r in sparse["density_log"])
+    final_density = [r for r in sparse["density_log"] if r["seq_len"] == longest][-1]["density_per_layer"]
+    vocab = dense["settings"]["vocab_size"]
+    summary = {
+        "final_loss_gap": (sparse["held_out_loss"] - dense["held_out_loss"]) / dense["held_out_loss"],
+        "retrieval_accuracy_gap": 100 * (dense["retrieval_dense_inference"]["mean"]
+                                         - sparse["retrieval_dense_inference"]["mean"]),
+        "retrieval_accuracy_gap_sparse_inference": 100 * (dense["retrieval_dense_inference"]["mean"]
+                                                          - sparse["retrieval_sparse_inference"]["mean"]),
+        "dense_retrieval_accuracy": dense["retrieval_dense_inference"]["mean"],
+        "mtraining_retrieval_accuracy": sparse["retrieval_dense_inference"]["mean"],
+        "mtraining_retrieval_accuracy_sparse_inference": sparse["retrieval_sparse_inference"]["mean"],
+        # Chance: guessing all value tokens of one query among the symbol tokens.
+        "retrieval_chance": (1 / (vocab // 4)) ** 4,
+        "dense_held_out_loss": dense["held_out_loss"],
+        "mtraining_held_out_loss": sparse["held_out_loss"],
+        "mean_density": sum(final_density) / len(final_density),
+        "longest_context": longest,
+        "train_seconds": {"dense": dense["train_seconds"], "mtraining": sparse["train_seconds"]},
+        "targets": {"final_loss_gap": "within 0.02", "retrieval_accuracy_gap": "<= 2 points",
+                    "mean_density": "<= 0.10"},
+    }
+    result = {"benchmark": "quality", "summary": summary, "dense": dense, "mtraining": sparse}
+    out = args.out or os.path.join(RESULTS_DIR, "quality.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(json_ready(result), f, indent=1)
+    plots = make_plots(result, os.path.splitext(out)[0])
+    print(f"wrote {out} {' '.join(plots)}")
+    for key, value in summary.items():
+        if not isinstance(value, dict):
+            print(f"{key:48s} {value:.4f}" if isinstance(value, float) else f"{key:48s} {value}")
+
+
+def make_plots(result, stem):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    dense, sparse = result["dense"], result["mtraining"]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for run, label in ((dense, "dense"), (sparse, "MTraining (vs, top-p %.2f)" % sparse["settings"]["top_p"])):
+        ax.plot([r["iteration"] for r in run["loss_curve"]], [r["loss"] for r in run["loss_curve"]], label=label)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("training LM loss")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("training loss, same seed and data")
+    fig.tight_layout()
+    paths.append(stem + "_loss.png")
+    fig.savefig(paths[-1], dpi=120)
+
+    grids = [("dense", dense["retrieval_dense_inference"]), ("MTraining", sparse["retrieval_dense_inference"]),
+             ("MTraining, sparse inference", sparse["retrieval_sparse_inference"])]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (title, g) in zip(axes, grids):
+        im = ax.imshow(torch.tensor(g["accuracy"]).numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(g["depths"])), [f"{d:.0%}" for d in g["depths"]])
+        ax.set_yticks(range(len(g["lengths"])), [f"{n // 1024}K" for n in g["lengths"]])
+        ax.set_xlabel("needle depth")
+        ax.set_ylabel("context length")
+        ax.set_title(f"{title}: {g['mean']:.2f}")
+    fig.colorbar(im, ax=axes, shrink=0.8, label="retrieval accuracy")
+    paths.append(stem + "_retrieval.png")
+    fig.savefig(paths[-1], dpi=120)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    log = sparse["density_log"]
+    layers = len(log[0]["density_per_layer"])
+    for layer in range(layers):
+        ax.plot([r["iteration"] for r in log], [r["density_per_layer"][layer] for r in log], label=f"layer {layer + 1}")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("index density")
+    ax.set_title("MTraining index density per layer over training")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(stem + "_density.png")
+    fig.savefig(paths[-1], dpi=120)
+    return paths
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.merge:
+        merge(args)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""benchmarks/quality.py end to end at toy scale on the CPU: both trainings, the merge, and the
+summary keys the issue asks for (the real run is on GPUs, see scripts/gpu_quality.sh)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = ["--phases", "256:3,512:1", "--tokens-per-iteration", "512", "--num-layers", "1", "--hidden-size", "64",
+       "--num-attention-heads", "2", "--num-query-groups", "1", "--vocab-size", "128", "--eval-lengths", "512",
+       "--eval-depths", "0.1,0.9", "--eval-probes", "1", "--held-out", "1", "--last-q", "64", "--warmup", "1",
+       "--log-interval", "2"]
+
+
+def run(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "quality.py"), *args], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_quality_pipeline_at_toy_scale(tmp_path):
+    dense, sparse, merged = (str(tmp_path / name) for name in ("d.json", "m.json", "quality.json"))
+    run("--run", "dense", "--out", dense, *TOY)
+    run("--run", "mtraining", "--out", sparse, *TOY)
+    out = run("--merge", dense, sparse, "--out", merged)
+    assert "final_loss_gap" in out
+    with open(merged) as f:
+        result = json.load(f)
+    s = result["summary"]
+    for key in ("final_loss_gap", "retrieval_accuracy_gap", "mean_density", "dense_retrieval_accuracy",
+                "retrieval_chance"):
+        assert isinstance(s[key], float), key
+    assert s["longest_context"] == 512 and 0 < s["mean_density"] <= 1
+    d, m = result["dense"], result["mtraining"]
+    # Same seed and data: the first training losses are identical (same weights, dense vs sparse
+    # attention differ only once the index is sparse, which 256 tokens with these budgets are not).
+    assert d["loss_curve"][0]["loss"] == pytest.approx(m["loss_curve"][0]["loss"], rel=1e-4)
+    assert [r["iteration"] for r in d["loss_curve"]] == [1, 2, 4]
+    assert all(x == 1.0 for r in d["density_log"] for x in r["density_per_layer"])  # dense index
+    grid = m["retrieval_sparse_inference"]
+    assert grid["lengths"] == [512] and grid["depths"] == [0.1, 0.9] and len(grid["accuracy"][0]) == 2
+    with pytest.raises(AssertionError):
+        run("--merge", sparse, dense, "--out", merged)  # order is checked
