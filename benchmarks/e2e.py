@@ -40,7 +40,8 @@ def model_flags(args):
         "--add-qkv-bias", "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
         "--rotary-base", "1000000", "--seq-length", str(args.seq_length),
         "--max-position-embeddings", str(args.seq_length), "--attention-dropout", "0", "--hidden-dropout", "0",
-        "--transformer-impl", "local",
+        "--transformer-impl", "local", "--no-rope-fusion",  # the fused RoPE needs Transformer Engine
+        "--no-create-attention-mask-in-dataloader",  # causal attention: no [s, s] mask per sample
     ]
 
 

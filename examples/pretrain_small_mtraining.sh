@@ -75,6 +75,8 @@ MODEL_ARGS=(
     --hidden-dropout 0
     --init-method-std 0.02
     --transformer-impl local          # Transformer Engine is optional: MTraining replaces core attention
+    --no-rope-fusion                  # fused RoPE needs Transformer Engine
+    --no-create-attention-mask-in-dataloader   # causal: no [seq, seq] mask per sample (1 TiB at 512K)
 )
 
 TRAINING_ARGS=(

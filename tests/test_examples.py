@@ -1,12 +1,20 @@
-"""Static checks of the shell launchers under examples/ (fast; no Megatron, no GPU)."""
+"""Checks of examples/ (fast; no GPU): static checks of the shell launchers, and of the
+self-contained ``pretrain_gpt_mtraining.py`` (see its section below)."""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import os
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
+import textwrap
+import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -98,3 +106,393 @@ def test_mtraining_values_parse(script):
     args = parser.parse_args(argv)
     assert args.mtraining and args.mtraining_top_p == 0.9
     assert args.mtraining_layout == "striped" and args.mtraining_block_size == 64
+
+
+# ---------------------------------------------------------------------------- pretrain_gpt_mtraining.py
+# The self-contained training script. megatron.training is CUDA-only (and not in megatron-core
+# 0.16), so these tests run the script's pure parts, its entry point against fake
+# ``megatron.training`` modules of both pretrain() APIs, and its model / batch / loss functions
+# on a CPU GPTModel of megatron-core.
+
+PRETRAIN = EXAMPLES / "pretrain_gpt_mtraining.py"
+
+
+def _load_pretrain_script(name="pretrain_gpt_mtraining_under_test"):
+    spec = importlib.util.spec_from_file_location(name, PRETRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def pretrain_script(monkeypatch):
+    """The script imported as a module, with ``megatron.training`` unimportable (as on CPU)."""
+    monkeypatch.setitem(sys.modules, "megatron.training", None)
+    module = _load_pretrain_script()
+    yield module
+    try:
+        from megatron_mtraining.integration import attention, patches
+    except ImportError:  # pragma: no cover - megatron-core missing
+        return
+    patches.uninstall()
+    attention.set_mtraining_config(None)
+
+
+def test_pretrain_script_static():
+    src = PRETRAIN.read_text()
+    tree = ast.parse(src, filename=str(PRETRAIN))
+    doc = ast.get_docstring(tree)
+    assert doc and "torchrun --nproc-per-node" in doc and "--mtraining" in doc
+    assert "--mtraining-index dense" in doc
+    guards = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+    assert guards and "main()" in ast.unparse(guards[0])
+    # Only the plugin and light modules at import time; megatron is imported inside functions.
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+            assert not any(n.startswith("megatron.") or n == "megatron" for n in names), ast.unparse(node)
+    for needle in ("add_mtraining_args", "get_gpt_layer_spec", "enable_mtraining(args)", "MTrainingConfig.from_args",
+                   "validate_megatron_config", "pretrain_cfg_container_from_args", "parse_and_validate_args",
+                   "get_batch_on_this_cp_rank", "ModelType.encoder_or_decoder", "MockGPTDataset",
+                   "BlendedMegatronDatasetBuilder"):
+        assert needle in src, needle
+
+
+def test_pretrain_script_imports_without_megatron_training(pretrain_script):
+    assert pretrain_script.BATCH_KEYS == ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+    assert pretrain_script.train_valid_test_datasets_provider.is_distributed is True
+    with pytest.raises(SystemExit) as exc:
+        pretrain_script.main()
+    msg = str(exc.value)
+    assert "megatron.training is not importable" in msg and "0.19" in msg
+
+
+def test_pretrain_script_extra_args_provider(pretrain_script):
+    parser = pretrain_script.extra_args_provider(argparse.ArgumentParser())
+    args = parser.parse_args(["--mtraining", "--mtraining-index", "dense"])
+    assert args.mtraining and args.mtraining_index == "dense"
+    assert pretrain_script.extra_args_provider(parser) is parser  # a parser that has them already
+
+
+def _ns(**overrides):
+    base = dict(mtraining=False, transformer_impl="local", context_parallel_size=1, sft=False,
+                dataloader_inter_document_masking=False, hybrid_context_parallel=False, mtp_num_layers=None,
+                reset_attention_mask=False, mtraining_dense_layers=0, num_layers=2)
+    base.update(overrides)
+    return argparse.Namespace(**base)
+
+
+def test_pretrain_script_check_args(pretrain_script):
+    check, error = pretrain_script.check_args, pretrain_script.ConfigError
+    check(_ns(mtraining=True, context_parallel_size=4), te_available=False)
+    check(_ns(), te_available=False)  # dense baseline, CP = 1, local attention
+    check(_ns(transformer_impl="transformer_engine", context_parallel_size=4), te_available=True)
+    with pytest.raises(error, match="--mtraining --mtraining-index dense"):
+        check(_ns(context_parallel_size=4), te_available=False)  # dense CP baseline without TE
+    with pytest.raises(error, match="--transformer-impl local.*--mtraining-index dense"):
+        check(_ns(transformer_impl="transformer_engine", context_parallel_size=2), te_available=False)
+    with pytest.raises(error, match="--transformer-impl local"):
+        check(_ns(mtraining=True, transformer_impl="transformer_engine"), te_available=False)
+    with pytest.raises(error, match="inference_optimized"):
+        check(_ns(transformer_impl="inference_optimized"), te_available=True)
+    with pytest.raises(error, match="--sft.*--mtp-num-layers"):
+        check(_ns(sft=True, mtp_num_layers=1), te_available=False)
+    with pytest.raises(error, match="--reset-attention-mask"):
+        check(_ns(mtraining=True, reset_attention_mask=True), te_available=False)
+    check(_ns(reset_attention_mask=True), te_available=False)  # Megatron's attention honours the mask
+
+
+def test_pretrain_script_api_detection(pretrain_script):
+    def new_api(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func,
+                model_provider=None):
+        pass
+
+    def old_api(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}):
+        pass
+
+    assert pretrain_script.api_of(new_api) == "config"
+    assert pretrain_script.api_of(old_api) == "legacy"
+    with pytest.raises(SystemExit, match="0.19"):
+        pretrain_script.api_of(lambda config, provider: None)
+
+
+# ----------------------------------------------------------- with megatron-core (0.16 on CPU)
+
+
+def _transformer_config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                  use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+                  masked_softmax_fusion=False, apply_rope_fusion=False, attention_dropout=0.0, hidden_dropout=0.0)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _core_attention(spec):
+    return spec.submodules.self_attention.submodules.core_attention
+
+
+def test_pretrain_script_layer_spec(pretrain_script):
+    pytest.importorskip("megatron.core")
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_mtraining import MTrainingConfig
+    from megatron_mtraining.integration.attention import MTrainingAttention, get_dense_layers, get_mtraining_config
+
+    config = _transformer_config(normalization="RMSNorm")
+    dense = pretrain_script.get_layer_spec(_ns(), config)
+    assert _core_attention(dense) is DotProductAttention
+    cfg = MTrainingConfig(index="dense", block_size=64)
+    sparse = pretrain_script.get_layer_spec(_ns(mtraining=True, mtraining_dense_layers=1), config,
+                                            mtraining_config=cfg)
+    assert _core_attention(sparse) is MTrainingAttention
+    assert get_mtraining_config() == cfg and get_dense_layers() == 1
+    assert type(sparse.submodules.input_layernorm) is type(dense.submodules.input_layernorm)  # noqa: E721
+    assert _core_attention(pretrain_script.get_layer_spec(_ns(), config)) is DotProductAttention  # untouched
+
+
+# Fake megatron.training modules. The pretrain() signatures are those of megatron-core 0.19.2
+# (cfg_container first) and of older Megatron-LM (dataset provider, model provider, ...).
+_FAKE_TRAINING_SRC = '''
+import argparse
+import sys
+import types
+import warnings
+
+CALLS = []
+ARGS = None
+TIMERS = {}
+
+
+def get_args():
+    return ARGS
+
+
+def get_tokenizer():
+    return "tokenizer"
+
+
+class _Timer:
+    def start(self, barrier=False):
+        pass
+
+    def stop(self, barrier=False):
+        pass
+
+
+def get_timers():
+    def timers(name, log_level=0):
+        return TIMERS.setdefault(name, _Timer())
+    return timers
+
+
+def _parse(extra_args_provider):
+    parser = argparse.ArgumentParser(prog="fake")
+    parser.add_argument("--transformer-impl", default="transformer_engine")
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--attention-dropout", type=float, default=0.1)
+    parser.add_argument("--reset-attention-mask", action="store_true")
+    parser.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                        dest="create_attention_mask_in_dataloader")
+    parser = extra_args_provider(parser)
+    return parser.parse_args(sys.argv[1:])
+
+
+def parse_and_validate_args(extra_args_provider=None, ignore_unknown_args=False, args_defaults={}):
+    global ARGS
+    ARGS = _parse(extra_args_provider)
+    return ARGS
+
+
+def core_transformer_config_from_args(args, config_class=None):
+    return types.SimpleNamespace(attention_dropout=args.attention_dropout,
+                                 context_parallel_size=args.context_parallel_size)
+
+
+def pretrain_cfg_container_from_args(args, model_cfg=None):
+    warnings.warn("\\n        It is recommended to use a ModelConfig (e.g. HybridModelConfig) instead")
+    return ("cfg", args)
+
+
+def pretrain_config(cfg_container, train_valid_test_dataset_provider, model_type, forward_step_func,
+                    model_provider=None, process_non_loss_data_func=None, get_embedding_ranks=None):
+    CALLS.append(dict(api="config", cfg_container=cfg_container, datasets=train_valid_test_dataset_provider,
+                      model_type=model_type, forward_step=forward_step_func, model_provider=model_provider))
+
+
+def pretrain_legacy(train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                    process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}):
+    global ARGS
+    ARGS = _parse(extra_args_provider)
+    CALLS.append(dict(api="legacy", datasets=train_valid_test_dataset_provider, model_provider=model_provider,
+                      model_type=model_type, forward_step=forward_step_func,
+                      extra_args_provider=extra_args_provider))
+'''
+
+
+@pytest.fixture
+def fake_training(monkeypatch):
+    """``megatron.training`` (+ arguments, argument_utils, utils) as fakes; ``api`` picks pretrain."""
+    pytest.importorskip("megatron.core")
+    import megatron
+
+    pkg = types.ModuleType("megatron.training")
+    pkg.__path__ = []
+    exec(textwrap.dedent(_FAKE_TRAINING_SRC), pkg.__dict__)
+    pkg.pretrain = pkg.pretrain_config
+    monkeypatch.setitem(sys.modules, "megatron.training", pkg)
+    monkeypatch.setattr(megatron, "training", pkg, raising=False)
+    for short, names in (("arguments", ("parse_and_validate_args", "core_transformer_config_from_args")),
+                         ("argument_utils", ("pretrain_cfg_container_from_args",)), ("utils", ())):
+        mod = types.ModuleType(f"megatron.training.{short}")
+        for name in names:
+            setattr(mod, name, getattr(pkg, name))
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+        setattr(pkg, short, mod)
+    module = _load_pretrain_script()
+    yield types.SimpleNamespace(pkg=pkg, script=module, monkeypatch=monkeypatch)
+    from megatron_mtraining.integration import attention, patches
+
+    patches.uninstall()
+    attention.set_mtraining_config(None)
+
+
+def _main(fake, *argv):
+    fake.monkeypatch.setattr(sys, "argv", ["pretrain_gpt_mtraining.py", *argv])
+    fake.script.main()
+    return fake.pkg.CALLS[-1]
+
+
+def test_pretrain_script_main_config_api(fake_training):
+    from megatron.core.enums import ModelType
+
+    from megatron_mtraining.integration import patches
+
+    s = fake_training.script
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the ModelConfig recommendation is filtered by the script
+        call = _main(fake_training, "--transformer-impl", "local", "--context-parallel-size", "2",
+                     "--attention-dropout", "0", "--mtraining", "--mtraining-top-p", "0.8")
+    args = fake_training.pkg.ARGS
+    assert call["api"] == "config" and call["cfg_container"] == ("cfg", args)
+    assert call["model_type"] == ModelType.encoder_or_decoder
+    assert call["model_provider"] is s.model_provider and call["forward_step"] is s.forward_step
+    assert call["datasets"] is s.train_valid_test_datasets_provider
+    assert patches.installed()  # before pretrain() builds model and data
+    assert s._state["mtraining_config"].top_p == pytest.approx(0.8)
+    assert args.create_attention_mask_in_dataloader is False  # no O(seq^2) mask
+
+
+def test_pretrain_script_main_dense_baseline(fake_training):
+    from megatron_mtraining.integration import patches
+
+    _main(fake_training, "--transformer-impl", "local")
+    assert not patches.installed() and fake_training.script._state["mtraining_config"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--transformer-impl", "local", "--context-parallel-size", "2"), "--mtraining --mtraining-index dense"),
+    (("--transformer-impl", "local", "--mtraining"), "attention_dropout must be 0"),
+    (("--transformer-impl", "local", "--attention-dropout", "0", "--mtraining", "--seq-length", "100"),
+     "seq_length 100 is not divisible"),
+])
+def test_pretrain_script_main_errors(fake_training, argv, message):
+    from megatron_mtraining.integration import patches
+
+    with pytest.raises(SystemExit) as exc:
+        _main(fake_training, *argv)
+    assert message in str(exc.value) and "pretrain_gpt_mtraining.py: error" in str(exc.value)
+    assert not fake_training.pkg.CALLS and not patches.installed()
+
+
+def test_pretrain_script_main_legacy_api(fake_training):
+    from megatron_mtraining.integration import patches
+
+    fake_training.pkg.pretrain = fake_training.pkg.pretrain_legacy
+    call = _main(fake_training, "--transformer-impl", "local", "--mtraining")
+    assert call["api"] == "legacy" and call["extra_args_provider"] is fake_training.script.extra_args_provider
+    assert call["model_provider"] is fake_training.script.model_provider
+    assert fake_training.pkg.ARGS.mtraining is True
+    assert not patches.installed()  # done by model_provider, after initialization
+
+
+SEQ, VOCAB, MBS = 128, 96, 2
+
+
+@pytest.fixture
+def megatron_cpu():
+    """A gloo world of size 1 with megatron's parallel state and the CPU shims."""
+    pytest.importorskip("megatron.core")
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_mtraining.integration.cpu_shims import apply_cpu_shims
+
+    owns_dist = not dist.is_initialized()
+    tmp = tempfile.TemporaryDirectory(prefix="mtraining-examples-")
+    if owns_dist:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp.name, 'store')}", rank=0, world_size=1)
+    shims = apply_cpu_shims()
+    parallel_state.initialize_model_parallel()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        shims.remove()
+        if owns_dist:
+            dist.destroy_process_group()
+        tmp.cleanup()
+
+
+def _model_args(**overrides):
+    args = _ns(transformer_impl="local", seq_length=SEQ, padded_vocab_size=VOCAB, max_position_embeddings=SEQ,
+               fp16_lm_cross_entropy=False, untie_embeddings_and_output_weights=True, position_embedding_type="rope",
+               rotary_percent=1.0, rotary_base=10000, use_rope_scaling=False, rope_scaling_factor=8.0,
+               rotary_seq_len_interpolation_factor=None, create_attention_mask_in_dataloader=True,
+               check_for_nan_in_loss_and_grad=True, attention_dropout=0.0)
+    vars(args).update(overrides)
+    return args
+
+
+def test_pretrain_script_model_forward_and_loss(fake_training, megatron_cpu):
+    """model_provider -> forward_step -> loss_func on a CPU GPTModel (megatron-core's local spec),
+    MTraining's dense index against Megatron's attention: same loss; the loss in the 0.19 form."""
+    import torch
+
+    from megatron_mtraining.integration.attention import MTrainingAttention
+
+    pkg, s = fake_training.pkg, fake_training.script
+    config = _transformer_config()
+    pkg.arguments.core_transformer_config_from_args = lambda args, config_class=None: config
+    pkg.utils.is_first_or_last_pipeline_stage = lambda vp_stage: True
+    pkg.utils.get_batch_on_this_tp_rank = lambda it: dict(next(it))  # the older helper (no 0.19 one in 0.16)
+
+    g = torch.Generator().manual_seed(0)
+    data = dict(tokens=torch.randint(0, VOCAB, (MBS, SEQ), generator=g),
+                labels=torch.randint(0, VOCAB, (MBS, SEQ), generator=g),
+                loss_mask=torch.ones(MBS, SEQ), attention_mask=None,
+                position_ids=torch.arange(SEQ).expand(MBS, SEQ))
+    data["loss_mask"][:, -3:] = 0
+
+    results = {}
+    for mtraining in (False, True):
+        s._state.update(configured=False, mtraining_config=None)
+        pkg.ARGS = _model_args(mtraining=mtraining, mtraining_index="dense", mtraining_block_size=64)
+        torch.manual_seed(1234)
+        model = s.model_provider(pre_process=True, post_process=True, config=config)
+        assert pkg.ARGS.create_attention_mask_in_dataloader is False
+        cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+        assert all(isinstance(c, MTrainingAttention) == mtraining for c in cores)
+        output, loss_fn = s.forward_step(iter([data]), model)
+        assert output.shape == (MBS, SEQ)
+        loss, num_tokens, report = loss_fn(output)
+        assert int(num_tokens) == MBS * (SEQ - 3)
+        assert loss.item() == pytest.approx((output.float() * data["loss_mask"]).sum().item(), rel=1e-6)
+        assert set(report) == {"lm loss"} and report["lm loss"].shape == (2,)
+        assert report["lm loss"][1].item() == MBS * (SEQ - 3)
+        results[mtraining] = loss.item()
+    assert results[True] == pytest.approx(results[False], rel=1e-5)
