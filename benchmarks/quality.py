@@ -75,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-probes", type=int, default=4, help="probes per (length, depth) cell")
     p.add_argument("--held-out", type=int, default=4, help="held-out sequences at the longest length")
     p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--max-train-seconds", type=float, default=None,
+                   help="stop training early past this (recorded as stopped_at_iteration) so a run always evaluates")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
     if (args.run is None) == (args.merge is None):
@@ -192,6 +194,9 @@ def train(args, model, datasets, device):
     start = time.perf_counter()
     for dataset, seq_len, iters, batch in datasets:
         for i in range(iters):
+            if args.max_train_seconds and time.perf_counter() - start > args.max_train_seconds:
+                print(f" stopping early at iteration {it} (--max-train-seconds {args.max_train_seconds})", flush=True)
+                return curve, density_log, time.perf_counter() - start, it
             it += 1
             rows = [torch.from_numpy(dataset[i * batch + j].astype("int64")) for j in range(batch)]
             tokens = torch.stack(rows).to(device)
@@ -210,7 +215,7 @@ def train(args, model, datasets, device):
                 print(f" iteration {it:>5}/{total} | seq {seq_len} | lm loss {value:.4f} | density per layer "
                       + " ".join(f"{d:.3f}" for d in densities)
                       + f" | {time.perf_counter() - start:.0f} s", flush=True)
-    return curve, density_log, time.perf_counter() - start
+    return curve, density_log, time.perf_counter() - start, None
 
 
 @torch.no_grad()
@@ -266,10 +271,11 @@ def run(args):
             print(f"[quality] {args.run}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
                   f"schedule {schedule}, {args.tokens_per_iteration} tokens/iteration, device {device}", flush=True)
             model.train()
-            curve, density_log, train_s = train(args, model, datasets, device)
+            curve, density_log, train_s, stopped_at = train(args, model, datasets, device)
         model.eval()
         longest = schedule[-1][0]
-        result = {"run": args.run, "train_seconds": train_s, "loss_curve": curve, "density_log": density_log,
+        result = {"run": args.run, "train_seconds": train_s, "stopped_at_iteration": stopped_at,
+                  "loss_curve": curve, "density_log": density_log,
                   "settings": {k: v for k, v in vars(args).items() if k not in ("merge", "out")}}
         with dense_inference(model):
             result["held_out_loss"] = held_out_loss(args, model, longest, device)
@@ -323,6 +329,8 @@ def merge(args):
         "mean_density": sum(final_density) / len(final_density),
         "longest_context": longest,
         "train_seconds": {"dense": dense["train_seconds"], "mtraining": sparse["train_seconds"]},
+        "stopped_at_iteration": {"dense": dense.get("stopped_at_iteration"),
+                                 "mtraining": sparse.get("stopped_at_iteration")},
         "targets": {"final_loss_gap": "within 0.02", "retrieval_accuracy_gap": "<= 2 points",
                     "mean_density": "<= 0.10"},
     }

@@ -335,6 +335,22 @@ def api_of(pretrain):
                      f"{params}; supported: {SUPPORTED}")
 
 
+def use_prebuilt_dataset_helpers():
+    """megatron.training runs ``make`` in megatron/core/datasets at start-up, but the wheel ships
+    the compiled ``helpers_cpp`` without the Makefile, so that step fails. When the compiled
+    module imports and there is no Makefile, skip the compilation (a Megatron-LM checkout, which
+    has the Makefile, compiles as usual)."""
+    from megatron.core.datasets import utils as dataset_utils
+
+    if os.path.exists(os.path.join(os.path.dirname(dataset_utils.__file__), "Makefile")):
+        return
+    try:
+        import megatron.core.datasets.helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # nothing prebuilt: let Megatron report its own error
+    dataset_utils.compile_helpers = lambda: print_rank_0("> using the prebuilt dataset helpers (helpers_cpp)")
+
+
 def main():
     from megatron.core.enums import ModelType
 
@@ -344,6 +360,7 @@ def main():
         raise SystemExit(f"pretrain_gpt_mtraining.py: error: megatron.training is not importable ({err}); it "
                          f"ships with the megatron-core wheel >= 0.19 (needs CUDA). Supported: {SUPPORTED}") from None
 
+    use_prebuilt_dataset_helpers()
     if api_of(pretrain) == "legacy":  # arguments are parsed inside pretrain; model_provider configures
         pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
                  forward_step, extra_args_provider=extra_args_provider)

@@ -9,10 +9,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh .venv > "$OUT/setup_quality.log" 2>&1 || { tail -20 "$OUT/setup_quality.log"; exit 1; }
 PY=.venv/bin/python
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
-FLAGS=${QUALITY_FLAGS:---phases 4096:500,32768:150 --needles-per-1k 4}
+FLAGS=${QUALITY_FLAGS:---phases 4096:800,32768:200 --needles-per-1k 4 --max-train-seconds 330}
 for run in dense mtraining; do
   gpu=$([ $run = dense ] && echo 0 || echo 1)
-  CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$((29700 + gpu)) timeout ${QUALITY_TIMEOUT:-480} \
+  CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$((29700 + gpu)) timeout ${QUALITY_TIMEOUT:-470} \
       $PY benchmarks/quality.py --run $run --out "$OUT/quality_$run.json" $FLAGS > "$OUT/quality_$run.log" 2>&1 &
 done
 wait
