@@ -42,6 +42,7 @@ def model_flags(args):
         "--max-position-embeddings", str(args.seq_length), "--attention-dropout", "0", "--hidden-dropout", "0",
         "--transformer-impl", "local", "--no-rope-fusion",  # the fused RoPE needs Transformer Engine
         "--no-create-attention-mask-in-dataloader",  # causal attention: no [s, s] mask per sample
+        "--no-persist-layer-norm",  # the persistent LayerNorm kernel needs apex
     ]
 
 

@@ -88,6 +88,7 @@ MODEL_ARGS=(
     --init-method-std 0.02
     --transformer-impl local          # Transformer Engine is optional: MTraining replaces core attention
     --no-rope-fusion                  # fused RoPE needs Transformer Engine
+    --no-persist-layer-norm           # the persistent LayerNorm kernel needs apex
     --no-create-attention-mask-in-dataloader   # causal: no [seq, seq] mask per sample (1 TiB at 512K)
 )
 
