@@ -236,7 +236,10 @@ def device_slug(device: torch.device) -> str:
 
 
 def git_commit() -> Dict:
-    """HEAD and whether the tree has uncommitted changes; GIT_COMMIT where git cannot say."""
+    """GIT_COMMIT when set (device copies may carry a stale .git), else HEAD and whether the
+    tree has uncommitted changes."""
+    if os.environ.get("GIT_COMMIT"):
+        return {"commit": os.environ["GIT_COMMIT"], "dirty": None}
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*cmd):
@@ -249,7 +252,7 @@ def git_commit() -> Dict:
             return {"commit": head.stdout.strip(), "dirty": dirty}
     except (OSError, subprocess.SubprocessError):
         pass
-    return {"commit": os.environ.get("GIT_COMMIT", "unknown"), "dirty": None}
+    return {"commit": "unknown", "dirty": None}
 
 
 def run_metadata(device: torch.device) -> Dict:

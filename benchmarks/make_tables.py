@@ -172,6 +172,8 @@ def render_ring(results: List[Result]) -> str:
     rows = []
     for _, data in results:
         device = data.get("meta", {}).get("device", "?")
+        gbps = data.get("config", {}).get("slow_link_gbps")
+        link = f"; emulated {gbps:g} GB/s between nodes" if gbps else ""
         for run in data.get("runs", []):
             density = run.get("index", {}).get("density_mean")
             for name, section in run.get("variants", {}).items():
@@ -188,7 +190,7 @@ def render_ring(results: List[Result]) -> str:
                     num(section.get("fwdbwd_ms"), 1), num(section.get("fwd_ms"), 1),
                     pair(speed.get("vs_best_dense"), speed.get("vs_best_dense_fwd"), 2, "x") if speed else "—",
                     pair(imbalance.get("worker_imbalance"), imbalance.get("step_imbalance")) if imbalance else "—",
-                    num(imbalance.get("computation_ratio")), ring_note(name, section),
+                    num(imbalance.get("computation_ratio")), ring_note(name, section) + link,
                 ])
     cfg = results[0][1].get("config", {})
     text = [
@@ -232,17 +234,23 @@ def render_approx(results: List[Result]) -> str:
                                  num(sum(r["recall"] for r in sel) / len(sel), 3),
                                  num(sum(r["density"] for r in sel) / len(sel), 3), str(len(sel))])
         for o in data.get("overhead", []):
-            overhead_rows.append([device, tokens(o["seq_len"]), num(o["approximator_ms"]),
+            overhead_rows.append([device, "1", tokens(o["seq_len"]), num(o["approximator_ms"]),
                                   num(o["sparse_attention_fwdbwd_ms"]), num(o["overhead"], 3),
                                   num(o["index_density"], 3)])
+        ring = data.get("ring")  # approx.py --ring: the distributed approximator over W GPUs
+        if ring:
+            overhead_rows.append([device, str(ring["world_size"]), f"{tokens(ring['tokens_per_gpu'])}/GPU",
+                                  num(ring["approximator_ms"]), num(ring["sparse_ring_attention_fwdbwd_ms"]),
+                                  num(ring["overhead"], 3), num(ring["index_density"], 3)])
     parts = ["**Index approximator.** Synthetic post-RoPE q/k with a vertical-slash structure "
              "(`megatron_mtraining.synthetic`, 8/2 heads, d 64): recall = share of the true dense "
              "attention mass the approximated index covers, averaged over heads and seeds.",
              table(["device", "S", "top-p", "recall", "density", "seeds"], quality_rows)]
     if overhead_rows:
-        parts += ["Cost on one GPU, canonical shape (16/2 heads, d 128, bf16), top-p 0.9: approximator "
-                  "time against sparse attention forward+backward of the same layer with its index.",
-                  table(["device", "S", "approximator ms", "sparse attention fwd+bwd ms", "overhead",
+        parts += ["Cost, canonical shape (16/2 heads, d 128, bf16), top-p 0.9: approximator time against "
+                  "sparse attention forward+backward of the same layer with its index (on W GPUs: the "
+                  "distributed approximator against `sparse_ring_attention`, slowest rank).",
+                  table(["device", "GPUs", "S", "approximator ms", "sparse attention fwd+bwd ms", "overhead",
                          "density"], overhead_rows)]
     plots = [data["plot"] for _, data in results if data.get("plot")]
     if plots:
@@ -251,11 +259,146 @@ def render_approx(results: List[Result]) -> str:
     return "\n\n".join(parts)
 
 
+@renderer("e2e")
+def render_e2e(results: List[Result]) -> str:
+    rows = []
+    for _, data in results:
+        device = data.get("meta", {}).get("device", "?")
+        for run in data.get("runs", []):
+            label = {"mtraining": "MTraining (vs, top-p 0.9)", "dense": "dense ring (`--mtraining-index dense`)"}
+            rows.append([device, str(data["world_size"]), tokens(data["seq_length"]),
+                         label.get(run["name"], run["name"]), num(run.get("mean_iteration_ms"), 0),
+                         num(run.get("tokens_per_s"), 0), "" if run["returncode"] == 0 else f"rc {run['returncode']}"])
+    m = results[0][1]["model"]
+    speedups = ", ".join(f"{num(d.get('e2e_speedup'))}x ({d['world_size']} GPUs, {tokens(d['seq_length'])})"
+                         for _, d in results if d.get("e2e_speedup"))
+    return "\n\n".join([
+        f"**End-to-end Megatron training** (`benchmarks/e2e.py`: `examples/pretrain_gpt_mtraining.py` on "
+        f"`megatron.training.pretrain`, megatron-core 0.19.2, mock data, bf16, CP over all GPUs). Model: "
+        f"{m['shape_of']}: {m['num_layers']} layers, hidden {m['hidden']}, FFN {m['ffn']}, {m['heads']}/"
+        f"{m['kv_groups']} heads, head dim {m['head_dim']}, vocabulary {m['vocab']}. Mean over the iterations "
+        f"after the warm-up. MTraining over the dense ring: {speedups}.",
+        table(["device", "GPUs", "S", "attention", "iteration ms", "tokens/s", "note"], rows),
+        source_line(results)])
+
+
+@renderer("quality")
+def render_quality(results: List[Result]) -> str:
+    parts = []
+    for path, data in results:
+        s = data["summary"]
+        stopped = s.get("stopped_at_iteration", {})
+        parts.append(table(
+            ["metric", "dense", "MTraining", "gap", "target"],
+            [["held-out LM loss", num(s["dense_held_out_loss"], 3), num(s["mtraining_held_out_loss"], 3),
+              num(s["final_loss_gap"], 3), "within 0.02"],
+             ["retrieval accuracy (dense inference)", num(s["dense_retrieval_accuracy"], 3),
+              num(s["mtraining_retrieval_accuracy"], 3), f"{num(s['retrieval_accuracy_gap'], 1)} points",
+              "<= 2 points, dense above chance"],
+             ["index density at the longest trained context", "1", num(s["mean_density"], 3), "", "<= 0.10"]]))
+        parts.append(f"Longest trained context {tokens(s['longest_context'])}, held-out loss at "
+                     f"{tokens(s.get('held_out_length', s['longest_context']))}; training stopped at iterations "
+                     f"{stopped.get('dense')} (dense) / {stopped.get('mtraining')} (MTraining) by the time "
+                     "budget. Plots: `benchmarks/results/quality_loss.png`, `quality_retrieval.png`, "
+                     "`quality_density.png`." + (f" Note: {s['note']}" if s.get("note") else ""))
+    return "\n\n".join(["**Training quality, MTraining vs dense** (`benchmarks/quality.py`, synthetic "
+                          "retrieval corpus, same seed and data)."] + parts)
+
+
+# ----------------------------------------------------------------------------------------------
+# summary.json: the performance targets of the project in one file
+# ----------------------------------------------------------------------------------------------
+
+TARGETS = {  # key: (comparison, target)
+    "kernel_fwdbwd_speedup_vs_cudnn_128k": (">=", 12), "kernel_fwdbwd_speedup_vs_flex_64k": (">=", 2.5),
+    "kernel_fwdbwd_effective_tflops_128k": (">=", 300), "ring_speedup_vs_dense_512k_4gpu": (">=", 8),
+    "ring_speedup_vs_sparse_zigzag_512k_4gpu": (">=", 1.3), "worker_imbalance": ("<=", 1.05),
+    "step_imbalance": ("<=", 1.15), "computation_ratio": (">=", 0.85), "ring_strong_scaling_4gpu": (">=", 0.9),
+    "hierarchical_speedup_slow_link": (">=", 1.3), "approximator_overhead": ("<=", 0.05),
+    "e2e_speedup_512k_4gpu": (">=", 4),
+}
+
+
+def summarise(results: Dict[str, List[Result]]) -> Dict:
+    """The target figures found in the results (None where not measured yet), with sources."""
+    values: Dict[str, Tuple] = {}  # key -> (value, source, note)
+    for path, data in results.get("kernel", []):
+        for run in data.get("runs", []):
+            sp = run.get("speedup", {})
+            if run["seq_len"] == 131072:
+                values["kernel_fwdbwd_speedup_vs_cudnn_128k"] = (sp.get("dense_over_ours_fwdbwd"), path, "")
+                values["kernel_fwdbwd_effective_tflops_128k"] = (run.get("ours", {}).get("fwdbwd_tflops"), path, "")
+            if run["seq_len"] == 65536:
+                values["kernel_fwdbwd_speedup_vs_flex_64k"] = (sp.get("flex_over_ours_fwdbwd"), path, "")
+    for path, data in results.get("ring", []):
+        for run in data.get("runs", []):
+            if run["seq_len"] != 524288 or run["world_size"] != 4:
+                continue
+            striped, zigzag = run["variants"].get("sparse_striped", {}), run["variants"].get("sparse_zigzag", {})
+            values["ring_speedup_vs_dense_512k_4gpu"] = (striped.get("speedup", {}).get("vs_best_dense"), path, "")
+            if striped.get("fwdbwd_ms") and zigzag.get("fwdbwd_ms"):
+                values["ring_speedup_vs_sparse_zigzag_512k_4gpu"] = (
+                    zigzag["fwdbwd_ms"] / striped["fwdbwd_ms"], path, "")
+            for key, value in striped.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {}).items():
+                values[key] = (value, path, "sparse striped ring, 512K, 4 GPUs")
+    for path, data in results.get("ring", []):
+        if not data.get("config", {}).get("slow_link_gbps"):
+            continue
+        for run in sorted(data.get("runs", []), key=lambda r: r["seq_len"]):
+            flat = run["variants"].get("sparse_striped", {}).get("fwdbwd_ms")
+            hier = run["variants"].get("sparse_striped_hier", {}).get("fwdbwd_ms")
+            if flat and hier:
+                values["hierarchical_speedup_slow_link"] = (
+                    flat / hier, path, f"{tokens(run['seq_len'])}, {run['world_size']} GPUs, emulated "
+                    f"{data['config']['slow_link_gbps']:g} GB/s between nodes of {data['config']['inner_size']}")
+    overheads = sorted(((d["ring"]["world_size"], d["ring"]["overhead"], p) for p, d in results.get("approx", [])
+                        if d.get("ring") and d["ring"]["tokens_per_gpu"] == 131072), reverse=True)
+    if overheads:
+        world, value, path = overheads[0]
+        values["approximator_overhead"] = (value, path, f"128K tokens per GPU on {world} GPUs")
+    for path, data in results.get("e2e", []):
+        if data.get("e2e_speedup") and data["seq_length"] == 524288 and data["world_size"] == 4:
+            values["e2e_speedup_512k_4gpu"] = (data["e2e_speedup"], path, "")
+        elif data.get("e2e_speedup"):
+            values[f"e2e_speedup_{tokens(data['seq_length']).lower()}_{data['world_size']}gpu"] = (
+                data["e2e_speedup"], path, "not the target's shape (512K over 4 GPUs)")
+    sources = {path for value, path, _ in values.values() if path}
+    metas = [d.get("meta", {}) for kind in results for path, d in results[kind] if path in sources]
+    latest = max(metas, key=lambda m: m.get("time_utc", ""), default={})
+    summary = {"device": latest.get("device"), "torch": latest.get("torch"), "triton": latest.get("triton"),
+               "git_commit": latest.get("commit"),
+               "git_commits": {path: d.get("meta", {}).get("commit") for kind in results
+                               for path, d in results[kind] if path in sources}}
+    details = {}
+    for key in list(TARGETS) + sorted(k for k in values if k not in TARGETS):
+        value, source, note = values.get(key, (None, None, "not measured yet"))
+        summary[key] = value
+        entry = {"source": source, "note": note}
+        if key in TARGETS:
+            op, target = TARGETS[key]
+            entry["target"] = f"{op} {target}"
+            entry["met"] = None if value is None else (value >= target if op == ">=" else value <= target)
+        details[key] = entry
+    summary["details"] = details
+    return summary
+
+
+def render_summary(summary: Dict) -> str:
+    rows = []
+    for key, entry in summary["details"].items():
+        value = summary[key]
+        met = {True: "yes", False: "no", None: "—"}[entry.get("met")]
+        rows.append([f"`{key}`", num(value, 3) if value is not None else "—", entry.get("target", ""), met,
+                     entry.get("note", "")])
+    return ("**Targets** (`benchmarks/results/summary.json`, written by this script from the results below; "
+            f"{summary['device']}):\n\n" + table(["key", "value", "target", "met", "note"], rows))
+
+
 def load_results(results_dir: str) -> Dict[str, List[Result]]:
     """Parsed results per kind, in file-name order; smoke runs and unknown kinds are left out."""
     found: Dict[str, List[Result]] = {}
     for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
-        kind = os.path.basename(path).split("_", 1)[0]
+        kind = os.path.splitext(os.path.basename(path))[0].split("_", 1)[0]
         if kind not in RENDERERS:
             continue
         with open(path) as fh:
@@ -268,9 +411,7 @@ def load_results(results_dir: str) -> Dict[str, List[Result]]:
 
 def render_section(results: Dict[str, List[Result]]) -> str:
     parts = [RENDERERS[kind](results[kind]) for kind in RENDERERS if kind in results]
-    body = "\n\n".join(parts) if parts else "_No benchmark results yet._"
-    return ("<!-- Generated by benchmarks/make_tables.py from benchmarks/results/; do not edit by hand. -->\n\n"
-            + body)
+    return "\n\n".join(parts) if parts else "_No benchmark results yet._"
 
 
 def splice(readme: str, section: str) -> str:
@@ -287,7 +428,16 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 if the README section is stale")
     args = p.parse_args(argv)
 
-    section = render_section(load_results(args.results))
+    results = load_results(args.results)
+    summary = summarise(results)
+    section = ("<!-- Generated by benchmarks/make_tables.py from benchmarks/results/; do not edit by hand. -->\n\n"
+               + render_summary(summary) + "\n\n" + render_section(results))
+    summary_path = os.path.join(args.results, "summary.json")
+    summary_text = json.dumps(summary, indent=1) + "\n"
+    stale_summary = not os.path.exists(summary_path) or open(summary_path).read() != summary_text
+    if not args.check and stale_summary:
+        with open(summary_path, "w") as fh:
+            fh.write(summary_text)
     readme = open(args.readme).read() if os.path.exists(args.readme) else None
     if readme is None or BEGIN not in readme or END not in readme.split(BEGIN, 1)[1]:
         print(f"{args.readme}: no README or no {BEGIN} / {END} markers; tables follow.\n", file=sys.stderr)
@@ -295,7 +445,7 @@ def main(argv=None) -> int:
         return 0
     updated = splice(readme, section)
     if args.check:
-        if updated != readme:
+        if updated != readme or stale_summary:
             print(f"{args.readme}: the benchmark section is stale; run python benchmarks/make_tables.py",
                   file=sys.stderr)
             return 1

@@ -273,16 +273,21 @@ def run(args):
             model.train()
             curve, density_log, train_s, stopped_at = train(args, model, datasets, device)
         model.eval()
-        longest = schedule[-1][0]
+        # The longest length actually trained (a --max-train-seconds stop may end before the last phase).
+        longest = max(r["seq_len"] for r in curve)
+        eval_lengths = sorted({longest, *(int(x) for x in args.eval_lengths.split(","))})
         result = {"run": args.run, "train_seconds": train_s, "stopped_at_iteration": stopped_at,
                   "loss_curve": curve, "density_log": density_log,
                   "settings": {k: v for k, v in vars(args).items() if k not in ("merge", "out")}}
+        result["trained_length"] = longest
         with dense_inference(model):
-            result["held_out_loss"] = held_out_loss(args, model, longest, device)
+            result["held_out_loss_by_length"] = {n: held_out_loss(args, model, n, device) for n in eval_lengths}
             result["retrieval_dense_inference"] = retrieval_grid(args, model, device)
         if args.run == "mtraining":
-            result["held_out_loss_sparse_inference"] = held_out_loss(args, model, longest, device)
+            result["held_out_loss_by_length_sparse_inference"] = {
+                n: held_out_loss(args, model, n, device) for n in eval_lengths}
             result["retrieval_sparse_inference"] = retrieval_grid(args, model, device)
+        result["held_out_loss"] = result["held_out_loss_by_length"][longest]
         print(f"[quality] {args.run}: held-out loss {result['held_out_loss']:.4f}, retrieval (dense inference) "
               f"{result['retrieval_dense_inference']['mean']:.3f}", flush=True)
     finally:
@@ -310,11 +315,13 @@ def merge(args):
         sparse = json.load(f)
     if dense["run"] != "dense" or sparse["run"] != "mtraining":
         raise SystemExit("--merge expects the dense result first, then the mtraining one")
-    longest = max(r["seq_len"] for r in sparse["density_log"])
+    longest = min(dense.get("trained_length", 0), sparse.get("trained_length", 0)) or \
+        max(r["seq_len"] for r in sparse["density_log"])
     final_density = [r for r in sparse["density_log"] if r["seq_len"] == longest][-1]["density_per_layer"]
     vocab = dense["settings"]["vocab_size"]
     summary = {
-        "final_loss_gap": (sparse["held_out_loss"] - dense["held_out_loss"]) / dense["held_out_loss"],
+        # Held-out loss at the longest length both runs trained at (dense inference for both).
+        "final_loss_gap": (_held_out(sparse, longest) - _held_out(dense, longest)) / _held_out(dense, longest),
         "retrieval_accuracy_gap": 100 * (dense["retrieval_dense_inference"]["mean"]
                                          - sparse["retrieval_dense_inference"]["mean"]),
         "retrieval_accuracy_gap_sparse_inference": 100 * (dense["retrieval_dense_inference"]["mean"]
@@ -324,10 +331,11 @@ def merge(args):
         "mtraining_retrieval_accuracy_sparse_inference": sparse["retrieval_sparse_inference"]["mean"],
         # Chance: guessing all value tokens of one query among the symbol tokens.
         "retrieval_chance": (1 / (vocab // 4)) ** 4,
-        "dense_held_out_loss": dense["held_out_loss"],
-        "mtraining_held_out_loss": sparse["held_out_loss"],
+        "dense_held_out_loss": _held_out(dense, longest),
+        "mtraining_held_out_loss": _held_out(sparse, longest),
         "mean_density": sum(final_density) / len(final_density),
         "longest_context": longest,
+        "held_out_length": longest,
         "train_seconds": {"dense": dense["train_seconds"], "mtraining": sparse["train_seconds"]},
         "stopped_at_iteration": {"dense": dense.get("stopped_at_iteration"),
                                  "mtraining": sparse.get("stopped_at_iteration")},
@@ -344,6 +352,11 @@ def merge(args):
     for key, value in summary.items():
         if not isinstance(value, dict):
             print(f"{key:48s} {value:.4f}" if isinstance(value, float) else f"{key:48s} {value}")
+
+
+def _held_out(run, length):
+    by_length = run.get("held_out_loss_by_length")
+    return by_length[str(length)] if by_length and str(length) in by_length else run["held_out_loss"]
 
 
 def make_plots(result, stem):

@@ -54,9 +54,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VARIANTS = ("dense_zigzag", "torch_native_cp", "sparse_zigzag", "sparse_striped", "sparse_striped_hier")
 DENSE_BASELINES = ("dense_zigzag", "torch_native_cp")
 NOTES = [
-    "TODO: slow-link emulation not measured (hierarchical ring with a slow inter-node link); "
-    "all ranks share one host's NVLink here, so sparse_striped_hier shows the schedule's overhead, "
-    "not its benefit.",
     "Times are the max over ranks of each rank's median; speedup = the faster dense baseline "
     "(dense_zigzag, torch_native_cp) over the variant, forward+backward.",
     "Strong / weak scaling: this script cannot change its world size; run it again with another "
@@ -87,6 +84,8 @@ class Config:
     variants: Sequence[str] = VARIANTS
     scaling: bool = False
     smoke: bool = False
+    slow_link_gbps: Optional[float] = None  # emulated inter-node link (ring/slow_link.py); None: off
+    slow_link_latency_us: float = 0.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -537,6 +536,10 @@ def parse_args(argv=None):
     p.add_argument("--timeout-s", type=float, default=180.0,
                    help="process-group timeout: how long a hung collective may wait before the run ends")
     p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU with gloo: tests the script")
+    p.add_argument("--slow-link-gbps", type=float, default=None,
+                   help="emulate a slow link between nodes of --inner-size GPUs at this many GB/s (GPU only): "
+                        "flat vs hierarchical ring under a slow inter-node hop")
+    p.add_argument("--slow-link-latency-us", type=float, default=0.0)
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ring_<device>_<W>gpu.json)")
     return p.parse_args(argv)
 
@@ -548,7 +551,8 @@ def make_config(args, world_size: int) -> Config:
         raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
     common = dict(world_size=world_size, density=args.density, seed=args.seed, inner_size=args.inner_size,
                   native_rotate=args.native_rotate, native_sdpa=tuple(s for s in args.native_sdpa.split(",") if s),
-                  forward_only=not args.no_fwd, variants=tuple(variants), scaling=args.scaling)
+                  forward_only=not args.no_fwd, variants=tuple(variants), scaling=args.scaling,
+                  slow_link_gbps=args.slow_link_gbps, slow_link_latency_us=args.slow_link_latency_us)
     if args.smoke:
         return Config(seq_lens=[512], block_size=16, heads=4, kv_heads=2, head_dim=32, dtype="fp32",
                       sparse_backend="torch", dense_impl="torch", warmup=1, reps=3, smoke=True, **common)
@@ -560,7 +564,8 @@ def make_config(args, world_size: int) -> Config:
 def output_path(args, device: torch.device, world_size: int) -> str:
     if args.out:
         return args.out
-    name = f"ring_{device_slug(device)}_{world_size}gpu.json"
+    link = f"_slowlink{args.slow_link_gbps:g}GBps" if args.slow_link_gbps else ""
+    name = f"ring_{device_slug(device)}_{world_size}gpu{link}.json"
     if args.smoke:  # smoke runs never land among the committed results
         return os.path.join(tempfile.gettempdir(), name.replace("ring_", "ring_smoke_"))
     return os.path.join(RESULTS_DIR, name)
@@ -584,6 +589,11 @@ def main(argv=None) -> int:
     device = setup_distributed(args.smoke, args.timeout_s)
     cfg = make_config(args, dist.get_world_size())
     path = output_path(args, device, cfg.world_size)
+    if cfg.slow_link_gbps:
+        from megatron_mtraining.ring.slow_link import SlowLink, set_slow_link
+
+        # Nodes of inner_size GPUs: the hierarchical variant's inner rings stay on "one node".
+        set_slow_link(SlowLink(cfg.inner_size, cfg.slow_link_gbps, cfg.slow_link_latency_us))
     meta = run_metadata(device)
     meta.update(world_size=cfg.world_size, process_group=dist.get_backend(),
                 nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
@@ -591,6 +601,13 @@ def main(argv=None) -> int:
     result: Dict = {"benchmark": "ring", "smoke": cfg.smoke, "meta": meta, "config": dataclasses.asdict(cfg),
                     "notes": list(NOTES), "runs": []}
     result["config"]["index_kind"] = "fixed"
+    if cfg.slow_link_gbps:
+        result["notes"].insert(0, f"Emulated slow link between nodes of {cfg.inner_size} GPUs: "
+                               f"{cfg.slow_link_gbps:g} GB/s, {cfg.slow_link_latency_us:g} us (ring/slow_link.py); "
+                               "every variant pays it on its cross-node hops.")
+    else:
+        result["notes"].insert(0, "All ranks share one host's NVLink: sparse_striped_hier shows the two-level "
+                               "schedule's overhead, not its benefit (that needs --slow-link-gbps).")
     say(f"{meta['device']} x {cfg.world_size} ({dist.get_backend()}), seq lens {cfg.seq_lens}, "
         f"variants {list(cfg.variants)}, warmup {cfg.warmup}, reps {cfg.reps}; writing {path}")
 

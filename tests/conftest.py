@@ -15,3 +15,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    """A gloo world of size 1 with megatron-core's parallel state and the CPU shims, for tests
+    that build megatron-core models on the CPU (skipped without megatron-core)."""
+    pytest.importorskip("megatron.core")
+    import tempfile
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_mtraining.integration.cpu_shims import apply_cpu_shims
+
+    owns_dist = not dist.is_initialized()
+    tmp = tempfile.TemporaryDirectory(prefix="mtraining-megatron-")
+    if owns_dist:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp.name, 'store')}", rank=0, world_size=1)
+    shims = apply_cpu_shims()
+    parallel_state.initialize_model_parallel()
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        shims.remove()
+        if owns_dist:
+            dist.destroy_process_group()
+        tmp.cleanup()

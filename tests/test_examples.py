@@ -423,31 +423,6 @@ def test_pretrain_script_main_legacy_api(fake_training):
 SEQ, VOCAB, MBS = 128, 96, 2
 
 
-@pytest.fixture
-def megatron_cpu():
-    """A gloo world of size 1 with megatron's parallel state and the CPU shims."""
-    pytest.importorskip("megatron.core")
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    from megatron_mtraining.integration.cpu_shims import apply_cpu_shims
-
-    owns_dist = not dist.is_initialized()
-    tmp = tempfile.TemporaryDirectory(prefix="mtraining-examples-")
-    if owns_dist:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp.name, 'store')}", rank=0, world_size=1)
-    shims = apply_cpu_shims()
-    parallel_state.initialize_model_parallel()
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        shims.remove()
-        if owns_dist:
-            dist.destroy_process_group()
-        tmp.cleanup()
-
-
 def _model_args(**overrides):
     args = _ns(transformer_impl="local", seq_length=SEQ, padded_vocab_size=VOCAB, max_position_embeddings=SEQ,
                fp16_lm_cross_entropy=False, untie_embeddings_and_output_weights=True, position_embedding_type="rope",

@@ -12,8 +12,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron_mtraining import MTrainingConfig, VSIndex  # noqa: E402
 from megatron_mtraining.integration.indexer import MTrainingIndexer  # noqa: E402
 from megatron_mtraining.integration.spec import get_gpt_layer_spec  # noqa: E402
-from test_megatron_attention import (  # noqa: E402,F401  (fixtures are used by name)
-    SEQ, VOCAB, batch, core_attentions, logits_and_grads, megatron_cpu, rel_err, reset_mtraining_config,
+from test_megatron_attention import (  # noqa: E402,F401  (reset_mtraining_config is an autouse fixture)
+    SEQ, VOCAB, batch, core_attentions, logits_and_grads, rel_err, reset_mtraining_config,
     transformer_config,
 )
 

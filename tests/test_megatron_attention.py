@@ -39,26 +39,6 @@ SEQ, VOCAB, BATCH = 256, 128, 2
 # ---------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def megatron_cpu():
-    """A gloo world of size 1 with megatron's parallel state, plus the CPU shims."""
-    owns_dist = not dist.is_initialized()
-    tmp = tempfile.TemporaryDirectory(prefix="mtraining-megatron-")
-    if owns_dist:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp.name, 'store')}",
-                                rank=0, world_size=1)
-    shims = apply_cpu_shims()
-    parallel_state.initialize_model_parallel()
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
-        shims.remove()
-        if owns_dist:
-            dist.destroy_process_group()
-        tmp.cleanup()
-
-
 @pytest.fixture(autouse=True)
 def reset_mtraining_config():
     saved = (mt_attention._MTRAINING_CONFIG, mt_attention._DENSE_LAYERS)

@@ -16,19 +16,24 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import slow_link
+
 
 class Pending:
     """Tensors being received; ``wait()`` returns them once they have arrived."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], works=(), keep_alive=()):
+    def __init__(self, tensors: Sequence[torch.Tensor], works=(), keep_alive=(), arrival=None):
         self._tensors = tuple(tensors)
         self._works = list(works)
         self._keep_alive = keep_alive  # the sent tensors must outlive the transfer
+        self._arrival = arrival  # emulated slow link (benchmarks): the event the data "arrives" at
 
     def wait(self) -> Tuple[torch.Tensor, ...]:
         for work in self._works:
             work.wait()
-        self._works, self._keep_alive = [], ()
+        if self._arrival is not None:
+            torch.cuda.current_stream().wait_event(self._arrival)
+        self._works, self._keep_alive, self._arrival = [], (), None
         return self._tensors
 
 
@@ -41,6 +46,8 @@ class Ring:
         self.index = index
         self.next_rank = ranks[(index + 1) % self.size]
         self.prev_rank = ranks[(index - 1) % self.size]
+        self.global_rank = ranks[index]
+        self._link_delay = None  # slow_link.LinkDelay of the emulated incoming link, when one is set
 
     def exchange(self, tensors: Sequence[torch.Tensor]) -> Pending:
         """Send ``tensors`` to the next member, receive the previous member's (same shapes)."""
@@ -49,7 +56,16 @@ class Ring:
         received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next_rank, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self.group) for r in received]
-        return Pending(received, dist.batch_isend_irecv(ops), keep_alive=tuple(tensors))
+        works = dist.batch_isend_irecv(ops)
+        return Pending(received, works, keep_alive=tuple(tensors), arrival=self._emulated_arrival(received))
+
+    def _emulated_arrival(self, received):
+        link = slow_link.get_slow_link()
+        if link is None or not link.crosses(self.prev_rank, self.global_rank):
+            return None
+        if self._link_delay is None or self._link_delay.link != link:
+            self._link_delay = slow_link.LinkDelay(link, received[0].device.index)
+        return self._link_delay.arrival(sum(t.numel() * t.element_size() for t in received))
 
 
 @dataclasses.dataclass

@@ -1,0 +1,104 @@
+"""An emulated slow inter-node link, for benchmarking the hierarchical ring on one host (GPU only).
+
+All GPUs of one benchmark machine share NVLink, so the two-level ring cannot show what it is for:
+keeping a slow inter-node hop off the critical path. ``set_slow_link(SlowLink(ranks_per_node,
+gbytes_per_s))`` declares a node boundary every ``ranks_per_node`` global ranks; from then on
+every ring transfer whose incoming hop crosses a boundary is delayed as if it travelled at
+``gbytes_per_s`` (plus ``latency_us``):
+
+* at ``exchange`` time, a per-ring side stream waits for the current stream (the moment the
+  transfer is posted) and then sleeps for ``latency + bytes / bandwidth`` (``torch.cuda._sleep``);
+* ``Pending.wait()`` makes the current stream wait for that sleep as well as for NCCL.
+
+So the data "arrives" at ``max(NVLink transfer done, posted + link time)``; the delay overlaps
+with compute exactly as a real slow link would, and successive transfers over one ring queue
+behind each other (one link, shared bandwidth). Nothing else changes: results are identical.
+Benchmarks only; off (and free) unless ``set_slow_link`` was called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+import torch
+
+__all__ = ["SlowLink", "LinkDelay", "get_slow_link", "set_slow_link"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowLink:
+    """Nodes of ``ranks_per_node`` consecutive global ranks joined by a ``gbytes_per_s`` link."""
+
+    ranks_per_node: int
+    gbytes_per_s: float
+    latency_us: float = 0.0
+
+    def __post_init__(self):
+        if int(self.ranks_per_node) < 1:
+            raise ValueError(f"SlowLink: ranks_per_node must be >= 1, got {self.ranks_per_node}")
+        if not self.gbytes_per_s > 0:
+            raise ValueError(f"SlowLink: gbytes_per_s must be > 0, got {self.gbytes_per_s}")
+        if self.latency_us < 0:
+            raise ValueError(f"SlowLink: latency_us must be >= 0, got {self.latency_us}")
+
+    def crosses(self, src: int, dst: int) -> bool:
+        """Whether a transfer between these global ranks goes over the slow link."""
+        return src // self.ranks_per_node != dst // self.ranks_per_node
+
+    def delay_ms(self, nbytes: int) -> float:
+        return self.latency_us / 1e3 + nbytes / (self.gbytes_per_s * 1e9) * 1e3
+
+
+_LINK: Optional[SlowLink] = None
+_CYCLES_PER_MS: Dict[int, float] = {}
+
+
+def _cycles_per_ms(device: int) -> float:
+    """GPU clock cycles per millisecond for ``torch.cuda._sleep`` (measured once per device:
+    one synchronisation, at set-up)."""
+    if device not in _CYCLES_PER_MS:
+        with torch.cuda.device(device):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1000)  # warm-up launch
+            start.record()
+            torch.cuda._sleep(20_000_000)
+            end.record()
+            end.synchronize()
+            _CYCLES_PER_MS[device] = 20_000_000 / start.elapsed_time(end)
+    return _CYCLES_PER_MS[device]
+
+
+def set_slow_link(link: Optional[SlowLink]) -> None:
+    """Emulate ``link`` in every ring transfer from now on (None: off). Needs CUDA."""
+    global _LINK
+    if link is not None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the slow-link emulation needs CUDA (it delays transfers with GPU sleeps)")
+        _cycles_per_ms(torch.cuda.current_device())
+    _LINK = link
+
+
+def get_slow_link() -> Optional[SlowLink]:
+    return _LINK
+
+
+class LinkDelay:
+    """The emulated link into one ring member: a side stream of sleeps, one per transfer."""
+
+    def __init__(self, link: SlowLink, device: int):
+        self.link = link
+        self.stream = torch.cuda.Stream(device=device)
+        self.cycles_per_ms = _cycles_per_ms(device)
+
+    def arrival(self, nbytes: int) -> torch.cuda.Event:
+        """An event that completes ``delay_ms(nbytes)`` after the transfer is posted (now, on the
+        current stream), and after the previous transfers over this link."""
+        posted = torch.cuda.Event()
+        posted.record()
+        self.stream.wait_event(posted)
+        with torch.cuda.stream(self.stream):
+            torch.cuda._sleep(max(1, int(self.link.delay_ms(nbytes) * self.cycles_per_ms)))
+        arrived = torch.cuda.Event()
+        arrived.record(self.stream)
+        return arrived

@@ -1,0 +1,68 @@
+"""The emulated slow inter-node link of the ring benchmark (ring/slow_link.py)."""
+
+import pytest
+import torch
+
+from megatron_mtraining.ring import comm, slow_link
+from megatron_mtraining.ring.slow_link import SlowLink
+
+
+def test_link_geometry_and_delay():
+    link = SlowLink(ranks_per_node=2, gbytes_per_s=10.0, latency_us=5.0)
+    assert not link.crosses(0, 1) and link.crosses(1, 2) and link.crosses(3, 0) and not link.crosses(2, 3)
+    assert link.delay_ms(10**9) == pytest.approx(100.0 + 0.005)
+    assert link.delay_ms(0) == pytest.approx(0.005)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(ranks_per_node=0, gbytes_per_s=1.0), "ranks_per_node"),
+    (dict(ranks_per_node=2, gbytes_per_s=0.0), "gbytes_per_s"),
+    (dict(ranks_per_node=2, gbytes_per_s=1.0, latency_us=-1.0), "latency_us"),
+])
+def test_link_rejects_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SlowLink(**kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+def test_needs_cuda():
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        slow_link.set_slow_link(SlowLink(2, 1.0))
+    assert slow_link.get_slow_link() is None
+
+
+def test_only_cross_node_hops_are_delayed(monkeypatch):
+    delays = []
+
+    class FakeDelay:
+        def __init__(self, link, device):
+            self.link = link
+
+        def arrival(self, nbytes):
+            delays.append(nbytes)
+            return "arrival"
+
+    monkeypatch.setattr(slow_link, "_LINK", SlowLink(2, 1.0))
+    monkeypatch.setattr(slow_link, "LinkDelay", FakeDelay)
+    received = [torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.float64)]
+    ranks = [10, 11, 12, 13]  # global ranks; nodes {10, 11} and {12, 13}
+    assert comm.Ring(None, ranks, 1)._emulated_arrival(received) is None   # 10 -> 11: same node
+    assert comm.Ring(None, ranks, 2)._emulated_arrival(received) == "arrival"  # 11 -> 12: crosses
+    assert comm.Ring(None, ranks, 0)._emulated_arrival(received) == "arrival"  # 13 -> 10: crosses
+    assert delays == [4 * 8 * 4 + 4 * 8 * 8] * 2
+    monkeypatch.setattr(slow_link, "_LINK", None)
+    assert comm.Ring(None, ranks, 2)._emulated_arrival(received) is None   # off: nothing
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_arrival_waits_for_the_link_time():
+    link = SlowLink(1, 100.0)  # 1 GB at 100 GB/s: 10 ms
+    delay = slow_link.LinkDelay(link, torch.cuda.current_device())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    arrived = delay.arrival(10**9)
+    torch.cuda.current_stream().wait_event(arrived)
+    end.record()
+    end.synchronize()
+    assert 8.0 < start.elapsed_time(end) < 14.0
