@@ -65,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab-size", type=int, default=512)
     p.add_argument("--needles-per-1k", type=float, default=1.0, help="needles per 1024 tokens (at least 2)")
     p.add_argument("--queries", type=int, default=8, help="queries per sequence (at most the needles)")
+    p.add_argument("--key-len", type=int, default=4, help="tokens per needle key")
+    p.add_argument("--value-len", type=int, default=4, help="tokens per needle value (all must be right)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--top-p", type=float, default=0.9)
@@ -97,7 +99,8 @@ def corpus_config(args, seq_len: int) -> CorpusConfig:
     size) and predicts the next token at each of them."""
     needles = max(2, int(args.needles_per_1k * seq_len / 1024))
     return CorpusConfig(vocab_size=args.vocab_size, seq_len=seq_len + 1, num_needles=needles,
-                        num_queries=min(args.queries, needles), seed=args.seed)
+                        num_queries=min(args.queries, needles), key_len=args.key_len, value_len=args.value_len,
+                        seed=args.seed)
 
 
 def mtraining_config(args, run: str) -> MTrainingConfig:
