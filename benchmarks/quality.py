@@ -18,8 +18,9 @@ sequence, the same token count per iteration). Then both are evaluated:
     python benchmarks/quality.py --run mtraining --out q_mtraining.json
     python benchmarks/quality.py --merge q_dense.json q_mtraining.json  # -> results/quality.json + plots
 
-(``scripts/gpu_quality.sh`` runs the two trainings side by side on two GPUs.) On the CPU use
-tiny ``--phases`` / model flags (the tests do).
+(``scripts/gpu_quality.sh`` runs the two trainings side by side on two GPUs.) GPUs train under
+bf16 autocast with fp32 weights (``--no-bf16``: fp32/TF32); on the CPU use tiny ``--phases`` /
+model flags (the tests do).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def parse_args(argv=None):
     p.add_argument("--eval-probes", type=int, default=4, help="probes per (length, depth) cell")
     p.add_argument("--held-out", type=int, default=4, help="held-out sequences at the longest length")
     p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--no-bf16", dest="bf16", action="store_false",
+                   help="fp32 (TF32) instead of bf16 autocast on GPUs (the CPU always runs fp32)")
     p.add_argument("--max-train-seconds", type=float, default=None,
                    help="stop training early past this (recorded as stopped_at_iteration) so a run always evaluates")
     p.add_argument("--seed", type=int, default=1234)
@@ -177,10 +180,17 @@ def dense_inference(model):
 # ---------------------------------------------------------------------------- train / eval
 
 
-def lm_loss(model, tokens):
+def autocast(args, device):
+    """bf16 autocast on GPUs (fp32 master weights and optimizer; megatron-core's linear layers
+    support CUDA autocast); a no-op on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.bf16)
+
+
+def lm_loss(model, tokens, args=None):
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     position_ids = torch.arange(inputs.shape[1], device=tokens.device).expand_as(inputs)
-    return model(inputs, position_ids, None, labels=labels).float().mean()
+    with autocast(args, tokens.device) if args is not None else contextlib.nullcontext():
+        return model(inputs, position_ids, None, labels=labels).float().mean()
 
 
 def lr_at(args, it, total):
@@ -205,7 +215,7 @@ def train(args, model, datasets, device):
             tokens = torch.stack(rows).to(device)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(args, it, total)
-            loss = lm_loss(model, tokens)
+            loss = lm_loss(model, tokens, args)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -226,7 +236,7 @@ def held_out_loss(args, model, seq_len, device):
     cfg = corpus_config(args, seq_len)
     from megatron_mtraining.corpus import make_sequence
 
-    losses = [lm_loss(model, make_sequence(cfg, HELD_OUT_START + i).tokens[None].to(device)).item()
+    losses = [lm_loss(model, make_sequence(cfg, HELD_OUT_START + i).tokens[None].to(device), args).item()
               for i in range(args.held_out)]
     return sum(losses) / len(losses)
 
@@ -250,7 +260,8 @@ def retrieval_grid(args, model, device):
                 inputs = tokens[:, :-1]
                 position_ids = torch.arange(seq_len, device=device)[None]
                 # logits[:, p] predicts tokens[:, p + 1]; pad one column to align with tokens.
-                predictions = model(inputs, position_ids, None).argmax(-1)
+                with autocast(args, device):
+                    predictions = model(inputs, position_ids, None).argmax(-1)
                 predictions = torch.cat([predictions, torch.zeros_like(tokens[:, :1])], 1)
                 correct += retrieval_accuracy(predictions, tokens, target)
             row.append(correct / args.eval_probes)
@@ -261,7 +272,7 @@ def retrieval_grid(args, model, device):
 
 def run(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
+    if device.type == "cuda":  # TF32 for what autocast leaves in fp32 (and for --no-bf16)
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     schedule = phases(args.phases)
