@@ -331,6 +331,8 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
             if run["seq_len"] == 65536:
                 values["kernel_fwdbwd_speedup_vs_flex_64k"] = (sp.get("flex_over_ours_fwdbwd"), path, "")
     for path, data in results.get("ring", []):
+        if data.get("config", {}).get("slow_link_gbps"):  # emulated slow link: its own key below
+            continue
         for run in data.get("runs", []):
             if run["seq_len"] != 524288 or run["world_size"] != 4:
                 continue

@@ -344,7 +344,7 @@ def merge(args):
         "mtraining_retrieval_accuracy": sparse["retrieval_dense_inference"]["mean"],
         "mtraining_retrieval_accuracy_sparse_inference": sparse["retrieval_sparse_inference"]["mean"],
         # Chance: guessing all value tokens of one query among the symbol tokens.
-        "retrieval_chance": (1 / (vocab // 4)) ** 4,
+        "retrieval_chance": (1 / (vocab // 4)) ** sparse["settings"].get("value_len", 4),
         "dense_held_out_loss": _held_out(dense, longest),
         "mtraining_held_out_loss": _held_out(sparse, longest),
         "mean_density": sum(final_density) / len(final_density),

@@ -134,16 +134,26 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
     # n_local per head), normalise and accumulate the statistics.
     vertical = torch.zeros(b, hq, n_local, dtype=torch.float64, device=q.device)
     slash = torch.zeros(b, hq, nb, dtype=torch.float64, device=q.device)
-    q_blk = q_pos // B
+    # The last queries span a few query blocks (host-known): rows of one query block share their
+    # offsets, so their mass is summed first and each scatter below hits distinct bins. That
+    # keeps the statistic deterministic (no colliding float atomics), so activation recompute
+    # rebuilds the same index bit for bit.
+    first_qb = (seq_len - L) // B
+    q_block_rows = [(qb, max(qb * B, seq_len - L) - (seq_len - L), min((qb + 1) * B, seq_len) - (seq_len - L))
+                    for qb in range(first_qb, (seq_len - 1) // B + 1)]
     for start in range(0, n_local, KEY_CHUNK):
         p = torch.exp(chunk_scores(start) - row_max[..., None]).double() / normaliser[..., None]
         stop = start + p.shape[-1]
         vertical[..., start:stop] = p.sum(-2)
         # Slash: sum each local key block first (a local block is one global block in every
-        # layout), then scatter last_q x blocks values instead of last_q x keys.
+        # layout), then each query block's rows, then scatter blocks instead of last_q x keys.
         block_mass = p.reshape(b, hq, L, -1, B).sum(-1)
-        offset = (q_blk[:, None] - key_pos[None, start:stop:B] // B).clamp(0, nb - 1)  # masked pairs: p = 0
-        slash.scatter_add_(2, offset.reshape(1, 1, -1).expand(b, hq, -1), block_mass.reshape(b, hq, -1))
+        k_blk = key_pos[start:stop:B] // B
+        for qb, row0, row1 in q_block_rows:
+            # Masked pairs (key block after the query block) carry p = 0: clamped onto bin 0,
+            # they add exact zeros, which no summation order can change.
+            offset = (qb - k_blk).clamp(0, nb - 1)
+            slash.scatter_add_(2, offset.expand(b, hq, -1), block_mass[:, :, row0:row1].sum(-2))
     _all_reduce(slash, dist.ReduceOp.SUM, group, world)
     return vertical, slash, key_pos
 

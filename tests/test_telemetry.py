@@ -153,3 +153,51 @@ def test_context_parallel_telemetry_has_imbalance_metrics():
         assert 1.0 <= s0[key] < math.inf
     assert 0 < s0["computation_ratio"] <= 1
     assert len(lines0) == 1 and "imbalance worker" in lines0[0] and lines1 == []
+
+
+def test_recompute_is_counted_once(tele):
+    """A checkpointed layer runs its forward twice (no-grad, then recomputed in backward): the
+    telemetry counts the recomputed one only."""
+    import torch.utils.checkpoint as checkpoint
+
+    layer = attention_layers(1)[0]
+    tele.step(2)
+    x = torch.randn(512, 1, HEADS, HEAD_DIM, requires_grad=True)
+
+    def run(q):
+        kv = q.view(512, 1, GROUPS, 2, HEAD_DIM)[:, :, :, 0]
+        return layer(q, kv, kv, None)
+
+    checkpoint.checkpoint(run, x, use_reentrant=True).float().square().mean().backward()
+    record = tele._record
+    assert [len(record.clocks[k]) for k in ("approximator", "attention_fwd", "attention_bwd")] == [1, 1, 1]
+    assert tele.flush()["attention_bwd_ms"] > 0
+
+
+def test_eval_forwards_do_not_reach_the_ring_timer(tele, monkeypatch):
+    from megatron_mtraining.integration import attention as mt_attention
+
+    layers = attention_layers(1)
+    run_iteration(layers, tele, 2, seq=512)  # a log iteration: the ring timer is on until the next one
+    timer = instrument.current()
+    assert timer is not None
+    timers_seen = []
+    original = mt_attention.sparse_attention
+
+    def spy(*args, **kwargs):  # what the attention (or the ring) would record into
+        timers_seen.append(instrument.current())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mt_attention, "sparse_attention", spy)
+    q = torch.randn(512, 1, HEADS, HEAD_DIM)
+    layers[0](q, q[:, :, :GROUPS], q[:, :, :GROUPS], None)  # a training forward: timed
+    layers[0].eval()
+    with torch.no_grad():
+        layers[0](q, q[:, :, :GROUPS], q[:, :, :GROUPS], None)  # eval: suspended
+    assert timers_seen == [timer, None] and instrument.current() is timer
+
+
+def test_disable_can_flush_the_last_log_iteration(tele):
+    run_iteration(attention_layers(1), tele, 2, seq=512)
+    telemetry.disable_telemetry(flush=True)
+    assert [int(s["iteration"]) for s in tele.history] == [2] and len(tele.lines) == 1

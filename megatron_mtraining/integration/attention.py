@@ -37,7 +37,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ..attention import sparse_attention
 from ..config import MTrainingConfig
 from ..index import VSIndex
-from ..ring import sparse_ring_attention
+from ..ring import instrument, sparse_ring_attention
 from . import telemetry
 from .indexer import MTrainingAttentionSubmodules
 
@@ -272,14 +272,18 @@ class MTrainingAttention(MegatronModule):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
 
         tele = telemetry.get_telemetry()
-        record = tele.recorder(group) if tele is not None and self.training else None
+        # Telemetry counts training forwards that build autograd graphs: not eval forwards, and
+        # not the no-grad first pass of an activation recompute (its recompute is counted).
+        counted = tele is not None and self.training and torch.is_grad_enabled()
+        record = tele.recorder(group) if counted else None
         timed = record.timed if record is not None else _untimed
         cuda = q.is_cuda
 
         with timed("approximator", cuda):
             index = self.indexer(q, k, group)  # the pre-attention step: this layer's VSIndex
         self.last_index = index
-        with timed("attention_fwd", cuda):
+        with timed("attention_fwd", cuda), (instrument.suspended() if tele is not None and not counted
+                                            else contextlib.nullcontext()):
             if group is None:
                 out = sparse_attention(q, k, v, index, softmax_scale=self.softmax_scale)
             else:

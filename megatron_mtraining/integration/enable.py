@@ -42,4 +42,6 @@ def enable_mtraining(args) -> Callable:
     patches.install(config)
     if options["log_interval"] > 0:
         telemetry.enable_telemetry(options["log_interval"])
+    else:
+        telemetry.disable_telemetry()
     return SpecHook(config, options["dense_layers"])

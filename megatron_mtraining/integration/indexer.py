@@ -9,9 +9,10 @@ rather than stashing the index through a forward pre-hook:
 * the indexer shows up in ``print(model)`` and is swapped through the layer spec like any other
   Megatron submodule (``MTrainingAttentionSubmodules(indexer=MyIndexer)``);
 * under activation recompute (``--recompute-granularity full`` or ``selective``) the attention
-  forward re-runs and so does the indexer; the approximator is deterministic, so the
-  recomputed index is bit-identical to the first one;
-* observers (telemetry, tests) attach as ordinary forward hooks on the indexer and see the
+  forward re-runs and so does the indexer; the approximator is deterministic (no colliding
+  float atomics, fixed reduction orders), so the recomputed index is bit-identical to the
+  first one;
+* observers (tests, user tools) can attach ordinary forward hooks to the indexer and see the
   index it returns.
 """
 

@@ -14,7 +14,11 @@ iterations nothing is recorded and nothing synchronises: ``recorder()`` returns 
 ring's step timer stays off.
 
 The iteration comes from ``megatron.training``'s ``args.curr_iteration`` (the Megatron training
-loop), or from ``Telemetry.step(iteration)`` in a hand-written loop.
+loop), or from ``Telemetry.step(iteration)`` in a hand-written loop. Counted: training forwards
+that build autograd graphs (with activation recompute, the recomputed forward; eval forwards
+never). Micro-batches of one iteration add up. With pipeline parallelism each stage records its
+own layers: the printed line (global rank 0) covers the first stage, Megatron's TensorBoard
+writer (last rank) the last stage; per-layer tags carry global layer numbers.
 """
 
 from __future__ import annotations
@@ -248,10 +252,15 @@ def enable_telemetry(log_interval: int, writer=None, printer=None) -> Telemetry:
     return _TELEMETRY
 
 
-def disable_telemetry() -> None:
+def disable_telemetry(flush: bool = False) -> None:
+    """Turn telemetry off; ``flush=True`` first logs the pending log iteration (a CP collective:
+    call it on every CP rank), else it is dropped."""
     global _TELEMETRY
     if _TELEMETRY is not None and _TELEMETRY._record is not None:
-        instrument.deactivate(_TELEMETRY._record.ring_timer)
+        if flush:
+            _TELEMETRY.flush()
+        else:
+            instrument.deactivate(_TELEMETRY._record.ring_timer)
     _TELEMETRY = None
 
 

@@ -82,6 +82,17 @@ def deactivate(timer: StepTimer) -> None:
         _active = None
 
 
+@contextlib.contextmanager
+def suspended():
+    """No step timing inside the block (eval forwards, the no-grad first pass of a recompute)."""
+    global _active
+    previous, _active = _active, None
+    try:
+        yield
+    finally:
+        _active = previous
+
+
 def measure(phase: str, kind: str, step: int):
     """A timing context when instrumentation is on, else a no-op."""
     timer = _active

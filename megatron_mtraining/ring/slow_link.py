@@ -11,8 +11,10 @@ every ring transfer whose incoming hop crosses a boundary is delayed as if it tr
 * ``Pending.wait()`` makes the current stream wait for that sleep as well as for NCCL.
 
 So the data "arrives" at ``max(NVLink transfer done, posted + link time)``; the delay overlaps
-with compute exactly as a real slow link would, and successive transfers over one ring queue
-behind each other (one link, shared bandwidth). Nothing else changes: results are identical.
+with compute as a slow link's would, and successive transfers over one ring queue behind each
+other (one link, shared bandwidth). It is a receiver-side model: the sender's send completes
+at NVLink speed, and the link time starts when the receiver posts its receive (a late sender is
+under-charged). Nothing else changes: results are identical.
 Benchmarks only; off (and free) unless ``set_slow_link`` was called.
 """
 
