@@ -83,6 +83,9 @@ def ring_overhead(local_len, warmup, reps):
     device = torch.device("cuda")
     cfg = MTrainingConfig(top_p=0.9)
     seq_len = local_len * world
+    # The synthetic full sequence is built in float64 on the host by every rank (W x 128K tokens):
+    # give each rank its share of the cores (torchrun starts them with one thread).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     q, k = synthetic_vs_qk(1, 16, 2, seq_len, 128, seed=0, device=device, dtype=torch.bfloat16)
     q, k = (shard_sequence(x, 2, "striped", world, rank, cfg.block_size).contiguous() for x in (q, k))
     v = torch.randn_like(k)
