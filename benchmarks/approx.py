@@ -153,6 +153,9 @@ def main():
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.ring:
+        if "RANK" not in os.environ or not torch.cuda.is_available():
+            raise SystemExit("approx.py --ring runs under torchrun on GPUs, e.g. "
+                             "torchrun --nproc-per-node 4 benchmarks/approx.py --ring")
         rank, row = ring_overhead(args.ring_local_len, args.warmup, args.reps)
         if rank == 0:
             out = args.out or os.path.join(RESULTS_DIR, f"approx_ring_{device_slug(device)}_{row['world_size']}gpu.json")
