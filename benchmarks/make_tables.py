@@ -343,6 +343,19 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
                     zigzag["fwdbwd_ms"] / striped["fwdbwd_ms"], path, "")
             for key, value in striped.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {}).items():
                 values[key] = (value, path, "sparse striped ring, 512K, 4 GPUs")
+    # Strong scaling of the sparse striped ring at 512K: T(1 GPU) / (4 x T(4 GPUs)).
+    striped_512k = {}
+    for path, data in results.get("ring", []):
+        if data.get("config", {}).get("slow_link_gbps"):
+            continue
+        for run in data.get("runs", []):
+            ms = run["variants"].get("sparse_striped", {}).get("fwdbwd_ms")
+            if run["seq_len"] == 524288 and ms:
+                striped_512k[run["world_size"]] = (ms, path)
+    if 1 in striped_512k and 4 in striped_512k:
+        (t1, p1), (t4, p4) = striped_512k[1], striped_512k[4]
+        values["ring_strong_scaling_4gpu"] = (t1 / (4 * t4), p4, f"T1 {t1:.0f} ms ({os.path.basename(p1)}), "
+                                              f"T4 {t4:.0f} ms")
     for path, data in results.get("ring", []):
         if not data.get("config", {}).get("slow_link_gbps"):
             continue
