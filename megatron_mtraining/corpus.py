@@ -3,7 +3,7 @@
 Used to show that sparse attention learns long-range retrieval as well as dense attention. Every
 sequence is exactly ``seq_len`` tokens and is laid out as::
 
-    BOS  filler .. KEY k1..kK VAL v1..vV .. filler .. KEY ... VAL ... .. filler   QUERY k ANS v  QUERY k ANS v
+    BOS  filler .. KEY k1..kK v1..vV VAL .. filler .. KEY ... VAL .. filler   QUERY k v ANS  QUERY k v ANS
          \\________________________ body (needles at random depths) ______/   \\__ query block __/
 
 Token ids (``V = vocab_size``, at least 128):
@@ -20,7 +20,7 @@ model learns to complete words, not to predict the next word.
 
 Needles are the long-range signal: ``num_needles`` key-value pairs with distinct keys, spliced into
 the filler at uniformly random, non-overlapping positions of the body. The query block asks for
-``num_queries`` of them (random choice and order). The value tokens after ``ANS`` are the
+``num_queries`` of them (random choice and order). The value tokens after a query's key are the
 *retrieval targets*: predicting ``tokens[p]`` from ``tokens[:p]`` for such a ``p`` needs the needle,
 which only attention far back can reach. A needle's *depth* is its start position / ``seq_len``.
 
@@ -96,12 +96,12 @@ class CorpusConfig:
 
     @property
     def needle_len(self) -> int:
-        """Tokens of one ``KEY k.. VAL v..`` needle."""
+        """Tokens of one ``KEY k.. v.. VAL`` needle."""
         return 2 + self.key_len + self.value_len
 
     @property
     def query_len(self) -> int:
-        """Tokens of one ``QUERY k.. ANS v..`` query."""
+        """Tokens of one ``QUERY k.. v.. ANS`` query."""
         return 2 + self.key_len + self.value_len
 
 
@@ -171,16 +171,19 @@ def _assemble(config: CorpusConfig, rng: np.random.Generator, filler_before: np.
     j = np.arange(num_filler)
     tokens[1 + j + L * np.searchsorted(filler_before, j, side="right")] = filler
     needle_start = 1 + filler_before + L * np.arange(n)
-    needles = np.concatenate([np.full((n, 1), KEY), keys, np.full((n, 1), VAL), values], axis=1)
+    # The value follows its key directly (in needles and queries), so the answer's first token is
+    # predicted at the key's last token: the classic induction pattern ("after this token came
+    # that one"); KEY/VAL and QUERY/ANS open and close each record.
+    needles = np.concatenate([np.full((n, 1), KEY), keys, values, np.full((n, 1), VAL)], axis=1)
     tokens[needle_start[:, None] + np.arange(L)] = needles
     queries = np.concatenate(
-        [np.full((len(query_order), 1), QUERY), keys[query_order], np.full((len(query_order), 1), ANS),
-         values[query_order]], axis=1)
+        [np.full((len(query_order), 1), QUERY), keys[query_order], values[query_order],
+         np.full((len(query_order), 1), ANS)], axis=1)
     q_start = config.seq_len - queries.size
     tokens[q_start:] = queries.reshape(-1)
-    # Values sit at the end of every query row.
+    # Values follow the key in every query row.
     targets = (q_start + np.arange(len(query_order))[:, None] * config.query_len
-               + (2 + config.key_len) + np.arange(config.value_len)).reshape(-1)
+               + (1 + config.key_len) + np.arange(config.value_len)).reshape(-1)
     return RetrievalSample(
         tokens=torch.from_numpy(tokens),
         target_positions=torch.from_numpy(targets.astype(np.int64)),

@@ -29,8 +29,8 @@ def parse(tokens, cfg):
     needles, queries = {}, []
     for i, tok in enumerate(t):
         if tok in (KEY, QUERY):
-            key, value = tuple(t[i + 1:i + 1 + K]), tuple(t[i + 2 + K:i + 2 + K + V])
-            assert t[i + 1 + K] == (VAL if tok == KEY else ANS)
+            key, value = tuple(t[i + 1:i + 1 + K]), tuple(t[i + 1 + K:i + 1 + K + V])
+            assert t[i + 1 + K + V] == (VAL if tok == KEY else ANS)
             if tok == KEY:
                 assert key not in needles, "duplicate key"
                 needles[key] = (i, value)
@@ -58,8 +58,8 @@ def test_layout_and_answers(cfg):
         assert len({q[1] for q in queries}) == cfg.num_queries
         for _, key, value in queries:
             assert key in needles and needles[key][1] == value
-        # Targets are exactly the value tokens after each ANS; depths are the needles' start / seq_len.
-        expected = [p + 2 + cfg.key_len + j for p, _, _ in queries for j in range(cfg.value_len)]
+        # Targets are exactly the value tokens after each query's key; depths: needle start / seq_len.
+        expected = [p + 1 + cfg.key_len + j for p, _, _ in queries for j in range(cfg.value_len)]
         assert s.target_positions.tolist() == expected
         depths = [needles[key][0] / cfg.seq_len for _, key, _ in queries]
         torch.testing.assert_close(s.needle_depths, torch.tensor(depths, dtype=torch.float32))
@@ -128,7 +128,7 @@ def test_needle_probe_depth():
         (key, (start, value)), = needles.items()
         assert start == 1 + round(depth * usable)
         assert queries[0] == (cfg.seq_len - cfg.query_len, key, value)
-        assert s.target_positions.tolist() == list(range(cfg.seq_len - cfg.value_len, cfg.seq_len))
+        assert s.target_positions.tolist() == list(range(cfg.seq_len - 1 - cfg.value_len, cfg.seq_len - 1))
         assert s.needle_depths.tolist() == pytest.approx([start / cfg.seq_len])
         # Same haystack and needle at every depth: only the insertion point moves.
         rest = torch.cat([s.tokens[:start], s.tokens[start + cfg.needle_len:]])
