@@ -119,8 +119,6 @@ def init_single_process(device):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 1000))
     tmp = tempfile.mkdtemp(prefix="mtraining-quality-")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
@@ -186,10 +184,10 @@ def autocast(args, device):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.bf16)
 
 
-def lm_loss(model, tokens, args=None):
+def lm_loss(model, tokens, args):
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     position_ids = torch.arange(inputs.shape[1], device=tokens.device).expand_as(inputs)
-    with autocast(args, tokens.device) if args is not None else contextlib.nullcontext():
+    with autocast(args, tokens.device):
         return model(inputs, position_ids, None, labels=labels).float().mean()
 
 

@@ -138,8 +138,6 @@ class _Launcher:
     def __init__(self) -> None:
         self.patcher = _Patcher()
         self.installed_patches = False
-        self.config = None
-        self.dense_layers = 0
         self.gpt_hooked = False
         self.spec_hook = None
 
@@ -156,15 +154,14 @@ class _Launcher:
         if not patches.installed():
             self.installed_patches = True
         self.spec_hook = enable_mtraining(args)
-        self.config, self.dense_layers = self.spec_hook.config, self.spec_hook.dense_layers
         if not self.gpt_hooked:
             gpt_model = importlib.import_module(_GPT_MODEL)
             hook = lambda spec: self.spec_hook(spec)  # noqa: E731  (the latest settings)
             self.patcher.replace(gpt_model.GPTModel, "__init__", _wrap_gpt_init(gpt_model.GPTModel.__init__, hook),
                                  "transformer_layer_spec -> MTrainingAttention core attention")
             self.gpt_hooked = True
-        logger.info("megatron_mtraining.launch: MTraining sparse attention enabled: %s", self.config)
-        _print_rank_0(f"> MTraining sparse attention enabled: {self.config}")
+        logger.info("megatron_mtraining.launch: MTraining sparse attention enabled: %s", self.spec_hook.config)
+        _print_rank_0(f"> MTraining sparse attention enabled: {self.spec_hook.config}")
 
     def _wrap_initialize(self, original: Callable) -> Callable:
         @functools.wraps(original)

@@ -14,7 +14,7 @@ export GIT_COMMIT=${GIT_COMMIT:-unknown}
 FLAGS=${QUALITY_FLAGS:---phases 4096:2500,32768:150 --needles-per-1k 4 --key-len 2 --value-len 2 --max-train-seconds 360}
 for run in dense mtraining; do
   gpu=$([ $run = dense ] && echo 0 || echo 1)
-  CUDA_VISIBLE_DEVICES=$gpu MASTER_PORT=$((29700 + gpu)) timeout ${QUALITY_TIMEOUT:-470} \
+  CUDA_VISIBLE_DEVICES=$gpu timeout ${QUALITY_TIMEOUT:-470} \
       $PY benchmarks/quality.py --run $run --out "$OUT/quality_$run.json" $FLAGS > "$OUT/quality_$run.log" 2>&1 &
 done
 wait

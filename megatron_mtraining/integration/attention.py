@@ -226,10 +226,6 @@ class MTrainingAttention(MegatronModule):
             self._inner_sizes[group] = inner_ring_size(ranks, self.mtraining_config.inner_ring_size)
         return self._inner_sizes[group]
 
-    @staticmethod
-    def _group_world(group) -> int:
-        return 1 if group is None else _group_size(group)
-
     # ------------------------------------------------------------------ forward
 
     def _check_forward_args(self, attn_mask_type, attention_bias, packed_seq_params) -> None:
@@ -292,7 +288,7 @@ class MTrainingAttention(MegatronModule):
                                             inner_size=self.ring_inner_size(group),
                                             softmax_scale=self.softmax_scale)
         if record is not None:
-            record.record_index(self.layer_number, index, sq * self._group_world(group))
+            record.record_index(self.layer_number, index, sq * _group_size(group))
             record.time_backward(out, q, cuda)
 
         # [b, np, sq, hn] -> [sq, b, np * hn]

@@ -23,9 +23,7 @@ writer (last rank) the last stage; per-layer tags carry global layer numbers.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 from typing import Dict, List, Optional
 
 import torch
@@ -41,33 +39,6 @@ __all__ = ["Telemetry", "disable_telemetry", "enable_telemetry", "get_telemetry"
 _TELEMETRY: Optional["Telemetry"] = None
 
 
-class _Clock:
-    """A start/end pair: CUDA events on the current stream (no host sync), else host time."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        if cuda:
-            self.start_event = torch.cuda.Event(enable_timing=True)
-            self.end_event = torch.cuda.Event(enable_timing=True)
-
-    def start(self):
-        if self.cuda:
-            self.start_event.record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def stop(self):
-        if self.cuda:
-            self.end_event.record()
-        else:
-            self.t1 = time.perf_counter()
-
-    def ms(self) -> float:  # after a synchronisation
-        if self.cuda:
-            return self.start_event.elapsed_time(self.end_event)
-        return (self.t1 - self.t0) * 1e3
-
-
 class IterationRecord:
     """What one rank saw in one log iteration."""
 
@@ -75,22 +46,20 @@ class IterationRecord:
         self.iteration = iteration
         self.group = group
         self.layers: Dict[int, dict] = {}  # layer number -> index statistics (device tensors)
-        self.clocks: Dict[str, List[_Clock]] = {"approximator": [], "attention_fwd": [], "attention_bwd": []}
+        self.clocks: Dict[str, List[instrument.Interval]] = {"approximator": [], "attention_fwd": [],
+                                                             "attention_bwd": []}
         self.ring_timer = instrument.StepTimer()
 
-    @contextlib.contextmanager
     def timed(self, what: str, cuda: bool):
-        clock = _Clock(cuda)
-        clock.start()
-        yield
-        clock.stop()
-        self.clocks[what].append(clock)
+        interval = instrument.Interval(cuda)
+        self.clocks[what].append(interval)
+        return instrument.timed(interval)
 
     def time_backward(self, out: torch.Tensor, q: torch.Tensor, cuda: bool) -> None:
         """Time the attention's backward: from the gradient reaching ``out`` to it leaving ``q``."""
         if not (out.requires_grad and q.requires_grad):
             return
-        clock = _Clock(cuda)
+        clock = instrument.Interval(cuda)
         self.clocks["attention_bwd"].append(clock)
         out.register_hook(lambda g: (clock.start(), g)[1])
         q.register_hook(lambda g: (clock.stop(), g)[1])

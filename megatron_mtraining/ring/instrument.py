@@ -22,35 +22,59 @@ import torch
 _active: Optional["StepTimer"] = None
 
 
+class Interval:
+    """One timed interval: CUDA events on the current stream (no host sync until ``ms``), or host
+    clock readings without CUDA. ``start``/``stop`` may be called from different places (e.g.
+    autograd hooks), which a context manager cannot span."""
+
+    def __init__(self, cuda: Optional[bool] = None):
+        self.cuda = (torch.cuda.is_available() and torch.cuda.is_initialized()) if cuda is None else cuda
+        if self.cuda:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self._end.record()
+        else:
+            self._end = time.perf_counter()
+
+    def ms(self) -> float:
+        """Elapsed milliseconds (on CUDA: after a synchronisation)."""
+        return self._start.elapsed_time(self._end) if self.cuda else (self._end - self._start) * 1e3
+
+
+@contextlib.contextmanager
+def timed(interval: Interval):
+    interval.start()
+    yield interval
+    interval.stop()
+
+
 class StepTimer:
     def __init__(self):
-        self._intervals: List[tuple] = []  # (phase, kind, step, start, end)
+        self._intervals: List[tuple] = []  # (phase, kind, step, Interval)
 
-    @contextlib.contextmanager
     def measure(self, phase: str, kind: str, step: int):
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-        else:
-            start = time.perf_counter()
-            yield
-            end = time.perf_counter()
-        self._intervals.append((phase, kind, step, start, end))
+        interval = Interval()
+        self._intervals.append((phase, kind, step, interval))
+        return timed(interval)
 
     def summary(self) -> Dict[str, Dict[str, List[float]]]:
         """Milliseconds per step, per phase ("forward"/"backward") and kind ("compute"/"wait");
         repeated calls of one phase are summed step by step."""
-        if any(isinstance(x[3], torch.cuda.Event) for x in self._intervals):
+        if any(x[3].cuda for x in self._intervals):
             torch.cuda.synchronize()
         out: Dict[str, Dict[str, List[float]]] = {}
-        for phase, kind, step, start, end in self._intervals:
-            ms = start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else (end - start) * 1e3
+        for phase, kind, step, interval in self._intervals:
             series = out.setdefault(phase, {}).setdefault(f"{kind}_ms", [])
             series.extend([0.0] * (step + 1 - len(series)))
-            series[step] += ms
+            series[step] += interval.ms()
         return out
 
 
