@@ -116,15 +116,11 @@ def configure(args):
     config = None
     if getattr(args, "mtraining", False):
         import megatron.core.models.gpt.gpt_model  # noqa: F401  (imports the RoPE helpers before patching)
-        from megatron.training.arguments import core_transformer_config_from_args
 
-        from megatron_mtraining.config import MTrainingConfig
-        from megatron_mtraining.integration import patches
         from megatron_mtraining.integration.enable import enable_mtraining
 
-        patches.validate_megatron_config(core_transformer_config_from_args(args), MTrainingConfig.from_args(args),
-                                         seq_length=args.seq_length, cp_size=args.context_parallel_size)
-        config = enable_mtraining(args).config  # patches, telemetry: as the launcher and the fork patch do
+        # Validation, patches, telemetry: as the launcher and the fork patch do.
+        config = enable_mtraining(args).config
         print_rank_0(f"> MTraining sparse attention enabled: {config}")
     _state.update(configured=True, mtraining_config=config)
     return config

@@ -44,3 +44,18 @@ def test_bad_flags_raise_before_installing():
     with pytest.raises(ValueError, match="--mtraining-top-p"):
         enable_mtraining(parse("--mtraining-top-p", "1.5"))
     assert not patches.installed()
+
+
+def test_start_up_validation_runs_on_the_parsed_arguments():
+    """Megatron's argument names match TransformerConfig's fields: every way in validates."""
+    args = parse()
+    args.attention_dropout, args.seq_length, args.context_parallel_size = 0.1, 4096, 2
+    with pytest.raises(ValueError, match="attention_dropout must be 0"):
+        enable_mtraining(args)
+    args.attention_dropout, args.seq_length = 0.0, 4096 + 64
+    with pytest.raises(ValueError, match="not divisible by block_size \\* CP = 128"):
+        enable_mtraining(args)
+    assert not patches.installed()
+    args.seq_length = 4096
+    enable_mtraining(args)
+    assert patches.installed()

@@ -4,7 +4,10 @@ Shared by the three ways in (the launcher, the fork patch and ``examples/pretrai
 so that they cannot drift apart. From the parsed Megatron arguments it
 
 1. builds ``MTrainingConfig.from_args(args)`` and the hook options (dense layers, log interval),
-2. calls ``patches.install(config)`` (striped batch split, RoPE slicing, start-up validation),
+   and runs the start-up validation (``patches.validate_megatron_config``: sequence length,
+   attention dropout, hierarchical CP, MTP with CP, Transformer Engine CP options) on the
+   parsed arguments, whose names match megatron-core's ``TransformerConfig`` fields,
+2. calls ``patches.install(config)`` (striped batch split, RoPE slicing),
 3. turns on the training telemetry when ``--mtraining-log-interval`` > 0,
 
 and returns the GPT layer-spec hook (``spec -> spec`` with MTrainingAttention as core attention)
@@ -39,6 +42,7 @@ def enable_mtraining(args) -> Callable:
     Idempotent (a second call re-installs with the same settings). ValueError on bad flags."""
     config = MTrainingConfig.from_args(args)
     options = integration_options(args)
+    patches.validate_megatron_config(args, config, seq_length=getattr(args, "seq_length", None))
     patches.install(config)
     if options["log_interval"] > 0:
         telemetry.enable_telemetry(options["log_interval"])
