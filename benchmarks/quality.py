@@ -86,14 +86,25 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if (args.run is None) == (args.merge is None):
         p.error("give exactly one of --run and --merge")
+    if args.run:
+        try:
+            phases(args.phases)
+        except ValueError as err:
+            p.error(str(err))
     return args
 
 
 def phases(spec: str):
+    """``"4096:300,32768:150"`` -> [(4096, 300), (32768, 150)]; ValueError naming the flag otherwise."""
     out = []
     for item in spec.split(","):
-        seq, iters = item.split(":")
-        out.append((int(seq), int(iters)))
+        try:
+            seq, iters = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise ValueError(f"--phases: expected SEQ_LEN:ITERATIONS items separated by commas, got {item!r}") from None
+        if seq <= 0 or iters <= 0:
+            raise ValueError(f"--phases: sequence length and iterations must be positive, got {item!r}")
+        out.append((seq, iters))
     return out
 
 

@@ -48,3 +48,14 @@ def test_quality_pipeline_at_toy_scale(tmp_path):
     assert grid["lengths"] == [512] and grid["depths"] == [0.1, 0.9] and len(grid["accuracy"][0]) == 2
     with pytest.raises(AssertionError):
         run("--merge", sparse, dense, "--out", merged)  # order is checked
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "exactly one of --run and --merge"),
+    (["--run", "dense", "--phases", "4096"], "SEQ_LEN:ITERATIONS"),
+    (["--run", "dense", "--phases", "4096:0"], "must be positive"),
+])
+def test_bad_command_lines_fail_with_a_message(argv, message):
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "quality.py"), *argv], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr
