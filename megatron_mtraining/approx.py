@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .config import MTrainingConfig
 from .index import VSIndex
+from .kernels.step import resolve_backend
 from .layout import check_layout, local_positions
 
 KEY_CHUNK = 8192  # keys scored at a time (a multiple of every block size): memory O(last_q x chunk) per head
@@ -70,7 +71,7 @@ def _budget_select(scores: torch.Tensor, values: torch.Tensor, positions: torch.
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices
     ranked_values = values.gather(-1, order)
     ranked_positions = positions.gather(-1, order)
-    reached = torch.cumsum(ranked_values, -1) >= top_p * total[..., None]
+    reached = torch.cumsum(ranked_values.double(), -1) >= top_p * total[..., None]
     budget = (~reached).sum(-1) + 1                       # smallest count holding top_p of the mass
     n_mandatory = mandatory.sum(-1)
     available = (values > 0).sum(-1).clamp_min(n_mandatory)  # never select zero-mass padding
@@ -86,10 +87,65 @@ def _budget_select(scores: torch.Tensor, values: torch.Tensor, positions: torch.
     return out, count.to(torch.int32)
 
 
-def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "striped", softmax_scale=None):
-    """Vertical (per local column) and slash (per global block offset) attention mass of the
-    last ``last_q`` queries, fp64, identical to a single device's up to summation order."""
+def _torch_row_partials(q_grouped, k, key_pos, q_pos, scale, L):
+    """PyTorch pass 1 (CPU): online row max and normaliser over the local keys, chunk by chunk."""
+    b, hkv, _, d = q_grouped.shape
+    hq = q_grouped.shape[2] // L * hkv
+    row_max = torch.full((b, hq, L), float("-inf"), device=k.device)
+    normaliser = torch.zeros(b, hq, L, dtype=torch.float64, device=k.device)
+    for start in range(0, k.shape[2], KEY_CHUNK):
+        s = _chunk_scores(q_grouped, k, key_pos, q_pos, scale, L, start)
+        new_max = torch.maximum(row_max, s.amax(-1))
+        m = _finite(new_max)
+        normaliser = (normaliser * torch.exp(row_max - m).double()
+                      + torch.exp(s - m[..., None]).double().sum(-1))
+        row_max = new_max
+    return row_max, normaliser
+
+
+def _torch_vs_masses(q_grouped, k, key_pos, q_pos, scale, L, B, row_max, normaliser, q_block_rows):
+    """PyTorch pass 2 (CPU): recompute the weights chunk by chunk (rather than keep last_q x
+    n_local of them per head) and fold them into the vertical statistic and the block masses."""
+    b, hkv, _, d = q_grouped.shape
+    hq = q_grouped.shape[2] // L * hkv
+    n_local = k.shape[2]
+    vertical = torch.zeros(b, hq, n_local, dtype=torch.float64, device=k.device)
+    block_mass = torch.zeros(b, hq, len(q_block_rows), n_local // B, dtype=torch.float64, device=k.device)
+    for start in range(0, n_local, KEY_CHUNK):
+        s = _chunk_scores(q_grouped, k, key_pos, q_pos, scale, L, start)
+        p = torch.exp(s - row_max[..., None]).double() / normaliser[..., None]
+        stop = start + p.shape[-1]
+        vertical[..., start:stop] = p.sum(-2)
+        per_row = p.reshape(b, hq, L, -1, B).sum(-1)
+        for j, (row0, row1) in enumerate(q_block_rows):
+            block_mass[:, :, j, start // B:stop // B] = per_row[:, :, row0:row1].sum(-2)
+    return vertical.float(), block_mass
+
+
+def _chunk_scores(q_grouped, k, key_pos, q_pos, scale, L, start):
+    """Scaled scores [b, hq, L, chunk] of the last queries against keys start.., -inf where masked.
+    GQA without copying K per query head: the g query heads of one KV head are one matmul."""
+    b = q_grouped.shape[0]
+    kc = k[:, :, start:start + KEY_CHUNK].float()
+    s = torch.matmul(q_grouped, kc.transpose(-1, -2)).view(b, -1, L, kc.shape[2]) * scale
+    visible = key_pos[start:start + KEY_CHUNK][None, :] <= q_pos[:, None]
+    return s.masked_fill(~visible, float("-inf"))
+
+
+def _finite(m):
+    """A row with no visible key has max -inf: use 0 there, so exp(-inf - 0) gives exact zeros."""
+    return torch.where(torch.isinf(m), torch.zeros_like(m), m)
+
+
+def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "striped", softmax_scale=None,
+                  backend: str = "auto"):
+    """Vertical (per local column, fp32) and slash (per global block offset, fp64) attention mass
+    of the last ``last_q`` queries, identical to a single device's up to summation order.
+
+    ``backend``: "triton" (fused kernels, the default on CUDA) or "torch" (the default elsewhere).
+    """
     world, rank = _world(group)
+    backend = resolve_backend(backend, q.device)
     b, hq, n_local, d = q.shape
     hkv = k.shape[1]
     B, L = config.block_size, config.last_q
@@ -98,70 +154,72 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     key_pos, rows, slots = _layout_positions(q.device, seq_len, layout, world, rank, B, L)
 
-    # Q_last from whichever ranks hold it: scatter into zeros, sum across ranks.
+    # Q_last from whichever ranks hold it: scatter into zeros, sum across ranks (exact: one
+    # nonzero term per entry).
     q_last = torch.zeros(b, hq, L, d, dtype=torch.float32, device=q.device)
     q_last[:, :, slots] = q[:, :, rows].float()
     _all_reduce(q_last, dist.ReduceOp.SUM, group, world)
-    q_pos = torch.arange(seq_len - L, seq_len, device=q.device)
-    # GQA without copying K per query head: the g query heads of one KV head are one matmul.
     q_grouped = q_last.reshape(b, hkv, (hq // hkv) * L, d)
+    q_pos0 = seq_len - L
+    # The last queries span a few query blocks (host-known); rows of one share their offsets.
+    first_qb = q_pos0 // B
+    q_block_rows = [(max(qb * B, q_pos0) - q_pos0, min((qb + 1) * B, seq_len) - q_pos0)
+                    for qb in range(first_qb, (seq_len - 1) // B + 1)]
 
-    def chunk_scores(start):
-        kc = k[:, :, start:start + KEY_CHUNK].float()
-        s = torch.matmul(q_grouped, kc.transpose(-1, -2)).view(b, hq, L, -1) * scale
-        visible = key_pos[start:start + KEY_CHUNK][None, :] <= q_pos[:, None]
-        return s.masked_fill(~visible, float("-inf"))
-
-    def finite(m):  # a row with no visible key yet has max -inf: exp(x - 0) of -inf scores is 0
-        return torch.where(torch.isinf(m), torch.zeros_like(m), m)
-
-    # Pass 1: online row max and normaliser over local keys, then combined across ranks.
-    row_max = torch.full((b, hq, L), float("-inf"), device=q.device)
-    normaliser = torch.zeros(b, hq, L, dtype=torch.float64, device=q.device)
-    for start in range(0, n_local, KEY_CHUNK):
-        s = chunk_scores(start)
-        new_max = torch.maximum(row_max, s.amax(-1))
-        m = finite(new_max)
-        normaliser = (normaliser * torch.exp(row_max - m).double()
-                      + torch.exp(s - m[..., None]).double().sum(-1))
-        row_max = new_max
+    # Pass 1: row max and normaliser over the local keys, then combined across ranks.
+    if backend == "triton":
+        from .kernels.triton_approx import row_partials
+        q_grouped = q_grouped.to(k.dtype).contiguous()  # exact: q_last holds k.dtype values
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        part_max, part_sum = row_partials(q_grouped, k, key_pos, q_pos0, scale, L, B)
+        row_max = part_max.amax(-1)
+        rescale = torch.exp(part_max - _finite(row_max)[..., None]).double()
+        normaliser = (part_sum.double() * rescale).sum(-1)
+    else:
+        q_pos = torch.arange(q_pos0, seq_len, device=q.device)
+        row_max, normaliser = _torch_row_partials(q_grouped, k, key_pos, q_pos, scale, L)
     local_max = row_max.clone()
     _all_reduce(row_max, dist.ReduceOp.MAX, group, world)
-    normaliser *= torch.exp(local_max - finite(row_max)).double()
+    normaliser *= torch.exp(local_max - _finite(row_max)).double()
     _all_reduce(normaliser, dist.ReduceOp.SUM, group, world)
 
-    # Pass 2: recompute the weights (cheap: last_q rows) rather than keep them (last_q x
-    # n_local per head), normalise and accumulate the statistics.
-    vertical = torch.zeros(b, hq, n_local, dtype=torch.float64, device=q.device)
+    # Pass 2: the normalised weights folded into the vertical statistic and the block masses.
+    if backend == "triton":
+        from .kernels.triton_approx import vs_masses
+        vertical, block_mass = vs_masses(q_grouped, k, key_pos, q_pos0, scale, L, B, row_max,
+                                         normaliser.reciprocal().float())
+    else:
+        vertical, block_mass = _torch_vs_masses(q_grouped, k, key_pos, q_pos, scale, L, B, row_max, normaliser,
+                                                q_block_rows)
+
+    # Slash: each query block's masses go to offsets q_block - k_block. A local block is one
+    # global block in every layout, so within one query block every scatter hits distinct bins:
+    # no colliding float atomics, and activation recompute rebuilds the same index bit for bit.
+    # Masked pairs (key block after the query block) carry exact zeros, clamped onto bin 0.
     slash = torch.zeros(b, hq, nb, dtype=torch.float64, device=q.device)
-    # The last queries span a few query blocks (host-known): rows of one query block share their
-    # offsets, so their mass is summed first and each scatter below hits distinct bins. That
-    # keeps the statistic deterministic (no colliding float atomics), so activation recompute
-    # rebuilds the same index bit for bit.
-    first_qb = (seq_len - L) // B
-    q_block_rows = [(qb, max(qb * B, seq_len - L) - (seq_len - L), min((qb + 1) * B, seq_len) - (seq_len - L))
-                    for qb in range(first_qb, (seq_len - 1) // B + 1)]
-    for start in range(0, n_local, KEY_CHUNK):
-        p = torch.exp(chunk_scores(start) - row_max[..., None]).double() / normaliser[..., None]
-        stop = start + p.shape[-1]
-        vertical[..., start:stop] = p.sum(-2)
-        # Slash: sum each local key block first (a local block is one global block in every
-        # layout), then each query block's rows, then scatter blocks instead of last_q x keys.
-        block_mass = p.reshape(b, hq, L, -1, B).sum(-1)
-        k_blk = key_pos[start:stop:B] // B
-        for qb, row0, row1 in q_block_rows:
-            # Masked pairs (key block after the query block) carry p = 0: clamped onto bin 0,
-            # they add exact zeros, which no summation order can change.
-            offset = (qb - k_blk).clamp(0, nb - 1)
-            slash.scatter_add_(2, offset.expand(b, hq, -1), block_mass[:, :, row0:row1].sum(-2))
+    k_blk = key_pos[::B] // B
+    for j in range(len(q_block_rows)):
+        offset = (first_qb + j - k_blk).clamp(0, nb - 1)
+        slash.scatter_add_(2, offset.expand(b, hq, -1), block_mass[:, :, j].double())
     _all_reduce(slash, dist.ReduceOp.SUM, group, world)
     return vertical, slash, key_pos
 
 
+def _top_by_value(values: torch.Tensor, take: int) -> torch.Tensor:
+    """Indices of the ``take`` largest non-negative fp32 ``values`` along the last dim, largest
+    first, ties by lower index: a stable descending sort's head, for the price of a top-k. The
+    value's bits (monotone for non-negative floats) and the reversed index form one unique int64
+    key, so the order cannot depend on the top-k implementation."""
+    n = values.shape[-1]
+    reversed_index = (n - 1) - torch.arange(n, device=values.device)
+    key = (values.contiguous().view(torch.int32).to(torch.int64) << 32) | reversed_index
+    return (n - 1) - (key.topk(take, dim=-1).values & 0xFFFFFFFF)
+
+
 def approximate_vs_index(q, k, config: MTrainingConfig, group=None, layout: str = "striped",
-                         softmax_scale=None) -> VSIndex:
+                         softmax_scale=None, backend: str = "auto") -> VSIndex:
     world, _ = _world(group)
-    vertical, slash, key_pos = vs_statistics(q, k, config, group, layout, softmax_scale)
+    vertical, slash, key_pos = vs_statistics(q, k, config, group, layout, softmax_scale, backend)
     b, hq, n_local = vertical.shape
     seq_len, B = n_local * world, config.block_size
     nb = seq_len // B
@@ -181,8 +239,8 @@ def approximate_vs_index(q, k, config: MTrainingConfig, group=None, layout: str 
     sinks = (key_pos < config.sink_tokens).expand(b, hq, n_local)
     local_key = torch.where(sinks, torch.full_like(vertical, float("inf")), vertical)
     take = min(cap_v, n_local)
-    top = torch.sort(local_key, dim=-1, descending=True, stable=True).indices[..., :take]
-    cand_values, cand_positions = vertical.gather(-1, top), key_pos.expand(b, hq, n_local).gather(-1, top)
+    top = _top_by_value(local_key, take)
+    cand_values, cand_positions = vertical.gather(-1, top), key_pos[top]
     if world > 1:
         gathered_v = [torch.empty_like(cand_values) for _ in range(world)]
         gathered_p = [torch.empty_like(cand_positions) for _ in range(world)]
@@ -220,12 +278,15 @@ def fixed_index(batch: int, heads: int, seq_len: int, config: MTrainingConfig, d
 
 
 def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig, group=None,
-                      layout: str = "striped", softmax_scale: Optional[float] = None) -> VSIndex:
+                      layout: str = "striped", softmax_scale: Optional[float] = None,
+                      backend: str = "auto") -> VSIndex:
     """The index for one layer: ``config.index`` picks "vs" (approximated from q and k), "dense"
     (all blocks) or "fixed" (fixed budgets). q ``[b, hq, n_local, d]``, k ``[b, hkv, n_local, d]``
     are this rank's post-RoPE tokens in ``layout`` order (``group=None``: the full sequence on
-    one device). Returns the same ``VSIndex`` on every rank."""
+    one device). Returns the same ``VSIndex`` on every rank. ``backend`` computes the statistics:
+    "auto" (fused Triton kernels on CUDA, PyTorch elsewhere), "triton" or "torch"."""
     world, _ = _world(group)
+    resolve_backend(backend, q.device)  # a bad name fails here, whatever the index builder
     if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"approximate_index: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
                          "[batch, heads, tokens, head_dim] with matching batch, tokens and head_dim")
@@ -243,4 +304,4 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
     if config.last_q > n_local:
         raise ValueError(f"approximate_index: last_q ({config.last_q}) exceeds the {n_local} tokens each rank "
                          "holds; lower --mtraining-last-q")
-    return approximate_vs_index(q, k, config, group, layout, softmax_scale)
+    return approximate_vs_index(q, k, config, group, layout, softmax_scale, backend)

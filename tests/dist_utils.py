@@ -37,6 +37,12 @@ class WorkerError(RuntimeError):
     """One or more worker processes raised or died; the message holds their tracebacks."""
 
 
+def interpreter_works() -> bool:
+    """Triton 3.6's interpreter turns 1-element arrays into scalars, an error from numpy 2.4 on."""
+    import numpy as np
+    return tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4)
+
+
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, one process each."""
     if world_size < 1:

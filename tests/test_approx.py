@@ -3,9 +3,15 @@
 import pytest
 import torch
 
-from dist_utils import run_distributed
+from dist_utils import interpreter_works, run_distributed
 from megatron_mtraining import MTrainingConfig, VSIndex, shard_sequence
-from megatron_mtraining.approx import approximate_index, fixed_index, vs_statistics
+from megatron_mtraining.approx import _top_by_value, approximate_index, fixed_index, vs_statistics
+
+# The Triton statistics kernels run on the GPU, or in Triton's CPU interpreter (CPU tensors).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_interpreter = pytest.mark.skipif(not interpreter_works(), reason="Triton's CPU interpreter needs numpy < 2.4")
+needs_triton = pytest.mark.skipif(DEVICE == "cpu" and not interpreter_works(),
+                                  reason="Triton's CPU interpreter needs numpy < 2.4")
 
 B = 16
 CFG = MTrainingConfig(block_size=64, top_p=0.9, last_q=32, max_vertical=48, max_slash=12, min_vertical=2,
@@ -34,25 +40,71 @@ def assert_same_index(a: VSIndex, b: VSIndex):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
-def _approx_worker(rank, world, n, layout):
+def _approx_worker(rank, world, n, layout, backend):
     import torch.distributed as dist
     q, k = structured_qk(n)
     cfg = config()
     shard = lambda x: shard_sequence(x, 2, layout, world, rank, B)  # noqa: E731
-    idx = approximate_index(shard(q), shard(k), cfg, group=dist.group.WORLD, layout=layout)
+    idx = approximate_index(shard(q), shard(k), cfg, group=dist.group.WORLD, layout=layout, backend=backend)
     return {name: getattr(idx, name) for name in ("slash", "n_slash", "vertical", "n_vertical")}
 
 
-@pytest.mark.parametrize("world, layout", [(1, "striped"), (2, "striped"), (2, "zigzag"), (4, "striped"),
-                                           (4, "zigzag")])
-def test_distributed_index_equals_single_device(world, layout):
+@pytest.mark.parametrize("world, layout, backend", [
+    (1, "striped", "torch"), (2, "striped", "torch"), (2, "zigzag", "torch"), (4, "striped", "torch"),
+    (4, "zigzag", "torch"),
+    # The fused statistics kernels (Triton's interpreter in the gloo workers).
+    pytest.param(2, "striped", "triton", marks=needs_interpreter),
+    pytest.param(4, "zigzag", "triton", marks=needs_interpreter),
+])
+def test_distributed_index_equals_single_device(world, layout, backend):
     n = 16 * 4 * world * 2
     q, k = structured_qk(n)
     single = approximate_index(q, k, config())
     single.validate(n)
-    per_rank = run_distributed(_approx_worker, world, n, layout, timeout=120)
+    per_rank = run_distributed(_approx_worker, world, n, layout, backend, timeout=180)
     for got in per_rank:
         assert_same_index(VSIndex(**got, block_size=B), single)
+
+
+@needs_triton
+@pytest.mark.parametrize("n, last_q, block, hq, hkv, d, batch", [
+    (256, 32, 16, 4, 2, 16, 2),    # GQA, batch 2, the last queries inside one query block
+    (320, 40, 16, 4, 1, 24, 1),    # 20 key blocks: the last program holds a partial run; d not a power of 2
+    (512, 96, 32, 6, 2, 32, 1),    # the last queries span several query blocks
+    (1024, 200, 64, 2, 1, 16, 1),  # last_q over one row tile (128): two row tiles per head
+])
+def test_triton_statistics_equal_the_pytorch_ones(n, last_q, block, hq, hkv, d, batch):
+    """The fused kernels compute what the chunked PyTorch passes compute (fp32 vs fp64 sums)."""
+    cfg = config()
+    for name, value in (("block_size", block), ("last_q", last_q)):
+        object.__setattr__(cfg, name, value)
+    g = torch.Generator().manual_seed(n)
+    q, k = torch.randn(batch, hq, n, d, generator=g), torch.randn(batch, hkv, n, d, generator=g)
+    k[:, :, 5] += 3 * q[:, :hkv, -1]  # a strong column, so the statistics are not flat
+    q, k = q.to(DEVICE), k.to(DEVICE)
+    v_torch, s_torch, _ = vs_statistics(q, k, cfg, backend="torch")
+    v_triton, s_triton, _ = vs_statistics(q, k, cfg, backend="triton")
+    torch.testing.assert_close(v_triton, v_torch, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s_triton, s_torch, rtol=1e-5, atol=1e-5)
+    # Each query's weights sum to one: the statistics hold last_q of mass per head.
+    torch.testing.assert_close(s_triton.sum(-1), torch.full((batch, hq), float(last_q), dtype=torch.float64,
+                                                            device=DEVICE))
+    assert_same_index(approximate_index(q, k, cfg, backend="triton"), approximate_index(q, k, cfg, backend="torch"))
+    again = vs_statistics(q, k, cfg, backend="triton")
+    assert torch.equal(again[0], v_triton) and torch.equal(again[1], s_triton)
+
+
+def test_top_by_value_is_a_stable_descending_sort_head():
+    values = torch.tensor([[0.5, 2.0, 0.5, float("inf"), 0.0, 2.0, 0.5, 1e-30]])
+    want = torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :6]
+    assert torch.equal(_top_by_value(values, 6), want)
+    assert _top_by_value(values, 6).tolist() == [[3, 1, 5, 0, 2, 6]]
+
+
+def test_unknown_backend_is_rejected():
+    q, k = structured_qk(64)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        approximate_index(q, k, config(), backend="cuda")
 
 
 def test_budgets_are_top_p_minimal_and_clamped():

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dist_utils import run_distributed
+from dist_utils import interpreter_works, run_distributed
 from megatron_mtraining import VSIndex, sparse_attention
 from megatron_mtraining.layout import gather_sequence, shard_sequence
 from oracle import rel_err
@@ -189,11 +189,6 @@ SPAWNS = {
 }
 
 _SPAWN_RESULTS = {}
-
-
-def interpreter_works() -> bool:
-    """Triton 3.6's interpreter turns 1-element arrays into scalars, an error from numpy 2.4 on."""
-    return tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4)
 
 
 def spawn_results(spawn: str) -> list:
