@@ -83,10 +83,19 @@ def ring_overhead(local_len, warmup, reps):
     device = torch.device("cuda")
     cfg = MTrainingConfig(top_p=0.9)
     seq_len = local_len * world
-    # The synthetic full sequence is built in float64 on the host by every rank (W x 128K tokens):
-    # give each rank its share of the cores (torchrun starts them with one thread).
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    q, k = synthetic_vs_qk(1, 16, 2, seq_len, 128, seed=0, device=device, dtype=torch.bfloat16)
+    # The synthetic full sequence is built in float64 on the host, once: by rank 0 with all the
+    # cores (torchrun starts every rank with one thread), then broadcast in bf16. W copies of the
+    # float64 build at 512K do not fit in a 4-GPU host's memory (a rank was killed).
+    shape_q, shape_k = (1, 16, seq_len, 128), (1, 2, seq_len, 128)
+    if rank == 0:
+        torch.set_num_threads(os.cpu_count() or 1)
+        q, k = (x.contiguous() for x in synthetic_vs_qk(*shape_q[:2], shape_k[1], seq_len, 128, seed=0,
+                                                        device=device, dtype=torch.bfloat16))
+    else:
+        q = torch.empty(shape_q, device=device, dtype=torch.bfloat16)
+        k = torch.empty(shape_k, device=device, dtype=torch.bfloat16)
+    dist.broadcast(q, 0)
+    dist.broadcast(k, 0)
     q, k = (shard_sequence(x, 2, "striped", world, rank, cfg.block_size).contiguous() for x in (q, k))
     v = torch.randn_like(k)
     group = dist.group.WORLD
