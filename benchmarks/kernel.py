@@ -65,6 +65,7 @@ class Config:
     check_len: int = 4096
     skip: Sequence[str] = ()
     smoke: bool = False
+    launch: str = ""  # "fwd:WxS,bwd:WxS" num_warps x num_stages overrides ("" = the defaults)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -442,7 +443,51 @@ def parse_args(argv=None):
     p.add_argument("--skip", default="", help="comma-separated: dense, flex, breakdown, check")
     p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU: tests the script itself")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernel_<device>.json)")
+    p.add_argument("--launch", default="", help="launch settings instead of the defaults, e.g. fwd:4x3,bwd:8x2 "
+                   "(num_warps x num_stages per kernel family)")
+    p.add_argument("--sweep", default="", help="compare launch settings instead of the full benchmark: "
+                   "comma-separated WxS candidates, tried for fwd then for bwd (our kernels only)")
     return p.parse_args(argv)
+
+
+def parse_launch(text: str) -> Dict[str, dict]:
+    """'fwd:4x3,bwd:8x2' -> {'fwd': {'num_warps': 4, 'num_stages': 3}, 'bwd': {...}}."""
+    out: Dict[str, dict] = {}
+    for item in filter(None, text.split(",")):
+        try:
+            family, setting = item.split(":")
+            warps, stages = (int(x) for x in setting.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"kernel.py: bad --launch item {item!r}; expected FAMILY:WARPSxSTAGES, e.g. fwd:4x3")
+        if family not in ("fwd", "bwd") or warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 8:
+            raise SystemExit(f"kernel.py: bad --launch item {item!r}: family fwd/bwd, warps a power of 2 <= 16, "
+                             "stages 1-8")
+        out[family] = {"num_warps": warps, "num_stages": stages}
+    return out
+
+
+def sweep(cfg: Config, candidates: str, device: torch.device) -> Dict:
+    """Our fwd and fwd+bwd times per launch setting: each fwd candidate with the default bwd,
+    then each bwd candidate with the default fwd (the two families are independent kernels)."""
+    from megatron_mtraining.kernels import triton_fwd
+    rows = []
+    for family in ("fwd", "bwd"):
+        for setting in filter(None, candidates.split(",")):
+            triton_fwd.LAUNCH_OVERRIDES.clear()
+            triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(f"{family}:{setting}"))
+            for seq_len in cfg.seq_lens:
+                index = fixed_vs_index(cfg.batch, cfg.heads, seq_len, cfg.block_size, cfg.density, device, cfg.seed)
+                arg_sets = make_inputs(cfg, seq_len, device, cfg.input_sets, cfg.seed + seq_len)
+                ours = bench_ours(dataclasses.replace(cfg, skip=tuple(cfg.skip) + ("breakdown",)), index, seq_len,
+                                  arg_sets, device)
+                rows.append({"family": family, "launch": setting, "seq_len": seq_len,
+                             "fwd_ms": ours.get("fwd_ms"), "fwdbwd_ms": ours.get("fwdbwd_ms"),
+                             "errors": ours.get("errors")})
+                print(f"{family} {setting:>5} S={seq_len}: fwd {fmt(ours.get('fwd_ms'))} ms, "
+                      f"fwd+bwd {fmt(ours.get('fwdbwd_ms'))} ms", flush=True)
+    triton_fwd.LAUNCH_OVERRIDES.clear()
+    return {"benchmark": "kernel_sweep", "meta": run_metadata(device), "config": dataclasses.asdict(cfg),
+            "rows": rows}
 
 
 def make_config(args) -> Config:
@@ -450,10 +495,11 @@ def make_config(args) -> Config:
     if args.smoke:
         return Config(seq_lens=[256], block_size=64, heads=4, kv_heads=2, head_dim=64, dtype="fp32",
                       density=args.density, seed=args.seed, backend="torch", warmup=1, reps=3,
-                      input_sets=2, check_len=256, skip=skip, smoke=True)
+                      input_sets=2, check_len=256, skip=skip, smoke=True, launch=args.launch)
     return Config(seq_lens=[int(s) for s in args.seq_lens.split(",")], block_size=args.block_size,
                   density=args.density, seed=args.seed, backend=args.backend, warmup=args.warmup,
-                  reps=args.reps, input_sets=args.input_sets, check_len=args.check_len, skip=skip)
+                  reps=args.reps, input_sets=args.input_sets, check_len=args.check_len, skip=skip,
+                  launch=args.launch)
 
 
 def output_path(args, device: torch.device) -> str:
@@ -468,6 +514,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = make_config(args)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
+    from megatron_mtraining.kernels import triton_fwd
+    triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(cfg.launch))
+    if args.sweep:
+        result = sweep(cfg, args.sweep, device)
+        path = args.out or os.path.join(RESULTS_DIR, f"kernelsweep_{device_slug(device)}.json")
+        with open(path, "w") as fh:
+            json.dump(json_ready(result), fh, indent=1)
+        print(f"wrote {path}")
+        return 0
     result: Dict = {"benchmark": "kernel", "smoke": cfg.smoke, "meta": run_metadata(device),
                     "config": dataclasses.asdict(cfg), "runs": []}
     result["config"]["index_kind"] = "fixed"

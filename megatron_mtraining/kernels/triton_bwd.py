@@ -245,7 +245,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     B = plan.block_size
     nqb, nkb = nq // B, nk // B
     max_s, max_v = plan.kv_blocks.shape[-1], plan.cols.shape[-1]
-    cfg = triton_fwd.tile_config(B, q.dtype)
+    cfg = triton_fwd.tile_config(B, q.dtype, "bwd")
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **kernel_flags(q.dtype))
     block_m, block_n, block_col = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_COL"]
     qk_scale = softmax_scale * LOG2E

@@ -37,13 +37,20 @@ def kernel_flags(dtype: torch.dtype) -> dict:
     )
 
 
-def tile_config(block: int, dtype: torch.dtype) -> dict:
+# Launch settings (num_warps, num_stages) per kernel family, "fwd" or "bwd", that replace the
+# defaults below: benchmarks/kernel.py --launch sets them to compare settings; empty otherwise.
+LAUNCH_OVERRIDES: dict = {}
+
+
+def tile_config(block: int, dtype: torch.dtype, family: str = "fwd") -> dict:
     """Tile shapes and launch settings. Tiles divide the index block: a 128-block runs as 64-row
     tiles where 128-row fp32 tiles would not fit in shared memory."""
     tile = min(block, 64) if dtype == torch.float32 else min(block, 128)
-    return dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=min(tile, 64),
-                num_warps=8 if tile >= 128 else 4,
-                num_stages=1 if (tile >= 128 or dtype == torch.float32) else 2)
+    cfg = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=min(tile, 64),
+               num_warps=8 if tile >= 128 else 4,
+               num_stages=1 if (tile >= 128 or dtype == torch.float32) else 2)
+    cfg.update(LAUNCH_OVERRIDES.get(family, {}))
+    return cfg
 
 
 @triton.jit

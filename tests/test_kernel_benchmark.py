@@ -1,0 +1,63 @@
+"""benchmarks/kernel.py on the CPU: the smoke run, launch-setting overrides and the sweep mode."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import kernel  # noqa: E402
+
+
+def run_kernel_py(*args):
+    return subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "kernel.py"), "--smoke", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_parse_launch():
+    assert kernel.parse_launch("") == {}
+    assert kernel.parse_launch("fwd:4x3,bwd:8X2") == {"fwd": {"num_warps": 4, "num_stages": 3},
+                                                      "bwd": {"num_warps": 8, "num_stages": 2}}
+
+
+@pytest.mark.parametrize("text", ["fwd:3x2", "fwd:4x0", "dq:4x2", "fwd4x2", "fwd:4"])
+def test_bad_launch_settings_are_rejected(text):
+    with pytest.raises(SystemExit, match="bad --launch item"):
+        kernel.parse_launch(text)
+
+
+def test_launch_overrides_reach_the_tile_config():
+    import torch
+
+    from megatron_mtraining.kernels import triton_fwd
+    default = triton_fwd.tile_config(64, torch.bfloat16, "bwd")
+    try:
+        triton_fwd.LAUNCH_OVERRIDES.update(kernel.parse_launch("bwd:8x3"))
+        assert triton_fwd.tile_config(64, torch.bfloat16, "bwd") == {**default, "num_warps": 8, "num_stages": 3}
+        assert triton_fwd.tile_config(64, torch.bfloat16, "fwd") == triton_fwd.tile_config(64, torch.bfloat16)
+    finally:
+        triton_fwd.LAUNCH_OVERRIDES.clear()
+    assert triton_fwd.tile_config(64, torch.bfloat16, "bwd") == default
+
+
+def test_smoke_sweep_times_every_setting_of_both_families(tmp_path):
+    out = tmp_path / "sweep.json"
+    proc = run_kernel_py("--sweep", "4x2,8x3", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "kernel_sweep"
+    assert [(r["family"], r["launch"]) for r in data["rows"]] == [("fwd", "4x2"), ("fwd", "8x3"), ("bwd", "4x2"),
+                                                                  ("bwd", "8x3")]
+    assert all(r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0 for r in data["rows"])
+
+
+def test_smoke_run_records_its_launch_settings(tmp_path):
+    out = tmp_path / "kernel.json"
+    proc = run_kernel_py("--launch", "fwd:8x3", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["config"]["launch"] == "fwd:8x3" and data["check"]["ours"]["pass"]
