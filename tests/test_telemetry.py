@@ -152,6 +152,8 @@ def test_context_parallel_telemetry_has_imbalance_metrics():
     for key in ("worker_imbalance", "step_imbalance"):
         assert 1.0 <= s0[key] < math.inf
     assert 0 < s0["computation_ratio"] <= 1
+    # The approximator's cost is the fastest rank's time (the others' include waiting for it).
+    assert 0 < s0["approximator_ms"] <= s0["approximator_max_ms"]
     assert len(lines0) == 1 and "imbalance worker" in lines0[0] and lines1 == []
 
 
