@@ -182,7 +182,7 @@ def test_invalid_index_values_rejected_on_cpu():
 def test_triton_tiles_smaller_than_the_block(monkeypatch, tile):
     """Index blocks larger than the kernel tiles (as fp32 with block 128 runs on the GPU)."""
     from megatron_mtraining.kernels import triton_fwd
-    monkeypatch.setattr(triton_fwd, "tile_config", lambda block, dtype: dict(
+    monkeypatch.setattr(triton_fwd, "tile_config", lambda block, dtype, family="fwd": dict(
         BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=16, num_warps=4, num_stages=1))
     q, k, v = inputs(1, 4, 2, 192, 32, seed=tile)
     index = VSIndex.random(1, 4, 192, 64, max_slash=3, max_vertical=40,
