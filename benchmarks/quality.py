@@ -5,8 +5,8 @@ corpus (``megatron_mtraining.corpus``: word-completion filler plus key-value nee
 the end of each sequence, stored in Megatron's indexed-dataset format) twice: with dense causal
 attention and with MTraining (``vs`` index, top-p 0.9). Both go through ``MTrainingAttention``;
 the dense run uses the dense index (exact causal attention), so the attention code is the only
-difference. Training follows a short-to-long schedule (``--phases``, e.g. 4K then 32K tokens per
-sequence, the same token count per iteration). Then both are evaluated:
+difference. Training follows a short-to-long schedule (``--phases``, the same token count per
+iteration). Then both are evaluated:
 
 * held-out LM loss on unseen sequences at the longest length;
 * needle-in-a-haystack retrieval accuracy on a depth x length grid (a query counts when all its
@@ -17,6 +17,16 @@ sequence, the same token count per iteration). Then both are evaluated:
     python benchmarks/quality.py --run dense     --out q_dense.json      # one process, one device
     python benchmarks/quality.py --run mtraining --out q_mtraining.json
     python benchmarks/quality.py --merge q_dense.json q_mtraining.json  # -> results/quality.json + plots
+
+Recipe. Retrieval is an induction-head circuit (a previous-token head, then a head matching the
+query's key against it), which small models learn only after a long plateau whose length grows
+with the context and shrinks with the share of the loss on answer tokens. Started at 4K tokens
+with one needle per 1K (~0.4% answer tokens), even the dense model stayed at chance (answer loss
+ln(#symbols)) for 2500 iterations. The defaults therefore start at 256 tokens with dense needles
+and queries (``--needles-per-1k 24``: ~14% of the tokens are needles, ~5% answers), weight the
+answer tokens 10x in the training loss (``--answer-loss-weight``; every reported loss stays the
+plain LM loss, ``answer_loss`` in the curve is the loss on answer tokens alone) and then grow the
+context to 1K, 4K and 32K.
 
 (``scripts/gpu_quality.sh`` runs the two trainings side by side on two GPUs.) GPUs train under
 bf16 autocast with fp32 weights (``--no-bf16``: fp32/TF32); on the CPU use tiny ``--phases`` /
@@ -44,7 +54,7 @@ from common import json_ready, run_metadata  # noqa: E402
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.corpus import (  # noqa: E402
-    CorpusConfig, make_needle_probe, retrieval_accuracy, write_indexed_dataset,
+    CorpusConfig, make_needle_probe, query_target_positions, retrieval_accuracy, write_indexed_dataset,
 )
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -56,20 +66,24 @@ def parse_args(argv=None):
     p.add_argument("--run", choices=("dense", "mtraining"))
     p.add_argument("--merge", nargs=2, metavar=("DENSE_JSON", "MTRAINING_JSON"))
     p.add_argument("--out", default=None)
-    p.add_argument("--phases", default="4096:300,32768:150",
+    p.add_argument("--phases", default="256:3000,1024:1000,4096:300,32768:150",
                    help="training schedule, comma-separated SEQ_LEN:ITERATIONS")
-    p.add_argument("--tokens-per-iteration", type=int, default=32768)
+    p.add_argument("--tokens-per-iteration", type=int, default=16384,
+                   help="batch = max(1, this // SEQ_LEN) sequences per iteration")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--num-attention-heads", type=int, default=8)
     p.add_argument("--num-query-groups", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=512)
-    p.add_argument("--needles-per-1k", type=float, default=1.0, help="needles per 1024 tokens (at least 2)")
+    p.add_argument("--needles-per-1k", type=float, default=24.0, help="needles per 1024 tokens (at least 2)")
     p.add_argument("--queries", type=int, default=8, help="queries per sequence (at most the needles)")
-    p.add_argument("--key-len", type=int, default=4, help="tokens per needle key")
-    p.add_argument("--value-len", type=int, default=4, help="tokens per needle value (all must be right)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--key-len", type=int, default=2, help="tokens per needle key")
+    p.add_argument("--value-len", type=int, default=2, help="tokens per needle value (all must be right)")
+    p.add_argument("--answer-loss-weight", type=float, default=10.0,
+                   help="training-loss weight of the answer (retrieval target) tokens relative to the others "
+                        "(1: plain LM loss); reported held-out losses are always the plain LM loss")
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--last-q", type=int, default=128)
     p.add_argument("--block-size", type=int, default=64)
@@ -87,6 +101,8 @@ def parse_args(argv=None):
     if (args.run is None) == (args.merge is None):
         p.error("give exactly one of --run and --merge")
     if args.run:
+        if not args.answer_loss_weight > 0:
+            p.error(f"--answer-loss-weight must be positive, got {args.answer_loss_weight}")
         try:
             phases(args.phases)
         except ValueError as err:
@@ -163,7 +179,8 @@ def write_training_data(args, schedule, folder):
     for i, (seq_len, iters) in enumerate(schedule):
         batch = max(1, args.tokens_per_iteration // seq_len)
         prefix = write_indexed_dataset(os.path.join(folder, f"phase{i}_{seq_len}"), corpus_config(args, seq_len),
-                                       iters * batch, start_index=i * 1_000_000)
+                                       iters * batch, start_index=i * 1_000_000,
+                                       workers=min(16, len(os.sched_getaffinity(0))))
         datasets.append((IndexedDataset(prefix), seq_len, iters, batch))
     return datasets
 
@@ -195,11 +212,32 @@ def autocast(args, device):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.bf16)
 
 
-def lm_loss(model, tokens, args):
+def per_token_loss(model, tokens, args):
+    """Cross entropy [b, s - 1]: column p is the loss of predicting ``tokens[:, p + 1]`` from ``tokens[:, :p + 1]``."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     position_ids = torch.arange(inputs.shape[1], device=tokens.device).expand_as(inputs)
     with autocast(args, tokens.device):
-        return model(inputs, position_ids, None, labels=labels).float().mean()
+        return model(inputs, position_ids, None, labels=labels).float()
+
+
+def answer_label_mask(cfg: CorpusConfig, device) -> torch.Tensor:
+    """Bool [cfg.seq_len - 1], aligned with ``per_token_loss`` columns: True where the label is an
+    answer (value) token of a query. Every sequence of ``cfg`` ends with the same query block."""
+    mask = torch.zeros(cfg.seq_len, dtype=torch.bool)
+    mask[torch.from_numpy(query_target_positions(cfg))] = True
+    return mask[1:].to(device)
+
+
+def lm_loss(model, tokens, args):
+    return per_token_loss(model, tokens, args).mean()
+
+
+def training_loss(per_token, answers, weight):
+    """Mean loss with the answer columns weighted ``weight`` times the others (``weight == 1``: the plain LM loss)."""
+    if weight == 1.0:
+        return per_token.mean()
+    w = 1.0 + (weight - 1.0) * answers.to(per_token.dtype)
+    return (per_token * w).sum(-1).mean() / w.sum()
 
 
 def lr_at(args, it, total):
@@ -215,6 +253,7 @@ def train(args, model, datasets, device):
     curve, density_log, it = [], [], 0
     start = time.perf_counter()
     for dataset, seq_len, iters, batch in datasets:
+        answers = answer_label_mask(corpus_config(args, seq_len), device)
         for i in range(iters):
             if args.max_train_seconds and time.perf_counter() - start > args.max_train_seconds:
                 print(f" stopping early at iteration {it} (--max-train-seconds {args.max_train_seconds})", flush=True)
@@ -224,30 +263,40 @@ def train(args, model, datasets, device):
             tokens = torch.stack(rows).to(device)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(args, it, total)
-            loss = lm_loss(model, tokens, args)
+            per_token = per_token_loss(model, tokens, args)
+            loss = training_loss(per_token, answers, args.answer_loss_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             if it % args.log_interval == 0 or it == 1 or it == total:
-                value = loss.item()
+                # Plain LM loss and the loss on the answer tokens (chance: ln of the symbol count).
+                value, answer_value = per_token.mean().item(), per_token[:, answers].mean().item()
                 densities = [a.last_index.density(seq_len).float().mean().item() for a in core_attentions(model)]
-                curve.append({"iteration": it, "seq_len": seq_len, "loss": value})
+                curve.append({"iteration": it, "seq_len": seq_len, "loss": value, "answer_loss": answer_value})
                 density_log.append({"iteration": it, "seq_len": seq_len, "density_per_layer": densities})
-                print(f" iteration {it:>5}/{total} | seq {seq_len} | lm loss {value:.4f} | density per layer "
+                print(f" iteration {it:>5}/{total} | seq {seq_len} | lm loss {value:.4f} | answer loss "
+                      f"{answer_value:.4f} | density per layer "
                       + " ".join(f"{d:.3f}" for d in densities)
                       + f" | {time.perf_counter() - start:.0f} s", flush=True)
     return curve, density_log, time.perf_counter() - start, None
 
 
 @torch.no_grad()
-def held_out_loss(args, model, seq_len, device):
+def held_out_losses(args, model, seq_len, device):
+    """(plain LM loss, loss on the answer tokens alone) on held-out multi-needle sequences."""
     cfg = corpus_config(args, seq_len)
     from megatron_mtraining.corpus import make_sequence
 
-    losses = [lm_loss(model, make_sequence(cfg, HELD_OUT_START + i).tokens[None].to(device), args).item()
-              for i in range(args.held_out)]
-    return sum(losses) / len(losses)
+    answers = answer_label_mask(cfg, device)
+    per_token = [per_token_loss(model, make_sequence(cfg, HELD_OUT_START + i).tokens[None].to(device), args)
+                 for i in range(args.held_out)]
+    return (sum(x.mean().item() for x in per_token) / len(per_token),
+            sum(x[:, answers].mean().item() for x in per_token) / len(per_token))
+
+
+def held_out_loss(args, model, seq_len, device):
+    return held_out_losses(args, model, seq_len, device)[0]
 
 
 @torch.no_grad()
@@ -304,14 +353,19 @@ def run(args):
                   "settings": {k: v for k, v in vars(args).items() if k not in ("merge", "out")}}
         result["trained_length"] = longest
         with dense_inference(model):
-            result["held_out_loss_by_length"] = {n: held_out_loss(args, model, n, device) for n in eval_lengths}
+            losses = {n: held_out_losses(args, model, n, device) for n in eval_lengths}
+            result["held_out_loss_by_length"] = {n: lm for n, (lm, _) in losses.items()}
+            # Chance: ln(number of symbols); the retrieval probes hold a single needle, these many.
+            result["held_out_answer_loss_by_length"] = {n: ans for n, (_, ans) in losses.items()}
             result["retrieval_dense_inference"] = retrieval_grid(args, model, device)
         if args.run == "mtraining":
             result["held_out_loss_by_length_sparse_inference"] = {
                 n: held_out_loss(args, model, n, device) for n in eval_lengths}
             result["retrieval_sparse_inference"] = retrieval_grid(args, model, device)
         result["held_out_loss"] = result["held_out_loss_by_length"][longest]
-        print(f"[quality] {args.run}: held-out loss {result['held_out_loss']:.4f}, retrieval (dense inference) "
+        print(f"[quality] {args.run}: held-out loss {result['held_out_loss']:.4f} (answer tokens "
+              f"{result['held_out_answer_loss_by_length'][longest]:.4f}, chance "
+              f"{math.log(corpus_config(args, longest).num_symbols):.4f}), retrieval (dense inference) "
               f"{result['retrieval_dense_inference']['mean']:.3f}", flush=True)
     finally:
         from megatron.core import parallel_state
@@ -356,6 +410,10 @@ def merge(args):
         "retrieval_chance": (1 / (vocab // 4)) ** sparse["settings"].get("value_len", 4),
         "dense_held_out_loss": _held_out(dense, longest),
         "mtraining_held_out_loss": _held_out(sparse, longest),
+        # Loss on the answer tokens of held-out multi-needle sequences (chance: ln of the symbol count).
+        "dense_held_out_answer_loss": dense.get("held_out_answer_loss_by_length", {}).get(str(longest)),
+        "mtraining_held_out_answer_loss": sparse.get("held_out_answer_loss_by_length", {}).get(str(longest)),
+        "answer_loss_chance": math.log(vocab // 4),
         "mean_density": sum(final_density) / len(final_density),
         "longest_context": longest,
         "held_out_length": longest,
