@@ -41,7 +41,8 @@ import torch
 
 __all__ = [
     "PAD", "BOS", "KEY", "VAL", "QUERY", "ANS", "NUM_SPECIAL", "CorpusConfig", "RetrievalSample",
-    "make_sequence", "make_needle_probe", "make_batch", "retrieval_accuracy", "write_indexed_dataset",
+    "make_sequence", "make_needle_probe", "make_batch", "query_target_positions", "retrieval_accuracy",
+    "write_indexed_dataset",
 ]
 
 PAD, BOS, KEY, VAL, QUERY, ANS = 0, 1, 2, 3, 4, 5
@@ -181,14 +182,24 @@ def _assemble(config: CorpusConfig, rng: np.random.Generator, filler_before: np.
          np.full((len(query_order), 1), ANS)], axis=1)
     q_start = config.seq_len - queries.size
     tokens[q_start:] = queries.reshape(-1)
-    # Values follow the key in every query row.
-    targets = (q_start + np.arange(len(query_order))[:, None] * config.query_len
-               + (1 + config.key_len) + np.arange(config.value_len)).reshape(-1)
+    targets = query_target_positions(config, len(query_order))
     return RetrievalSample(
         tokens=torch.from_numpy(tokens),
         target_positions=torch.from_numpy(targets.astype(np.int64)),
         needle_depths=torch.from_numpy((needle_start[query_order] / config.seq_len).astype(np.float32)),
     )
+
+
+def query_target_positions(config: CorpusConfig, num_queries: int | None = None) -> np.ndarray:
+    """Positions (ascending, int64) of the answer value tokens when the query block of
+    ``num_queries`` (default ``config.num_queries``) queries ends the sequence, as in every
+    sequence and probe: the same for all indices, so a trainer can mask (or weight) the answer
+    tokens of stored sequences without the samples."""
+    q = config.num_queries if num_queries is None else int(num_queries)
+    q_start = config.seq_len - q * config.query_len
+    # Values follow the key in every query row.
+    return (q_start + np.arange(q)[:, None] * config.query_len
+            + (1 + config.key_len) + np.arange(config.value_len)).reshape(-1).astype(np.int64)
 
 
 def make_sequence(config: CorpusConfig, index: int) -> RetrievalSample:
@@ -263,18 +274,40 @@ def retrieval_accuracy(logits_or_predictions: torch.Tensor, tokens: torch.Tensor
     return float((wrong == 0).float().mean())
 
 
-def write_indexed_dataset(output_prefix: str, config: CorpusConfig, num_sequences: int, start_index: int = 0) -> str:
+def _sequence_tokens(config: CorpusConfig, index: int) -> torch.Tensor:
+    return make_sequence(config, index).tokens
+
+
+def write_indexed_dataset(output_prefix: str, config: CorpusConfig, num_sequences: int, start_index: int = 0,
+                          workers: int = 1) -> str:
     """Write ``make_sequence(config, start_index + i)`` for ``i < num_sequences`` as a Megatron indexed
-    dataset (``output_prefix.bin`` / ``.idx``), one document per sequence; returns ``output_prefix``."""
+    dataset (``output_prefix.bin`` / ``.idx``), one document per sequence; returns ``output_prefix``.
+    ``workers > 1`` generates the sequences in that many processes (same file: each sequence depends
+    on its index only)."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
     if num_sequences <= 0:
         raise ValueError(f"num_sequences must be positive, got {num_sequences}")
     # Same dtype choice as Megatron's preprocess_data.py: uint16 below 65500 ids, else int32.
     builder = IndexedDatasetBuilder(get_bin_path(output_prefix), dtype=DType.optimal_dtype(config.vocab_size))
-    for i in range(num_sequences):
-        builder.add_item(make_sequence(config, start_index + i).tokens)
-        builder.end_document()
+    indices = range(start_index, start_index + num_sequences)
+    pool = None
+    if workers > 1 and num_sequences >= 64 * workers:
+        import concurrent.futures
+        import multiprocessing
+
+        pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+        sequences = pool.map(functools.partial(_sequence_tokens, config), indices,
+                             chunksize=max(16, num_sequences // (8 * workers)))
+    else:
+        sequences = (_sequence_tokens(config, i) for i in indices)
+    try:
+        for tokens in sequences:
+            builder.add_item(tokens)
+            builder.end_document()
+    finally:
+        if pool is not None:
+            pool.shutdown()
     builder.finalize(get_idx_path(output_prefix))
     return output_prefix
 

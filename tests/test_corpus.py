@@ -218,3 +218,26 @@ def test_cli(tmp_path):
         [sys.executable, "-m", "megatron_mtraining.corpus", "--output-prefix", prefix, "--num-sequences", "1",
          "--seq-length", "10"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "too short" in bad.stderr
+
+
+def test_query_target_positions_match_every_sequence_and_probe():
+    from megatron_mtraining.corpus import query_target_positions
+
+    for cfg in CONFIGS:
+        expected = query_target_positions(cfg)
+        assert expected.dtype == np.int64 and len(expected) == cfg.num_queries * cfg.value_len
+        for index in range(2):
+            assert make_sequence(cfg, index).target_positions.tolist() == expected.tolist()
+        probe = make_needle_probe(cfg, 0, 0.5)
+        assert probe.target_positions.tolist() == query_target_positions(cfg, 1).tolist()
+
+
+def test_indexed_dataset_parallel_generation_is_identical(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    cfg = CorpusConfig(vocab_size=128, seq_len=65, num_needles=4, num_queries=2, key_len=1, value_len=1)
+    serial = write_indexed_dataset(str(tmp_path / "serial"), cfg, num_sequences=128, start_index=3)
+    parallel = write_indexed_dataset(str(tmp_path / "parallel"), cfg, num_sequences=128, start_index=3, workers=2)
+    a, b = IndexedDataset(serial), IndexedDataset(parallel)
+    assert len(a) == len(b) == 128
+    assert all(np.array_equal(a[i], b[i]) for i in range(128))

@@ -54,8 +54,30 @@ def test_quality_pipeline_at_toy_scale(tmp_path):
     ([], "exactly one of --run and --merge"),
     (["--run", "dense", "--phases", "4096"], "SEQ_LEN:ITERATIONS"),
     (["--run", "dense", "--phases", "4096:0"], "must be positive"),
+    (["--run", "dense", "--answer-loss-weight", "0"], "--answer-loss-weight must be positive"),
 ])
 def test_bad_command_lines_fail_with_a_message(argv, message):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "quality.py"), *argv], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_answer_mask_and_weighted_training_loss():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import torch
+
+    import quality
+    from megatron_mtraining.corpus import make_batch
+
+    args = quality.parse_args(["--run", "dense", "--vocab-size", "128"])
+    cfg = quality.corpus_config(args, 256)
+    tokens, _, target_mask = make_batch(cfg, [0, 1])
+    answers = quality.answer_label_mask(cfg, torch.device("cpu"))
+    # Column p of the per-token loss predicts tokens[:, p + 1]: the mask is target_mask shifted by one.
+    assert answers.shape == (256,) and torch.equal(answers, target_mask[0, 1:]) and torch.equal(answers, target_mask[1, 1:])
+    assert int(answers.sum()) == cfg.num_queries * cfg.value_len
+    per_token = torch.rand(2, 256)
+    assert quality.training_loss(per_token, answers, 1.0) == per_token.mean()
+    w = 1 + 9 * answers.float()
+    expected = (per_token * w).sum() / (2 * w.sum())
+    torch.testing.assert_close(quality.training_loss(per_token, answers, 10.0), expected)

@@ -55,20 +55,25 @@ def _load_query_tile(Q, q_base, rows, row_ok, offs_d, D, stride_qm, UPCAST: tl.c
 
 
 @triton.jit
+def _program_coords(n_blocks, stride_kb, stride_kh, HKV: tl.constexpr, BLOCKS_PER_PROG: tl.constexpr):
+    """(run index, batch, KV head, K offset, first and end key block) of this program."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
+    blk0 = pid_n * BLOCKS_PER_PROG
+    return pid_n, b, kvh, b * stride_kb + kvh * stride_kh, blk0, tl.minimum(blk0 + BLOCKS_PER_PROG, n_blocks)
+
+
+@triton.jit
 def _row_partials_kernel(Q, K, KPOS, MAX_OUT, SUM_OUT, n_local, n_blocks, q_pos0, scale, L, G, D,
                          stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                          stride_ob, stride_oh, stride_om,
                          HKV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCKS_PER_PROG: tl.constexpr,
                          UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HKV
-    kvh = pid_bh % HKV
+    pid_n, b, kvh, k_base, blk0, blk1 = _program_coords(n_blocks, stride_kb, stride_kh, HKV, BLOCKS_PER_PROG)
     offs_d = tl.arange(0, BLOCK_D)
-    k_base = b * stride_kb + kvh * stride_kh
-    blk0 = pid_n * BLOCKS_PER_PROG
-    blk1 = tl.minimum(blk0 + BLOCKS_PER_PROG, n_blocks)
     for g in range(G):
         h = kvh * G + g
         for m0 in range(0, L, BLOCK_M):
@@ -100,15 +105,9 @@ def _vs_masses_kernel(Q, K, KPOS, ROW_MAX, INV_NORM, VERTICAL, BLOCK_MASS,
                       HKV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCKS_PER_PROG: tl.constexpr, NQB: tl.constexpr, NQB_PAD: tl.constexpr,
                       UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HKV
-    kvh = pid_bh % HKV
+    _, b, kvh, k_base, blk0, blk1 = _program_coords(n_blocks, stride_kb, stride_kh, HKV, BLOCKS_PER_PROG)
     offs_d = tl.arange(0, BLOCK_D)
-    k_base = b * stride_kb + kvh * stride_kh
     qb_ids = tl.arange(0, NQB_PAD)
-    blk0 = pid_n * BLOCKS_PER_PROG
-    blk1 = tl.minimum(blk0 + BLOCKS_PER_PROG, n_blocks)
     for blk in range(blk0, blk1):  # key blocks outside: one column sum per block, stored once
         cols = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         for g in range(G):
