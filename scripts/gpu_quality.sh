@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# One device call (2 GPUs): the quality benchmark (issue 7). The dense and the MTraining
+# The quality benchmark (issue 7), one device call on 2 GPUs (or RUNS=dense, RUNS=mtraining: two
+# calls on one GPU). The dense and the MTraining
 # trainings run side by side, one per GPU, from the same seed and data; then the merge writes
 # quality.json and the plots to $OUT. QUALITY_FLAGS overrides the schedule / model flags.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh .venv > "$OUT/setup_quality.log" 2>&1 || { tail -20 "$OUT/setup_quality.log"; exit 1; }
+[ -x .venv/bin/python ] || bash scripts/setup_env.sh .venv > "$OUT/setup_quality.log" 2>&1 \
+  || { tail -20 "$OUT/setup_quality.log"; exit 1; }
 PY=.venv/bin/python
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
 # Defaults. Earlier runs (4 needles/1K at 4K then 32K, plain LM loss, up to 2500 iterations)
@@ -17,13 +19,21 @@ export GIT_COMMIT=${GIT_COMMIT:-unknown}
 # tokens weighted 10x in the training loss (the reported losses stay the plain LM loss), lr 2e-3,
 # then 1K, 4K and 32K. Estimate on one H200: ~3000 short iterations in ~2-3 min, 32K phase ~1 min.
 FLAGS=${QUALITY_FLAGS:---phases 256:3000,1024:1000,4096:300,32768:150 --tokens-per-iteration 16384 --needles-per-1k 24 --queries 8 --key-len 2 --value-len 2 --answer-loss-weight 10 --lr 2e-3 --warmup 100 --max-train-seconds 380}
-for run in dense mtraining; do
-  gpu=$([ $run = dense ] && echo 0 || echo 1)
+# RUNS="dense" then RUNS="mtraining" runs them one per call on a single GPU (each alone on it);
+# the merge happens where both JSONs are (here, or later with quality.py --merge).
+RUNS=${RUNS:-dense mtraining}
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+for run in $RUNS; do
+  gpu=$([ $run = dense ] || [ "$NGPU" -lt 2 ] && echo 0 || echo 1)
   CUDA_VISIBLE_DEVICES=$gpu timeout ${QUALITY_TIMEOUT:-520} \
       $PY benchmarks/quality.py --run $run --out "$OUT/quality_$run.json" $FLAGS > "$OUT/quality_$run.log" 2>&1 &
 done
 wait
-for run in dense mtraining; do tail -3 "$OUT/quality_$run.log"; done
-$PY benchmarks/quality.py --merge "$OUT/quality_dense.json" "$OUT/quality_mtraining.json" --out "$OUT/quality.json"
-cd "$OUT" && tar czf quality_logs.tgz quality_*.log setup_quality.log && rm -f quality_*.log quality_dense.json quality_mtraining.json
+for run in $RUNS; do echo "$run:"; grep -E "answer|phase" "$OUT/quality_$run.log" | tail -4; tail -3 "$OUT/quality_$run.log"; done
+cd "$OUT"
+if [ -f quality_dense.json ] && [ -f quality_mtraining.json ]; then
+  $PY "$OLDPWD/benchmarks/quality.py" --merge quality_dense.json quality_mtraining.json --out quality.json \
+    && rm -f quality_dense.json quality_mtraining.json
+fi
+tar czf quality_logs.tgz quality_*.log $(ls setup_quality.log 2>/dev/null) && rm -f quality_*.log
 ls
