@@ -178,10 +178,13 @@ def write_training_data(args, schedule, folder):
     datasets = []
     for i, (seq_len, iters) in enumerate(schedule):
         batch = max(1, args.tokens_per_iteration // seq_len)
+        start = time.time()
         prefix = write_indexed_dataset(os.path.join(folder, f"phase{i}_{seq_len}"), corpus_config(args, seq_len),
                                        iters * batch, start_index=i * 1_000_000,
                                        workers=min(16, len(os.sched_getaffinity(0))))
         datasets.append((IndexedDataset(prefix), seq_len, iters, batch))
+        print(f"[quality] {args.run}: phase {i} data, {iters * batch} sequences of {seq_len} tokens, "
+              f"written in {time.time() - start:.1f} s", flush=True)
     return datasets
 
 

@@ -274,8 +274,11 @@ def retrieval_accuracy(logits_or_predictions: torch.Tensor, tokens: torch.Tensor
     return float((wrong == 0).float().mean())
 
 
-def _sequence_tokens(config: CorpusConfig, index: int) -> torch.Tensor:
-    return make_sequence(config, index).tokens
+def _sequence_tokens(config: CorpusConfig, index: int):
+    # A numpy array, not a tensor: tensors leave a worker process through one shared-memory
+    # segment each (torch's multiprocessing pickler), which for ~10^5 short sequences stalls the
+    # writer (a GPU run made no progress in 8 minutes); numpy arrays are pickled as plain bytes.
+    return make_sequence(config, index).tokens.numpy()
 
 
 def write_indexed_dataset(output_prefix: str, config: CorpusConfig, num_sequences: int, start_index: int = 0,
@@ -303,7 +306,7 @@ def write_indexed_dataset(output_prefix: str, config: CorpusConfig, num_sequence
         sequences = (_sequence_tokens(config, i) for i in indices)
     try:
         for tokens in sequences:
-            builder.add_item(tokens)
+            builder.add_item(torch.as_tensor(tokens))
             builder.end_document()
     finally:
         if pool is not None:

@@ -1,5 +1,9 @@
 """Approximator on the GPU: long bf16 inputs, no host synchronisation, same index as fp32 on the CPU."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -44,3 +48,16 @@ def test_repeated_calls_give_the_same_index_bit_for_bit():
         again = approximate_index(q, k, cfg)
         for name in ("slash", "n_slash", "vertical", "n_vertical"):
             assert torch.equal(getattr(first, name), getattr(again, name)), name
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_distributed_index_on_gpus(gpus):
+    """tests/approx_gpu_worker.py under torchrun: 32K-128K tokens per rank, both layouts, NCCL."""
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs, found {torch.cuda.device_count()}")
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "approx_gpu_worker.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+                           worker], capture_output=True, text=True, timeout=900)
+    print(proc.stdout[-6000:])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("-> ok") == 3 * gpus
