@@ -517,6 +517,9 @@ def main(argv=None) -> int:
     from megatron_mtraining.kernels import triton_fwd
     triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(cfg.launch))
     if args.sweep:
+        if cfg.launch:
+            raise SystemExit("kernel.py: --sweep tries each setting against the other family's defaults; "
+                             "it does not combine with --launch")
         result = sweep(cfg, args.sweep, device)
         path = args.out or os.path.join(RESULTS_DIR, f"kernelsweep_{device_slug(device)}.json")
         with open(path, "w") as fh:

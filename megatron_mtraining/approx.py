@@ -89,7 +89,7 @@ def _budget_select(scores: torch.Tensor, values: torch.Tensor, positions: torch.
 
 def _torch_row_partials(q_grouped, k, key_pos, q_pos, scale, L):
     """PyTorch pass 1 (CPU): online row max and normaliser over the local keys, chunk by chunk."""
-    b, hkv, _, d = q_grouped.shape
+    b, hkv = q_grouped.shape[:2]
     hq = q_grouped.shape[2] // L * hkv
     row_max = torch.full((b, hq, L), float("-inf"), device=k.device)
     normaliser = torch.zeros(b, hq, L, dtype=torch.float64, device=k.device)
@@ -142,7 +142,7 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
     """Vertical (per local column, fp32) and slash (per global block offset, fp64) attention mass
     of the last ``last_q`` queries, identical to a single device's up to summation order.
 
-    ``backend``: "triton" (fused kernels, the default on CUDA) or "torch" (the default elsewhere).
+    ``backend``: "auto" (fused Triton kernels on CUDA, PyTorch passes elsewhere), "triton" or "torch".
     """
     world, rank = _world(group)
     backend = resolve_backend(backend, q.device)
@@ -161,6 +161,7 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
     _all_reduce(q_last, dist.ReduceOp.SUM, group, world)
     q_grouped = q_last.reshape(b, hkv, (hq // hkv) * L, d)
     q_pos0 = seq_len - L
+    q_pos = torch.arange(q_pos0, seq_len, device=q.device)  # global positions of the last queries
     # The last queries span a few query blocks (host-known); rows of one share their offsets.
     first_qb = q_pos0 // B
     q_block_rows = [(max(qb * B, q_pos0) - q_pos0, min((qb + 1) * B, seq_len) - q_pos0)
@@ -169,14 +170,14 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
     # Pass 1: row max and normaliser over the local keys, then combined across ranks.
     if backend == "triton":
         from .kernels.triton_approx import row_partials
-        q_grouped = q_grouped.to(k.dtype).contiguous()  # exact: q_last holds k.dtype values
+        # Exact when q and k share a dtype (q_last holds q's values); the attention requires it.
+        q_grouped = q_grouped.to(k.dtype).contiguous()
         k = k if k.stride(-1) == 1 else k.contiguous()
         part_max, part_sum = row_partials(q_grouped, k, key_pos, q_pos0, scale, L, B)
         row_max = part_max.amax(-1)
         rescale = torch.exp(part_max - _finite(row_max)[..., None]).double()
         normaliser = (part_sum.double() * rescale).sum(-1)
     else:
-        q_pos = torch.arange(q_pos0, seq_len, device=q.device)
         row_max, normaliser = _torch_row_partials(q_grouped, k, key_pos, q_pos, scale, L)
     local_max = row_max.clone()
     _all_reduce(row_max, dist.ReduceOp.MAX, group, world)
@@ -188,6 +189,7 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
         from .kernels.triton_approx import vs_masses
         vertical, block_mass = vs_masses(q_grouped, k, key_pos, q_pos0, scale, L, B, row_max,
                                          normaliser.reciprocal().float())
+        assert block_mass.shape[2] == len(q_block_rows)  # the kernel derives the query blocks itself
     else:
         vertical, block_mass = _torch_vs_masses(q_grouped, k, key_pos, q_pos, scale, L, B, row_max, normaliser,
                                                 q_block_rows)

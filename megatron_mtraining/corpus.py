@@ -148,9 +148,16 @@ def _filler(config: CorpusConfig, rng: np.random.Generator, n: int) -> np.ndarra
 
 
 def _distinct_keys(config: CorpusConfig, rng: np.random.Generator, n: int) -> np.ndarray:
-    """``n`` pairwise distinct keys [n, key_len] of symbol tokens (redraw on the rare collision)."""
+    """``n`` pairwise distinct keys [n, key_len] of symbol tokens."""
+    space = config.num_symbols ** config.key_len
+    if space < 64 * n * n:
+        # Collisions would be common (up to every key in use: redrawing would never end), so draw
+        # distinct key codes without replacement and write them in base num_symbols.
+        codes = rng.choice(space, n, replace=False)
+        powers = config.num_symbols ** np.arange(config.key_len - 1, -1, -1)
+        return config.symbol_start + (codes[:, None] // powers) % config.num_symbols
     keys = rng.integers(config.symbol_start, config.vocab_size, (n, config.key_len))
-    while len(np.unique(keys, axis=0)) < n:
+    while len(np.unique(keys, axis=0)) < n:  # rare (birthday bound < 1/128): redraw
         keys = rng.integers(config.symbol_start, config.vocab_size, (n, config.key_len))
     return keys
 

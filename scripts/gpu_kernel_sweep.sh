@@ -8,10 +8,11 @@ export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-unknown}
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh .venv > "$OUT/setup.log" 2>&1; tail -1 "$OUT/setup.log"
 PY=.venv/bin/python
+SLUG=$($PY -c "import sys, torch; sys.path.insert(0, 'benchmarks'); from common import device_slug; print(device_slug(torch.device('cuda')))")
 timeout ${SWEEP_TIMEOUT:-240} $PY benchmarks/kernel.py --seq-lens ${SWEEP_LENS:-131072} --sweep ${SWEEP:-4x2,4x3,8x2,8x3} \
-    --reps 5 --out "$OUT/kernelsweep_nvidia-h200.json" > "$OUT/sweep.log" 2>&1
+    --reps 5 --out "$OUT/kernelsweep_$SLUG.json" > "$OUT/sweep.log" 2>&1
 echo "sweep rc=$?"; grep -E "^(fwd|bwd) " "$OUT/sweep.log"
-LAUNCH=$($PY - "$OUT/kernelsweep_nvidia-h200.json" <<'PYEOF'
+LAUNCH=$($PY - "$OUT/kernelsweep_$SLUG.json" <<'PYEOF'
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
 best = {}
@@ -23,6 +24,6 @@ print(",".join(f"{f}:{s}" for f, s in best.items()))
 PYEOF
 )
 echo "fastest launch settings: ${LAUNCH:-none}"
-timeout ${KERNEL_TIMEOUT:-300} $PY benchmarks/kernel.py --launch "$LAUNCH" --out "$OUT/kernel_nvidia-h200.json" \
+timeout ${KERNEL_TIMEOUT:-300} $PY benchmarks/kernel.py --launch "$LAUNCH" --out "$OUT/kernel_$SLUG.json" \
     > "$OUT/kernel.log" 2>&1
 echo "kernel rc=$?"; tail -8 "$OUT/kernel.log"

@@ -72,6 +72,7 @@ def test_distributed_index_equals_single_device(world, layout, backend):
     (320, 40, 16, 4, 1, 24, 1),    # 20 key blocks: the last program holds a partial run; d not a power of 2
     (512, 96, 32, 6, 2, 32, 1),    # the last queries span several query blocks
     (1024, 200, 64, 2, 1, 16, 1),  # last_q over one row tile (128): two row tiles per head
+    (1024, 200, 16, 2, 1, 16, 1),  # some rows see none of a program's run of 8 key blocks
 ])
 def test_triton_statistics_equal_the_pytorch_ones(n, last_q, block, hq, hkv, d, batch):
     """The fused kernels compute what the chunked PyTorch passes compute (fp32 vs fp64 sums)."""

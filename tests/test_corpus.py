@@ -232,12 +232,37 @@ def test_query_target_positions_match_every_sequence_and_probe():
         assert probe.target_positions.tolist() == query_target_positions(cfg, 1).tolist()
 
 
-def test_indexed_dataset_parallel_generation_is_identical(tmp_path):
+def test_indexed_dataset_parallel_generation_is_identical(tmp_path, monkeypatch):
+    import concurrent.futures
+
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+    pools = []
+
+    class CountingPool(concurrent.futures.ProcessPoolExecutor):
+        def __init__(self, *args, **kwargs):
+            pools.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", CountingPool)
     cfg = CorpusConfig(vocab_size=128, seq_len=65, num_needles=4, num_queries=2, key_len=1, value_len=1)
     serial = write_indexed_dataset(str(tmp_path / "serial"), cfg, num_sequences=128, start_index=3)
+    assert pools == []
     parallel = write_indexed_dataset(str(tmp_path / "parallel"), cfg, num_sequences=128, start_index=3, workers=2)
+    assert len(pools) == 1  # the worker processes really wrote this one
     a, b = IndexedDataset(serial), IndexedDataset(parallel)
     assert len(a) == len(b) == 128
     assert all(np.array_equal(a[i], b[i]) for i in range(128))
+
+
+@pytest.mark.parametrize("key_len, num_needles", [(1, 32), (1, 20), (2, 200)])
+def test_keys_stay_distinct_when_the_key_space_is_nearly_used_up(key_len, num_needles):
+    """Every key in use (32 symbols, 32 one-token needles) must not make generation loop."""
+    cfg = CorpusConfig(vocab_size=128, seq_len=8 * num_needles + 64, num_needles=num_needles, num_queries=4,
+                       key_len=key_len, value_len=1)
+    for index in range(3):
+        tokens = make_sequence(cfg, index).tokens
+        starts = torch.nonzero(tokens == KEY).flatten()
+        keys = {tuple(tokens[s + 1:s + 1 + key_len].tolist()) for s in starts}
+        assert len(starts) == num_needles and len(keys) == num_needles
+        assert all(cfg.symbol_start <= t < cfg.vocab_size for key in keys for t in key)

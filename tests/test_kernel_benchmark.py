@@ -1,4 +1,8 @@
-"""benchmarks/kernel.py on the CPU: the smoke run, launch-setting overrides and the sweep mode."""
+"""benchmarks/kernel.py on the CPU: the smoke run, launch-setting overrides and the sweep mode.
+
+The smoke runs use the PyTorch kernels, so they test the script's plumbing (settings parsed,
+recorded, every candidate timed); that the settings reach the Triton launches is tested on
+``tile_config`` directly, and the GPU sweep itself is scripts/gpu_kernel_sweep.sh."""
 
 import json
 import os
@@ -35,10 +39,12 @@ def test_launch_overrides_reach_the_tile_config():
 
     from megatron_mtraining.kernels import triton_fwd
     default = triton_fwd.tile_config(64, torch.bfloat16, "bwd")
+    default_fwd = triton_fwd.tile_config(64, torch.bfloat16, "fwd")
+    assert (default["num_warps"], default["num_stages"]) != (8, 3)  # else the override below shows nothing
     try:
         triton_fwd.LAUNCH_OVERRIDES.update(kernel.parse_launch("bwd:8x3"))
         assert triton_fwd.tile_config(64, torch.bfloat16, "bwd") == {**default, "num_warps": 8, "num_stages": 3}
-        assert triton_fwd.tile_config(64, torch.bfloat16, "fwd") == triton_fwd.tile_config(64, torch.bfloat16)
+        assert triton_fwd.tile_config(64, torch.bfloat16, "fwd") == default_fwd  # the other family keeps its own
     finally:
         triton_fwd.LAUNCH_OVERRIDES.clear()
     assert triton_fwd.tile_config(64, torch.bfloat16, "bwd") == default
@@ -61,3 +67,8 @@ def test_smoke_run_records_its_launch_settings(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["config"]["launch"] == "fwd:8x3" and data["check"]["ours"]["pass"]
+
+
+def test_sweep_does_not_combine_with_launch():
+    proc = run_kernel_py("--sweep", "4x2", "--launch", "bwd:8x2")
+    assert proc.returncode != 0 and "does not combine with --launch" in proc.stderr

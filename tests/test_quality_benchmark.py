@@ -81,3 +81,31 @@ def test_answer_mask_and_weighted_training_loss():
     w = 1 + 9 * answers.float()
     expected = (per_token * w).sum() / (2 * w.sum())
     torch.testing.assert_close(quality.training_loss(per_token, answers, 10.0), expected)
+
+
+def test_default_recipe_builds_every_phase_and_eval_length():
+    """The GPU defaults (scripts/gpu_quality.sh uses the same flags): each phase's and each
+    evaluation length's corpus is valid and generates (a configuration that uses up the key space
+    once made generation loop forever on the GPU)."""
+    import time
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import quality
+
+    from megatron_mtraining.corpus import make_needle_probe, make_sequence
+
+    args = quality.parse_args(["--run", "dense"])
+    lengths = [s for s, _ in quality.phases(args.phases)] + [int(x) for x in args.eval_lengths.split(",")]
+    start = time.time()
+    for seq_len in lengths:
+        cfg = quality.corpus_config(args, seq_len)
+        assert make_sequence(cfg, 0).tokens.numel() == seq_len + 1
+        make_needle_probe(cfg, 0, 0.5)
+    assert time.time() - start < 30
+    # The script's flags are the defaults (plus its wall-clock guard).
+    import re
+    script = open(os.path.join(REPO, "scripts", "gpu_quality.sh")).read()
+    flags = re.search(r"FLAGS=\$\{QUALITY_FLAGS:-(.*)\}", script).group(1).split()
+    from_script = vars(quality.parse_args(["--run", "dense"] + flags))
+    assert {k: v for k, v in from_script.items() if k != "max_train_seconds"} == \
+        {k: v for k, v in vars(args).items() if k != "max_train_seconds"}

@@ -103,8 +103,9 @@ class IterationRecord:
             table = local[None]
         # The slowest rank sets the attention's pace: its maximum over CP ranks. The approximator's
         # clock also runs while a rank waits at its collectives for ranks still busy with earlier
-        # work (skew, not approximator cost); the rank that arrives last waits least, so the
-        # minimum over ranks is its cost. The maximum is kept beside it.
+        # work (skew, not approximator cost). The rank that tends to arrive last waits least, so
+        # the minimum over ranks is the better estimate of the cost (an estimate: the last to
+        # arrive may differ between layers); the maximum is kept beside it.
         fwd_ms, bwd_ms = (table[:, i].max().item() for i in (1, 2))
         approx_ms = table[:, 0].min().item()
         out.update(approximator_ms=approx_ms, approximator_max_ms=table[:, 0].max().item(),

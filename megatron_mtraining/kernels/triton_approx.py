@@ -11,7 +11,7 @@ the ``L x n_local`` scores:
   statistic's block masses (per key block and query block).
 
 One program per (run of key blocks, batch x KV head). The query heads of one KV head are looped
-inside the program, so each K tile is read from memory once for all of them (GQA). Every sum has
+inside the program, so their re-reads of a K tile hit the cache instead of memory (GQA). Every sum has
 a fixed order, so repeated calls give the same bits (activation recompute rebuilds the index).
 
 Cost at 128K local keys, 16/2 heads, d 128, L 64 (per pass): QK^T 2 x 1024 x 128K x 128 = 34 GFLOP
@@ -35,7 +35,8 @@ def _masked_scores(q, K, KPOS, k_base, cols, n_local, offs_d, D, qpos, row_ok, s
                    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Scaled scores of a query tile against one key block; invisible pairs are -inf."""
     col_ok = cols < n_local
-    k = tl.load(K + k_base + cols[:, None] * stride_kn + offs_d[None, :],
+    # int64 offsets: k may be a strided view of Megatron's [s, b, heads, d], over 2^31 elements.
+    k = tl.load(K + k_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
                 mask=col_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
@@ -62,7 +63,8 @@ def _program_coords(n_blocks, stride_kb, stride_kh, HKV: tl.constexpr, BLOCKS_PE
     b = pid_bh // HKV
     kvh = pid_bh % HKV
     blk0 = pid_n * BLOCKS_PER_PROG
-    return pid_n, b, kvh, b * stride_kb + kvh * stride_kh, blk0, tl.minimum(blk0 + BLOCKS_PER_PROG, n_blocks)
+    k_base = b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    return pid_n, b, kvh, k_base, blk0, tl.minimum(blk0 + BLOCKS_PER_PROG, n_blocks)
 
 
 @triton.jit
@@ -137,6 +139,9 @@ def _vs_masses_kernel(Q, K, KPOS, ROW_MAX, INV_NORM, VERTICAL, BLOCK_MASS,
 
 
 def _launch_shape(q_grouped: torch.Tensor, k: torch.Tensor, last_q: int, block_size: int):
+    if q_grouped.dtype != k.dtype or q_grouped.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("triton_approx: q_grouped and k must share a dtype and have a contiguous last dim, got "
+                         f"{q_grouped.dtype} / {k.dtype}, strides {q_grouped.stride()} / {k.stride()}")
     b, hkv, gl, d = q_grouped.shape
     n_local = k.shape[2]
     n_blocks = n_local // block_size
