@@ -34,6 +34,17 @@ def check_qkv(q, k, v, backend: str) -> None:
         raise ValueError(f"dtype {q.dtype} is not supported by backend {backend!r}; use one of {allowed}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if backend == "triton":
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if max_element_offset(x) >= 2 ** 31:
+                raise ValueError(
+                    f"{name} {tuple(x.shape)} (strides {x.stride()}) spans 2^31 or more elements, beyond the Triton "
+                    "kernels' 32-bit offsets: use a smaller micro-batch or more context-parallel ranks")
+
+
+def max_element_offset(x: torch.Tensor) -> int:
+    """Offset of the last element from the first: what the kernels' element offsets must hold."""
+    return sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()) if size > 0)
 
 
 def check_attention_inputs(q, k, v, index: VSIndex, backend: str) -> None:

@@ -188,3 +188,20 @@ def test_triton_tiles_smaller_than_the_block(monkeypatch, tile):
     index = VSIndex.random(1, 4, 192, 64, max_slash=3, max_vertical=40,
                            generator=torch.Generator().manual_seed(tile))
     check_against_oracle(q, k, v, index, "triton", 1e-5)
+
+
+def test_tensors_beyond_32_bit_offsets_are_refused_by_the_triton_backend():
+    """The kernels address elements with 32-bit offsets: a clear error, not wrong numbers."""
+    from megatron_mtraining.attention import check_qkv, max_element_offset
+
+    def qkv(tokens, batch=1):  # meta tensors: shapes and strides without memory
+        return [torch.empty(batch, heads, tokens, 128, device="meta", dtype=torch.bfloat16) for heads in (16, 2, 2)]
+
+    check_qkv(*qkv(2 ** 19), backend="triton")  # 512K tokens x 16 heads x 128: 2^30 elements
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        check_qkv(*qkv(2 ** 19, batch=3), backend="triton")
+    check_qkv(*qkv(2 ** 19, batch=2), backend="triton")  # 2^31 elements: the last offset still fits
+    check_qkv(*qkv(2 ** 19, batch=3), backend="torch")  # PyTorch indexes in 64 bits
+    # A [b, heads, s, d] view of Megatron's [s, b, heads, d] spans as much as the whole tensor.
+    view = torch.empty(2 ** 19, 2, 16, 128, device="meta").permute(1, 2, 0, 3)
+    assert max_element_offset(view) == view.numel() - 1
