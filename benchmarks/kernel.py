@@ -369,10 +369,15 @@ def add_rates(entry: Dict, cfg: Config, seq_len: int) -> None:
     entry["speedup"] = ratios
 
 
-def bench_seq_len(cfg: Config, seq_len: int, device: torch.device, dense_choice) -> Dict:
+def index_and_inputs(cfg: Config, seq_len: int, device: torch.device):
+    """The fixed index and the rotated input sets of one sequence length."""
     index = fixed_vs_index(cfg.batch, cfg.heads, seq_len, cfg.block_size, cfg.density, device, cfg.seed)
+    return index, make_inputs(cfg, seq_len, device, cfg.input_sets, cfg.seed + seq_len)
+
+
+def bench_seq_len(cfg: Config, seq_len: int, device: torch.device, dense_choice) -> Dict:
+    index, arg_sets = index_and_inputs(cfg, seq_len, device)
     entry: Dict = {"seq_len": seq_len, "index": describe_index(index, seq_len)}
-    arg_sets = make_inputs(cfg, seq_len, device, cfg.input_sets, cfg.seed + seq_len)
     entry["ours"] = bench_ours(cfg, index, seq_len, arg_sets, device)
     if device.type != "cuda":
         entry["dense"] = entry["flex"] = {"skipped": "no CUDA"}
@@ -471,15 +476,14 @@ def sweep(cfg: Config, candidates: str, device: torch.device) -> Dict:
     then each bwd candidate with the default fwd (the two families are independent kernels)."""
     from megatron_mtraining.kernels import triton_fwd
     rows = []
-    for family in ("fwd", "bwd"):
-        for setting in filter(None, candidates.split(",")):
-            triton_fwd.LAUNCH_OVERRIDES.clear()
-            triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(f"{family}:{setting}"))
-            for seq_len in cfg.seq_lens:
-                index = fixed_vs_index(cfg.batch, cfg.heads, seq_len, cfg.block_size, cfg.density, device, cfg.seed)
-                arg_sets = make_inputs(cfg, seq_len, device, cfg.input_sets, cfg.seed + seq_len)
-                ours = bench_ours(dataclasses.replace(cfg, skip=tuple(cfg.skip) + ("breakdown",)), index, seq_len,
-                                  arg_sets, device)
+    ours_only = dataclasses.replace(cfg, skip=tuple(cfg.skip) + ("breakdown",))
+    for seq_len in cfg.seq_lens:
+        index, arg_sets = index_and_inputs(cfg, seq_len, device)  # the same inputs for every setting
+        for family in ("fwd", "bwd"):
+            for setting in filter(None, candidates.split(",")):
+                triton_fwd.LAUNCH_OVERRIDES.clear()
+                triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(f"{family}:{setting}"))
+                ours = bench_ours(ours_only, index, seq_len, arg_sets, device)
                 rows.append({"family": family, "launch": setting, "seq_len": seq_len,
                              "fwd_ms": ours.get("fwd_ms"), "fwdbwd_ms": ours.get("fwdbwd_ms"),
                              "errors": ours.get("errors")})

@@ -58,8 +58,8 @@ def _all_reduce(x, op, group, world):
     return x
 
 
-def _budget_select(scores: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, mandatory: torch.Tensor,
-                   total: torch.Tensor, top_p: float, lo: int, hi: int, capacity: int):
+def _budget_select(values: torch.Tensor, positions: torch.Tensor, mandatory: torch.Tensor, total: torch.Tensor,
+                   top_p: float, lo: int, hi: int, capacity: int):
     """Top-p selection with fixed shapes.
 
     ``values`` [b, h, C] masses of candidates at ``positions`` (ascending within the last dim),
@@ -87,8 +87,9 @@ def _budget_select(scores: torch.Tensor, values: torch.Tensor, positions: torch.
     return out, count.to(torch.int32)
 
 
-def _torch_row_partials(q_grouped, k, key_pos, q_pos, scale, L):
+def _torch_row_partials(q_grouped, k, key_pos, q_pos0, scale, L):
     """PyTorch pass 1 (CPU): online row max and normaliser over the local keys, chunk by chunk."""
+    q_pos = torch.arange(q_pos0, q_pos0 + L, device=k.device)
     b, hkv = q_grouped.shape[:2]
     hq = q_grouped.shape[2] // L * hkv
     row_max = torch.full((b, hq, L), float("-inf"), device=k.device)
@@ -103,10 +104,11 @@ def _torch_row_partials(q_grouped, k, key_pos, q_pos, scale, L):
     return row_max, normaliser
 
 
-def _torch_vs_masses(q_grouped, k, key_pos, q_pos, scale, L, B, row_max, normaliser, q_block_rows):
+def _torch_vs_masses(q_grouped, k, key_pos, q_pos0, scale, L, B, row_max, normaliser, q_block_rows):
     """PyTorch pass 2 (CPU): recompute the weights chunk by chunk (rather than keep last_q x
     n_local of them per head) and fold them into the vertical statistic and the block masses."""
-    b, hkv, _, d = q_grouped.shape
+    q_pos = torch.arange(q_pos0, q_pos0 + L, device=k.device)
+    b, hkv = q_grouped.shape[:2]
     hq = q_grouped.shape[2] // L * hkv
     n_local = k.shape[2]
     vertical = torch.zeros(b, hq, n_local, dtype=torch.float64, device=k.device)
@@ -160,8 +162,7 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
     q_last[:, :, slots] = q[:, :, rows].float()
     _all_reduce(q_last, dist.ReduceOp.SUM, group, world)
     q_grouped = q_last.reshape(b, hkv, (hq // hkv) * L, d)
-    q_pos0 = seq_len - L
-    q_pos = torch.arange(q_pos0, seq_len, device=q.device)  # global positions of the last queries
+    q_pos0 = seq_len - L  # global position of the first of the last queries
     # The last queries span a few query blocks (host-known); rows of one share their offsets.
     first_qb = q_pos0 // B
     q_block_rows = [(max(qb * B, q_pos0) - q_pos0, min((qb + 1) * B, seq_len) - q_pos0)
@@ -178,7 +179,7 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
         rescale = torch.exp(part_max - _finite(row_max)[..., None]).double()
         normaliser = (part_sum.double() * rescale).sum(-1)
     else:
-        row_max, normaliser = _torch_row_partials(q_grouped, k, key_pos, q_pos, scale, L)
+        row_max, normaliser = _torch_row_partials(q_grouped, k, key_pos, q_pos0, scale, L)
     local_max = row_max.clone()
     _all_reduce(row_max, dist.ReduceOp.MAX, group, world)
     normaliser *= torch.exp(local_max - _finite(row_max)).double()
@@ -188,10 +189,9 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
     if backend == "triton":
         from .kernels.triton_approx import vs_masses
         vertical, block_mass = vs_masses(q_grouped, k, key_pos, q_pos0, scale, L, B, row_max,
-                                         normaliser.reciprocal().float())
-        assert block_mass.shape[2] == len(q_block_rows)  # the kernel derives the query blocks itself
+                                         normaliser.reciprocal().float(), len(q_block_rows))
     else:
-        vertical, block_mass = _torch_vs_masses(q_grouped, k, key_pos, q_pos, scale, L, B, row_max, normaliser,
+        vertical, block_mass = _torch_vs_masses(q_grouped, k, key_pos, q_pos0, scale, L, B, row_max, normaliser,
                                                 q_block_rows)
 
     # Slash: each query block's masses go to offsets q_block - k_block. A local block is one
@@ -230,7 +230,7 @@ def approximate_vs_index(q, k, config: MTrainingConfig, group=None, layout: str 
     # Slash: every offset is a candidate; offsets 0..local_window-1 are mandatory (0 always).
     offsets = torch.arange(nb, device=q.device).expand(b, hq, nb)
     mandatory_s = offsets < max(1, config.local_window)
-    slash_idx, n_slash = _budget_select(slash, slash, offsets, mandatory_s, total, config.top_p,
+    slash_idx, n_slash = _budget_select(slash, offsets, mandatory_s, total, config.top_p,
                                         config.min_slash, min(config.max_slash, nb), config.max_slash)
 
     # Vertical: each rank's top max_vertical columns are the only candidates that can win.
@@ -251,7 +251,7 @@ def approximate_vs_index(q, k, config: MTrainingConfig, group=None, layout: str 
         cand_values, cand_positions = torch.cat(gathered_v, -1), torch.cat(gathered_p, -1)
     by_position = torch.sort(cand_positions, dim=-1).indices  # ties then break by position
     cand_values, cand_positions = cand_values.gather(-1, by_position), cand_positions.gather(-1, by_position)
-    vert_idx, n_vert = _budget_select(cand_values, cand_values, cand_positions,
+    vert_idx, n_vert = _budget_select(cand_values, cand_positions,
                                       cand_positions < config.sink_tokens, total, config.top_p,
                                       config.min_vertical, min(cap_v, seq_len), cap_v)
     return VSIndex(slash_idx, n_slash, vert_idx, n_vert, B)

@@ -174,17 +174,17 @@ def row_partials(q_grouped: torch.Tensor, k: torch.Tensor, key_pos: torch.Tensor
 
 
 def vs_masses(q_grouped: torch.Tensor, k: torch.Tensor, key_pos: torch.Tensor, q_pos0: int, scale: float,
-              last_q: int, block_size: int, row_max: torch.Tensor, inv_norm: torch.Tensor):
+              last_q: int, block_size: int, row_max: torch.Tensor, inv_norm: torch.Tensor, num_query_blocks: int):
     """Softmax weights ``exp(s - row_max) * inv_norm`` folded two ways: the vertical statistic
     ``[b, hq, n_local]`` (sum over the ``last_q`` rows per key) and the block masses
     ``[b, hq, n_query_blocks, n_local / block_size]`` (sum per key block and query block, the
     query blocks being those the last ``last_q`` positions fall in, in order), both fp32.
-    ``row_max`` and ``inv_norm`` are fp32 ``[b, hq, last_q]`` (global over all ranks)."""
+    ``row_max`` and ``inv_norm`` are fp32 ``[b, hq, last_q]`` (global over all ranks);
+    ``num_query_blocks`` is how many query blocks the last ``last_q`` positions fall in."""
     grid, n_local, n_blocks, meta = _launch_shape(q_grouped, k, last_q, block_size)
     b, hkv, gl, d = q_grouped.shape
     g = gl // last_q
-    first_qb = q_pos0 // block_size
-    nqb = (q_pos0 + last_q - 1) // block_size - first_qb + 1
+    first_qb, nqb = q_pos0 // block_size, num_query_blocks
     row_max, inv_norm = row_max.contiguous(), inv_norm.contiguous()
     vertical = torch.empty(b, hkv * g, n_local, dtype=torch.float32, device=k.device)
     block_mass = torch.empty(b, hkv * g, nqb, n_blocks, dtype=torch.float32, device=k.device)
