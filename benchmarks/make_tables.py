@@ -295,12 +295,19 @@ def render_quality(results: List[Result]) -> str:
              ["retrieval accuracy (dense inference)", num(s["dense_retrieval_accuracy"], 3),
               num(s["mtraining_retrieval_accuracy"], 3), f"{num(s['retrieval_accuracy_gap'], 1)} points",
               "<= 2 points, dense above chance"],
+             ["retrieval accuracy (MTraining's index at inference)",
+              num(s.get("dense_retrieval_accuracy_sparse_inference"), 3),
+              num(s.get("mtraining_retrieval_accuracy_sparse_inference"), 3), "", ""],
              ["index density at the longest trained context", "1", num(s["mean_density"], 3), "", "<= 0.10"]]))
+        if any(stopped.get(run) is not None for run in ("dense", "mtraining")):
+            schedule = (f"training stopped at iterations {stopped.get('dense')} (dense) / "
+                        f"{stopped.get('mtraining')} (MTraining) by the time budget")
+        else:
+            schedule = "both runs trained the whole schedule"
         parts.append(f"Longest trained context {tokens(s['longest_context'])}, held-out loss at "
-                     f"{tokens(s.get('held_out_length', s['longest_context']))}; training stopped at iterations "
-                     f"{stopped.get('dense')} (dense) / {stopped.get('mtraining')} (MTraining) by the time "
-                     "budget. Plots: `benchmarks/results/quality_loss.png`, `quality_retrieval.png`, "
-                     "`quality_density.png`." + (f" Note: {s['note']}" if s.get("note") else ""))
+                     f"{tokens(s.get('held_out_length', s['longest_context']))}; {schedule}; retrieval chance "
+                     f"{num(s['retrieval_chance'], 3)}. Plots: `benchmarks/results/quality_loss.png`, "
+                     "`quality_retrieval.png`, `quality_density.png`." + (f" Note: {s['note']}" if s.get("note") else ""))
     return "\n\n".join(["**Training quality, MTraining vs dense** (`benchmarks/quality.py`, synthetic "
                           "retrieval corpus, same seed and data)."] + parts)
 

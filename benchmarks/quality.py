@@ -18,18 +18,20 @@ iteration). Then both are evaluated:
     python benchmarks/quality.py --run mtraining --out q_mtraining.json
     python benchmarks/quality.py --merge q_dense.json q_mtraining.json  # -> results/quality.json + plots
 
-Recipe. Retrieval is an induction-head circuit (a previous-token head, then a head matching the
-query's key against it), which small models learn only after a long plateau whose length grows
-with the context and shrinks with the share of the loss on answer tokens. Started at 4K tokens
-with one needle per 1K (~0.4% answer tokens), even the dense model stayed at chance (answer loss
-ln(#symbols)) for 2500 iterations. The defaults therefore start at 128 tokens with dense needles
-and queries (``--needles-per-1k 48``: 6 one-token-key needles and 6 queries per sequence), weight
-the answer tokens 20x in the training loss (``--answer-loss-weight``; every reported loss stays
-the plain LM loss, ``answer_loss`` in the curve is the loss on answer tokens alone) and then grow
-the context to 1K, 4K and 32K (needles capped at one per distinct key). On the CPU, a 2-layer,
-128-wide model with these settings left the plateau after ~1800 iterations at 128 tokens (held-out
-answer loss 3.92 against chance 4.85); with 2-token keys and values at 256 tokens it had not
-after 1300.
+Recipe. Earlier recipes used ``pair`` needles (``KEY k v VAL``, answered by an induction circuit:
+a previous-token head, then a head matching the query's key against it). Small models learn that
+only after a long plateau: started at 4K tokens with one needle per 1K the dense model stayed at
+chance for 2500 iterations; at 128 tokens with 48 needles per 1K and answer tokens weighted 20x it
+learned within 4000 iterations only to pick among the symbols in context (answer loss 3.3 against
+chance 4.85 on an H200), which fell back to chance at 1K tokens. The defaults therefore use
+``fact`` needles (``--needle-format fact``: one token per needle stands for its key-value pair,
+queried as ``QUERY key value ANS``): one attention head that matches the query's key against the
+facts answers it, so the test is the far-back retrieval itself. On the CPU a 2-layer, 128-wide
+model learned it at 128 tokens in ~300 iterations (answer loss 3.04 -> 0.03) and kept it at 512.
+The answer tokens still weigh 20x in the training loss (``--answer-loss-weight``; every reported
+loss is the plain LM loss, ``answer_loss`` in the curve is the loss on answer tokens alone), the
+RoPE base is Qwen2.5's 1e6 (its slowest frequencies barely turn over 32K tokens, so the key match
+learned short still holds far back), and the context grows 128 -> 1K -> 4K -> 32K.
 
 (``scripts/gpu_quality.sh`` runs the two trainings side by side on two GPUs.) GPUs train under
 bf16 autocast with fp32 weights (``--no-bf16``: fp32/TF32); on the CPU use tiny ``--phases`` /
@@ -57,7 +59,8 @@ from common import json_ready, run_metadata  # noqa: E402
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.corpus import (  # noqa: E402
-    CorpusConfig, make_needle_probe, query_target_positions, retrieval_accuracy, write_indexed_dataset,
+    KEY, NEEDLE_FORMATS, CorpusConfig, make_needle_probe, query_target_positions, retrieval_accuracy,
+    write_indexed_dataset,
 )
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -69,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--run", choices=("dense", "mtraining"))
     p.add_argument("--merge", nargs=2, metavar=("DENSE_JSON", "MTRAINING_JSON"))
     p.add_argument("--out", default=None)
-    p.add_argument("--phases", default="128:4000,1024:1000,4096:300,32768:150",
+    p.add_argument("--phases", default="128:800,1024:400,4096:400,32768:800",
                    help="training schedule, comma-separated SEQ_LEN:ITERATIONS")
     p.add_argument("--tokens-per-iteration", type=int, default=16384,
                    help="batch = max(1, this // SEQ_LEN) sequences per iteration")
@@ -77,10 +80,16 @@ def parse_args(argv=None):
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--num-attention-heads", type=int, default=8)
     p.add_argument("--num-query-groups", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--rotary-base", type=int, default=1_000_000,
+                   help="RoPE base (Qwen2.5's 1e6: its slowest frequencies barely turn over 32K tokens, so a "
+                        "key match learned on short sequences still holds far back)")
     p.add_argument("--needles-per-1k", type=float, default=48.0,
                    help="needles per 1024 tokens (at least 2, at most one per distinct key)")
     p.add_argument("--queries", type=int, default=6, help="queries per sequence (at most the needles)")
+    p.add_argument("--needle-format", choices=NEEDLE_FORMATS, default="fact",
+                   help="fact: one token per needle stands for its (key, value) pair (one attention head "
+                        "retrieves it); pair: KEY key.. value.. VAL needles (an induction circuit)")
     p.add_argument("--key-len", type=int, default=1, help="tokens per needle key")
     p.add_argument("--value-len", type=int, default=1, help="tokens per needle value (all must be right)")
     p.add_argument("--answer-loss-weight", type=float, default=20.0,
@@ -90,10 +99,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--last-q", type=int, default=128)
+    p.add_argument("--min-vertical", type=int, default=0,
+                   help="lower clamp of each head's vertical budget (MTrainingConfig.min_vertical)")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--eval-lengths", default="4096,16384,32768")
     p.add_argument("--eval-depths", default="0.05,0.25,0.45,0.65,0.85")
-    p.add_argument("--eval-probes", type=int, default=4, help="probes per (length, depth) cell")
+    p.add_argument("--eval-probes", type=int, default=16, help="probes per (length, depth) cell")
     p.add_argument("--held-out", type=int, default=4, help="held-out sequences at the longest length")
     p.add_argument("--log-interval", type=int, default=10)
     p.add_argument("--no-bf16", dest="bf16", action="store_false",
@@ -131,16 +142,17 @@ def phases(spec: str):
 def corpus_config(args, seq_len: int) -> CorpusConfig:
     """Sequences of ``seq_len + 1`` tokens: the model reads ``seq_len`` (a multiple of the block
     size) and predicts the next token at each of them."""
+    fields = dict(vocab_size=args.vocab_size, seq_len=seq_len + 1, key_len=args.key_len, value_len=args.value_len,
+                  seed=args.seed, needle_format=getattr(args, "needle_format", "pair"))  # older results: pair
     needles = max(2, int(args.needles_per_1k * seq_len / 1024))
-    needles = min(needles, (args.vocab_size // 4) ** args.key_len)  # one per distinct key (vocab // 4 symbols)
-    return CorpusConfig(vocab_size=args.vocab_size, seq_len=seq_len + 1, num_needles=needles,
-                        num_queries=min(args.queries, needles), key_len=args.key_len, value_len=args.value_len,
-                        seed=args.seed)
+    # At most one needle per distinct key (num_keys depends on neither count).
+    needles = min(needles, CorpusConfig(**fields, num_needles=1, num_queries=1).num_keys)
+    return CorpusConfig(**fields, num_needles=needles, num_queries=min(args.queries, needles))
 
 
 def mtraining_config(args, run: str) -> MTrainingConfig:
     return MTrainingConfig(index="dense" if run == "dense" else "vs", top_p=args.top_p, last_q=args.last_q,
-                           block_size=args.block_size)
+                           block_size=args.block_size, min_vertical=args.min_vertical)
 
 
 # ---------------------------------------------------------------------------- set-up
@@ -173,7 +185,8 @@ def build_model(args, run: str, max_len: int, device):
         model_parallel_cuda_manual_seed(args.seed)
     return build_small_gpt(mtraining_config(args, run), num_layers=args.num_layers, hidden_size=args.hidden_size,
                            num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-                           vocab_size=args.vocab_size, seq_length=max_len).to(device)
+                           vocab_size=args.vocab_size, seq_length=max_len,
+                           rotary_base=args.rotary_base).to(device)
 
 
 def write_training_data(args, schedule, folder):
@@ -198,17 +211,28 @@ def core_attentions(model):
 
 
 @contextlib.contextmanager
-def dense_inference(model):
-    """Evaluate with the dense index (exact attention) whatever index the model trained with."""
+def index_override(model, index: str):
+    """Evaluate with another index kind ("dense": exact attention; "vs": MTraining's) whatever
+    index the model trained with; the other MTraining settings stay."""
     indexers = [a.indexer for a in core_attentions(model)]
     saved = [ix.mtraining_config for ix in indexers]
     for ix in indexers:
-        ix.mtraining_config = dataclasses.replace(ix.mtraining_config, index="dense")
+        ix.mtraining_config = dataclasses.replace(ix.mtraining_config, index=index)
     try:
         yield
     finally:
         for ix, cfg in zip(indexers, saved):
             ix.mtraining_config = cfg
+
+
+def dense_inference(model):
+    return index_override(model, "dense")
+
+
+def needle_column(cfg: CorpusConfig, tokens: torch.Tensor) -> int:
+    """Position of the token that holds a probe's answer: its fact token, or its first value token."""
+    start = int((tokens == KEY).nonzero()[0, 0])  # a probe has one needle, KEY opens it
+    return start + 1 + (0 if cfg.needle_format == "fact" else cfg.key_len)
 
 
 # ---------------------------------------------------------------------------- train / eval
@@ -278,7 +302,7 @@ def train(args, model, datasets, device):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             if it % args.log_interval == 0 or it == 1 or it == total:
-                # Plain LM loss and the loss on the answer tokens (chance: ln of the symbol count).
+                # Plain LM loss and the loss on the answer tokens (chance: ln of the value count).
                 value, answer_value = per_token.mean().item(), per_token[:, answers].mean().item()
                 densities = [a.last_index.density(seq_len).float().mean().item() for a in core_attentions(model)]
                 curve.append({"iteration": it, "seq_len": seq_len, "loss": value, "answer_loss": answer_value})
@@ -308,14 +332,17 @@ def held_out_loss(args, model, seq_len, device):
 
 
 @torch.no_grad()
-def retrieval_grid(args, model, device):
-    """Accuracy per (length, depth): one needle at that depth, queried at the end."""
+def retrieval_grid(args, model, device, coverage: bool = False):
+    """Accuracy per (length, depth): one needle at that depth, queried at the end. ``coverage``:
+    also the share of probes whose answer token each layer's index lets the answering query row
+    attend to (in at least one head): whether the approximator found the needle."""
     lengths = [int(x) for x in args.eval_lengths.split(",")]
     depths = [float(x) for x in args.eval_depths.split(",")]
-    grid = []
+    grid, covered = [], {}
     for seq_len in lengths:
         cfg = corpus_config(args, seq_len)
         row = []
+        hits = torch.zeros(args.num_layers)
         for depth in depths:
             correct = 0.0
             for i in range(args.eval_probes):
@@ -330,10 +357,20 @@ def retrieval_grid(args, model, device):
                     predictions = model(inputs, position_ids, None).argmax(-1)
                 predictions = torch.cat([predictions, torch.zeros_like(tokens[:, :1])], 1)
                 correct += retrieval_accuracy(predictions, tokens, target)
+                if coverage:
+                    # The first answer token is predicted at the row before it.
+                    rows = sample.target_positions[:1] - 1
+                    cols = torch.tensor([needle_column(cfg, sample.tokens)])
+                    hits += torch.tensor([bool(a.last_index.covers(rows, cols, seq_len).any())
+                                          for a in core_attentions(model)], dtype=torch.float32)
             row.append(correct / args.eval_probes)
         grid.append(row)
-    return {"lengths": lengths, "depths": depths, "accuracy": grid,
-            "mean": sum(map(sum, grid)) / (len(lengths) * len(depths))}
+        covered[seq_len] = (hits / (len(depths) * args.eval_probes)).tolist()
+    result = {"lengths": lengths, "depths": depths, "accuracy": grid,
+              "mean": sum(map(sum, grid)) / (len(lengths) * len(depths))}
+    if coverage:
+        result["needle_coverage_per_layer"] = covered
+    return result
 
 
 def run(args):
@@ -363,17 +400,20 @@ def run(args):
         with dense_inference(model):
             losses = {n: held_out_losses(args, model, n, device) for n in eval_lengths}
             result["held_out_loss_by_length"] = {n: lm for n, (lm, _) in losses.items()}
-            # Loss on the held-out sequences' answer tokens (chance: ln of the number of symbols).
+            # Loss on the held-out sequences' answer tokens (chance: ln of the value count).
             result["held_out_answer_loss_by_length"] = {n: ans for n, (_, ans) in losses.items()}
             result["retrieval_dense_inference"] = retrieval_grid(args, model, device)
-        if args.run == "mtraining":
-            result["held_out_loss_by_length_sparse_inference"] = {
-                n: held_out_loss(args, model, n, device) for n in eval_lengths}
-            result["retrieval_sparse_inference"] = retrieval_grid(args, model, device)
+        # MTraining's index at inference, for both models (the dense one never trained with it):
+        # does the approximator find the needles the model retrieves?
+        with index_override(model, "vs"):
+            if args.run == "mtraining":
+                result["held_out_loss_by_length_sparse_inference"] = {
+                    n: held_out_loss(args, model, n, device) for n in eval_lengths}
+            result["retrieval_sparse_inference"] = retrieval_grid(args, model, device, coverage=True)
         result["held_out_loss"] = result["held_out_loss_by_length"][longest]
         print(f"[quality] {args.run}: held-out loss {result['held_out_loss']:.4f} (answer tokens "
               f"{result['held_out_answer_loss_by_length'][longest]:.4f}, chance "
-              f"{math.log(corpus_config(args, longest).num_symbols):.4f}), retrieval (dense inference) "
+              f"{math.log(corpus_config(args, longest).num_values):.4f}), retrieval (dense inference) "
               f"{result['retrieval_dense_inference']['mean']:.3f}", flush=True)
     finally:
         from megatron.core import parallel_state
@@ -403,7 +443,7 @@ def merge(args):
     longest = min(dense.get("trained_length", 0), sparse.get("trained_length", 0)) or \
         max(r["seq_len"] for r in sparse["density_log"])
     final_density = [r for r in sparse["density_log"] if r["seq_len"] == longest][-1]["density_per_layer"]
-    symbols = corpus_config(argparse.Namespace(**dense["settings"]), longest).num_symbols
+    symbols = corpus_config(argparse.Namespace(**dense["settings"]), longest).num_values
     summary = {
         # Held-out loss at the longest length both runs trained at (dense inference for both).
         "final_loss_gap": (_held_out(sparse, longest) - _held_out(dense, longest)) / _held_out(dense, longest),
@@ -414,11 +454,18 @@ def merge(args):
         "dense_retrieval_accuracy": dense["retrieval_dense_inference"]["mean"],
         "mtraining_retrieval_accuracy": sparse["retrieval_dense_inference"]["mean"],
         "mtraining_retrieval_accuracy_sparse_inference": sparse["retrieval_sparse_inference"]["mean"],
+        # The dense-trained model under MTraining's index, and per layer the share of probes whose
+        # needle that index covers at the answering row (results from before session 4 lack both).
+        "dense_retrieval_accuracy_sparse_inference": dense.get("retrieval_sparse_inference", {}).get("mean"),
+        "needle_coverage_per_layer": {
+            run: r["retrieval_sparse_inference"]["needle_coverage_per_layer"]
+            for run, r in (("dense", dense), ("mtraining", sparse))
+            if "needle_coverage_per_layer" in r.get("retrieval_sparse_inference", {})},
         # Chance: guessing all value tokens of one query among the symbol tokens.
         "retrieval_chance": (1 / symbols) ** sparse["settings"].get("value_len", 4),
         "dense_held_out_loss": _held_out(dense, longest),
         "mtraining_held_out_loss": _held_out(sparse, longest),
-        # Loss on the answer tokens of held-out multi-needle sequences (chance: ln of the symbol count).
+        # Loss on the answer tokens of held-out multi-needle sequences (chance: ln of the value count).
         "dense_held_out_answer_loss": dense.get("held_out_answer_loss_by_length", {}).get(str(longest)),
         "mtraining_held_out_answer_loss": sparse.get("held_out_answer_loss_by_length", {}).get(str(longest)),
         "answer_loss_chance": math.log(symbols),
@@ -433,7 +480,7 @@ def merge(args):
     }
     result = {"benchmark": "quality", "summary": summary, "dense": dense, "mtraining": sparse}
     out = args.out or os.path.join(RESULTS_DIR, "quality.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(json_ready(result), f, indent=1)
     plots = make_plots(result, os.path.splitext(out)[0])
@@ -454,19 +501,23 @@ def make_plots(result, stem):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print("plots skipped: matplotlib is not installed")
         return []
     dense, sparse = result["dense"], result["mtraining"]
     paths = []
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for run, label in ((dense, "dense"), (sparse, "MTraining (vs, top-p %.2f)" % sparse["settings"]["top_p"])):
-        ax.plot([r["iteration"] for r in run["loss_curve"]], [r["loss"] for r in run["loss_curve"]], label=label)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("training LM loss")
-    ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("training loss, same seed and data")
+    # Left: the LM loss; right: the loss on the answer tokens alone (where retrieval shows).
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, ylabel in ((axes[0], "loss", "training LM loss"), (axes[1], "answer_loss", "answer-token loss")):
+        for run, label in ((dense, "dense"), (sparse, "MTraining (vs, top-p %.2f)" % sparse["settings"]["top_p"])):
+            points = [r for r in run["loss_curve"] if key in r]
+            ax.plot([r["iteration"] for r in points], [r[key] for r in points], label=label, linewidth=1)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(ylabel)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"training, same seed and data (phases SEQ:ITERATIONS {dense['settings']['phases']})")
     fig.tight_layout()
     paths.append(stem + "_loss.png")
     fig.savefig(paths[-1], dpi=120)

@@ -9,7 +9,7 @@ import torch
 
 from .index import VSIndex
 from .kernels.plan import single_device_plan
-from .kernels.step import resolve_backend, step_backward, step_forward
+from .kernels.step import backward_delta, resolve_backend, step_backward, step_forward
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -34,17 +34,6 @@ def check_qkv(q, k, v, backend: str) -> None:
         raise ValueError(f"dtype {q.dtype} is not supported by backend {backend!r}; use one of {allowed}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if backend == "triton":
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if max_element_offset(x) >= 2 ** 31:
-                raise ValueError(
-                    f"{name} {tuple(x.shape)} (strides {x.stride()}) spans 2^31 or more elements, beyond the Triton "
-                    "kernels' 32-bit offsets: use a smaller micro-batch or more context-parallel ranks")
-
-
-def max_element_offset(x: torch.Tensor) -> int:
-    """Offset of the last element from the first: what the kernels' element offsets must hold."""
-    return sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()) if size > 0)
 
 
 def check_attention_inputs(q, k, v, index: VSIndex, backend: str) -> None:
@@ -81,8 +70,8 @@ class _SparseAttention(torch.autograd.Function):
     def backward(ctx, d_out, _d_lse):
         q, k, v, out, lse = ctx.saved_tensors
         d_out = d_out.contiguous()
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        delta = (d_out.to(acc) * out.to(acc)).sum(-1)
+        delta = backward_delta(ctx.backend, out, d_out)
+        acc = delta.dtype
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.zeros(k.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v.shape, dtype=acc, device=q.device)

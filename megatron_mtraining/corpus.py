@@ -18,6 +18,17 @@ from the corpus seed alone, so every sequence shares it) and a text of words dra
 Zipf(1) distribution. Within a word the next token is determined; across words it is not, so a
 model learns to complete words, not to predict the next word.
 
+Two needle formats (``needle_format``):
+
+* ``"pair"``: a needle is ``KEY k.. v.. VAL`` and a query ``QUERY k.. v.. ANS``; keys and values are
+  strings of symbols. Answering is the classic induction pattern (find the earlier key, copy the
+  token after it), which small models learn only after a long plateau.
+* ``"fact"``: a needle is ``KEY f VAL`` with one *fact* token ``f`` that stands for a (key, value)
+  pair; a query is ``QUERY k v ANS`` with a key token and a value token. The symbol range is split
+  into ``n`` key tokens, ``n`` value tokens and ``n * n`` fact tokens (the largest ``n`` that fits),
+  so one attention head that matches the query's key against the facts answers it: the same
+  far-back retrieval without the induction plateau.
+
 Needles are the long-range signal: ``num_needles`` key-value pairs with distinct keys, spliced into
 the filler at uniformly random, non-overlapping positions of the body. The query block asks for
 ``num_queries`` of them (random choice and order). The value tokens after a query's key are the
@@ -33,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 from dataclasses import dataclass
 from typing import Sequence, Tuple
 
@@ -40,13 +52,14 @@ import numpy as np
 import torch
 
 __all__ = [
-    "PAD", "BOS", "KEY", "VAL", "QUERY", "ANS", "NUM_SPECIAL", "CorpusConfig", "RetrievalSample",
+    "PAD", "BOS", "KEY", "VAL", "QUERY", "ANS", "NUM_SPECIAL", "NEEDLE_FORMATS", "CorpusConfig", "RetrievalSample",
     "make_sequence", "make_needle_probe", "make_batch", "query_target_positions", "retrieval_accuracy",
     "write_indexed_dataset",
 ]
 
 PAD, BOS, KEY, VAL, QUERY, ANS = 0, 1, 2, 3, 4, 5
 NUM_SPECIAL = 6
+NEEDLE_FORMATS = ("pair", "fact")
 _MIN_WORD, _MAX_WORD = 2, 6  # word length range in tokens
 _ZIPF_EXPONENT = 1.0
 # SeedSequence streams, so that lexicon, sequences and probes never share random draws.
@@ -65,6 +78,7 @@ class CorpusConfig:
     value_len: int = 4
     lexicon_size: int = 256
     seed: int = 1234
+    needle_format: str = "pair"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "num_needles", "num_queries", "key_len", "value_len", "lexicon_size"):
@@ -75,10 +89,15 @@ class CorpusConfig:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.vocab_size < 128:
             raise ValueError(f"vocab_size must be >= 128, got {self.vocab_size}")
+        if self.needle_format not in NEEDLE_FORMATS:
+            raise ValueError(f"needle_format must be one of {NEEDLE_FORMATS}, got {self.needle_format!r}")
+        if self.needle_format == "fact" and (self.key_len, self.value_len) != (1, 1):
+            raise ValueError(f"needle_format='fact' needs key_len=1 and value_len=1, got {self.key_len}, {self.value_len}")
         if self.num_queries > self.num_needles:
             raise ValueError(f"num_queries ({self.num_queries}) must be <= num_needles ({self.num_needles})")
-        if self.num_symbols ** self.key_len < self.num_needles:
-            raise ValueError(f"key_len={self.key_len} gives fewer distinct keys than num_needles={self.num_needles}")
+        if self.num_keys < self.num_needles:
+            raise ValueError(f"{self.num_keys} distinct keys (needle_format={self.needle_format!r}, "
+                             f"key_len={self.key_len}) are fewer than num_needles={self.num_needles}")
         needed = 1 + self.num_needles * self.needle_len + self.num_queries * self.query_len
         if self.seq_len < needed:
             raise ValueError(
@@ -96,9 +115,24 @@ class CorpusConfig:
         return self.vocab_size - self.symbol_start
 
     @property
+    def fact_alphabet(self) -> int:
+        """``n`` of the fact format: the largest with ``n`` keys + ``n`` values + ``n * n`` facts <= symbols."""
+        return math.isqrt(self.num_symbols + 1) - 1
+
+    @property
+    def num_keys(self) -> int:
+        """Distinct keys a sequence can hold."""
+        return self.fact_alphabet if self.needle_format == "fact" else self.num_symbols ** self.key_len
+
+    @property
+    def num_values(self) -> int:
+        """Choices for each answer token (chance accuracy is ``num_values ** -value_len``)."""
+        return self.fact_alphabet if self.needle_format == "fact" else self.num_symbols
+
+    @property
     def needle_len(self) -> int:
-        """Tokens of one ``KEY k.. v.. VAL`` needle."""
-        return 2 + self.key_len + self.value_len
+        """Tokens of one needle: ``KEY k.. v.. VAL`` (pair) or ``KEY f VAL`` (fact)."""
+        return 3 if self.needle_format == "fact" else 2 + self.key_len + self.value_len
 
     @property
     def query_len(self) -> int:
@@ -170,8 +204,17 @@ def _assemble(config: CorpusConfig, rng: np.random.Generator, filler_before: np.
     starts at ``1 + filler_before[i] + i * needle_len`` (after BOS and the earlier needles).
     """
     n, L = len(filler_before), config.needle_len
-    keys = _distinct_keys(config, rng, n)
-    values = rng.integers(config.symbol_start, config.vocab_size, (n, config.value_len))
+    if config.needle_format == "fact":
+        # Symbol range: n keys, then n values, then the n * n facts (key-major).
+        a = config.fact_alphabet
+        key_ids, value_ids = rng.choice(a, n, replace=False), rng.integers(0, a, n)
+        keys = (config.symbol_start + key_ids)[:, None]
+        values = (config.symbol_start + a + value_ids)[:, None]
+        records = (config.symbol_start + 2 * a + key_ids * a + value_ids)[:, None]
+    else:
+        keys = _distinct_keys(config, rng, n)
+        values = rng.integers(config.symbol_start, config.vocab_size, (n, config.value_len))
+        records = np.concatenate([keys, values], axis=1)
     tokens = np.empty(config.seq_len, dtype=np.int64)
     tokens[0] = BOS
     # Filler token j lands after BOS, after j earlier filler tokens and after every needle whose
@@ -179,10 +222,9 @@ def _assemble(config: CorpusConfig, rng: np.random.Generator, filler_before: np.
     j = np.arange(num_filler)
     tokens[1 + j + L * np.searchsorted(filler_before, j, side="right")] = filler
     needle_start = 1 + filler_before + L * np.arange(n)
-    # The value follows its key directly (in needles and queries), so the answer's first token is
-    # predicted at the key's last token: the classic induction pattern ("after this token came
-    # that one"); KEY/VAL and QUERY/ANS open and close each record.
-    needles = np.concatenate([np.full((n, 1), KEY), keys, values, np.full((n, 1), VAL)], axis=1)
+    # The value follows its key directly in queries (and in pair needles), so the answer's first
+    # token is predicted at the key's last token; KEY/VAL and QUERY/ANS open and close each record.
+    needles = np.concatenate([np.full((n, 1), KEY), records, np.full((n, 1), VAL)], axis=1)
     tokens[needle_start[:, None] + np.arange(L)] = needles
     queries = np.concatenate(
         [np.full((len(query_order), 1), QUERY), keys[query_order], values[query_order],
@@ -330,12 +372,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--vocab-size", type=int, default=CorpusConfig.vocab_size)
     parser.add_argument("--num-needles", type=int, default=CorpusConfig.num_needles)
     parser.add_argument("--num-queries", type=int, default=CorpusConfig.num_queries)
+    parser.add_argument("--needle-format", choices=NEEDLE_FORMATS, default=CorpusConfig.needle_format)
     parser.add_argument("--seed", type=int, default=CorpusConfig.seed)
     parser.add_argument("--start-index", type=int, default=0)
     args = parser.parse_args(argv)
     try:
         config = CorpusConfig(vocab_size=args.vocab_size, seq_len=args.seq_length, num_needles=args.num_needles,
-                              num_queries=args.num_queries, seed=args.seed)
+                              num_queries=args.num_queries, seed=args.seed, needle_format=args.needle_format)
     except ValueError as e:
         parser.error(str(e))
     prefix = write_indexed_dataset(args.output_prefix, config, args.num_sequences, args.start_index)

@@ -59,7 +59,7 @@ def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int) -> t
 
 def build_small_gpt(cfg: MTrainingConfig, *, num_layers: int, hidden_size: int, num_attention_heads: int,
                     num_query_groups: int, vocab_size: int, seq_length: int, context_parallel_size: int = 1,
-                    dense_layers: int = 0):
+                    dense_layers: int = 0, rotary_base: int = 10000):
     """A megatron-core GPTModel (local spec, RoPE, GQA, fp32 parameters on the CPU)
     whose core attention is MTrainingAttention with ``cfg`` (``cfg.index == "dense"``: exact
     causal attention through the same code path). Shared by the demo and the quality benchmark."""
@@ -75,7 +75,8 @@ def build_small_gpt(cfg: MTrainingConfig, *, num_layers: int, hidden_size: int, 
         masked_softmax_fusion=False, apply_rope_fusion=False, attention_dropout=0.0,
         hidden_dropout=0.0)  # fp32: no optimizer wrapper needed
     return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_spec(cfg, dense_layers=dense_layers),
-                    vocab_size=vocab_size, max_sequence_length=seq_length, position_embedding_type="rope")
+                    vocab_size=vocab_size, max_sequence_length=seq_length, position_embedding_type="rope",
+                    rotary_base=rotary_base)
 
 
 def main(argv=None) -> int:

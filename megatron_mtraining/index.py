@@ -133,6 +133,15 @@ class VSIndex:
         mask.scatter_(2, target, True)
         return mask[..., :seq_len]
 
+    def covers(self, rows: torch.Tensor, cols: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """bool [b, hq, P]: whether each (query ``rows[p]``, key ``cols[p]``) pair is attended (a
+        selected column, or a selected block offset ``rows//B - cols//B``; causal pairs only)."""
+        B = self.block_size
+        rows, cols = rows.long().to(self.device), cols.long().to(self.device)
+        offset = (rows // B - cols // B).clamp(min=0)
+        by_slash = self.slash_bitmap(seq_len // B).bool()[..., offset]
+        return (by_slash | self.column_mask(seq_len)[..., cols]) & (cols <= rows)
+
     def density(self, seq_len: int) -> torch.Tensor:
         """Active (query, key) pairs over causal pairs, per (batch, head), fp32 (O(seq_len) memory)."""
         B = self.block_size

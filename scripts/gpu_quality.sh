@@ -9,13 +9,13 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup_env.sh .venv > "$OUT/setup_quality.log" 2>&1 \
   || { tail -20 "$OUT/setup_quality.log"; exit 1; }
-PY=.venv/bin/python
+PY=$PWD/.venv/bin/python
 export GIT_COMMIT=${GIT_COMMIT:-unknown}
-# Defaults (the quality.py docstring says why): a 128 -> 1K -> 4K -> 32K curriculum with dense
-# one-token-key needles, answer tokens weighted 20x in the training loss. Earlier recipes (4K
-# contexts, few needles, plain loss; then 2-token keys at 256 tokens) never left the
-# induction-head plateau. Estimate on one H200: 4000 short iterations ~1-2 min, the rest ~2 min.
-FLAGS=${QUALITY_FLAGS:---phases 128:4000,1024:1000,4096:300,32768:150 --tokens-per-iteration 16384 --needles-per-1k 48 --queries 6 --key-len 1 --value-len 1 --answer-loss-weight 20 --lr 3e-3 --warmup 50 --max-train-seconds 380}
+# Defaults (the quality.py docstring says why): fact needles (one token per key-value pair, so
+# one attention head retrieves it, no induction plateau), vocabulary 2048 (21 keys x 21 values),
+# RoPE base 1e6, a 128 -> 1K -> 4K -> 32K curriculum, answer tokens weighted 20x in the training
+# loss. Estimate on one H200 (bf16): ~1 min up to 4K, ~0.15 s per 32K iteration.
+FLAGS=${QUALITY_FLAGS:---phases 128:800,1024:400,4096:400,32768:800 --tokens-per-iteration 16384 --needles-per-1k 48 --queries 6 --needle-format fact --vocab-size 2048 --rotary-base 1000000 --answer-loss-weight 20 --lr 3e-3 --warmup 50 --eval-probes 16 --max-train-seconds 360}
 # RUNS="dense" then RUNS="mtraining" runs them one per call on a single GPU (each alone on it);
 # the merge happens where both JSONs are (here, or later with quality.py --merge).
 RUNS=${RUNS:-dense mtraining}

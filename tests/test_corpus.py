@@ -19,7 +19,17 @@ CONFIGS = [
     CorpusConfig(),
     CorpusConfig(vocab_size=128, seq_len=300, num_needles=6, num_queries=6, key_len=2, value_len=3, seed=7),
     CorpusConfig(vocab_size=1000, seq_len=1 + 3 * 10 + 2 * 10, num_needles=3, num_queries=2),  # no filler at all
+    CorpusConfig(vocab_size=2048, seq_len=400, num_needles=21, num_queries=5, key_len=1, value_len=1,
+                 needle_format="fact"),  # every key in use
 ]
+
+
+def decode_fact(token, cfg):
+    """A fact token -> its (key token, value token): facts follow the n keys and n values, key-major."""
+    a = cfg.fact_alphabet
+    f = token - cfg.symbol_start - 2 * a
+    assert 0 <= f < a * a, f"{token} is not a fact token"
+    return cfg.symbol_start + f // a, cfg.symbol_start + a + f % a
 
 
 def parse(tokens, cfg):
@@ -28,7 +38,12 @@ def parse(tokens, cfg):
     K, V = cfg.key_len, cfg.value_len
     needles, queries = {}, []
     for i, tok in enumerate(t):
-        if tok in (KEY, QUERY):
+        if tok == KEY and cfg.needle_format == "fact":
+            assert t[i + 2] == VAL
+            key, value = decode_fact(t[i + 1], cfg)
+            assert (key,) not in needles, "duplicate key"
+            needles[(key,)] = (i, (value,))
+        elif tok in (KEY, QUERY):
             key, value = tuple(t[i + 1:i + 1 + K]), tuple(t[i + 1 + K:i + 1 + K + V])
             assert t[i + 1 + K + V] == (VAL if tok == KEY else ANS)
             if tok == KEY:
@@ -39,7 +54,7 @@ def parse(tokens, cfg):
     return needles, queries
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "small", "no-filler"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "small", "no-filler", "fact"])
 def test_layout_and_answers(cfg):
     for index in range(3):
         s = make_sequence(cfg, index)
@@ -74,6 +89,10 @@ def test_layout_and_answers(cfg):
         # Keys and values are symbols.
         kv = [tok for _, (_, v) in needles.items() for tok in v] + [tok for k in needles for tok in k]
         assert min(kv) >= cfg.symbol_start and max(kv) < cfg.vocab_size
+        if cfg.needle_format == "fact":  # queries use key tokens and value tokens, never facts
+            a = cfg.fact_alphabet
+            assert all(cfg.symbol_start <= k[0] < cfg.symbol_start + a for _, k, _ in queries)
+            assert all(cfg.symbol_start + a <= v[0] < cfg.symbol_start + 2 * a for _, _, v in queries)
 
 
 def test_determinism_and_independence_from_global_rng():
@@ -147,6 +166,10 @@ def test_needle_probe_depth():
     (dict(num_queries=0), "num_queries must be a positive integer"),
     (dict(seed=-3), "seed must be a non-negative integer"),
     (dict(vocab_size=128, key_len=1, num_needles=40, num_queries=1, seq_len=4096), "distinct keys"),
+    (dict(needle_format="facts"), "needle_format must be one of"),
+    (dict(needle_format="fact"), "needs key_len=1 and value_len=1"),
+    (dict(needle_format="fact", key_len=1, value_len=1, vocab_size=512, num_needles=11, num_queries=1,
+          seq_len=4096), "10 distinct keys"),
 ])
 def test_config_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -266,3 +289,22 @@ def test_keys_stay_distinct_when_the_key_space_is_nearly_used_up(key_len, num_ne
         keys = {tuple(tokens[s + 1:s + 1 + key_len].tolist()) for s in starts}
         assert len(starts) == num_needles and len(keys) == num_needles
         assert all(cfg.symbol_start <= t < cfg.vocab_size for key in keys for t in key)
+
+
+@pytest.mark.parametrize("vocab_size, alphabet", [(128, 4), (512, 10), (2048, 21), (4096, 31)])
+def test_fact_alphabet_is_the_largest_that_fits(vocab_size, alphabet):
+    cfg = CorpusConfig(vocab_size=vocab_size, key_len=1, value_len=1, needle_format="fact")
+    n = cfg.fact_alphabet
+    assert n == alphabet and 2 * n + n * n <= cfg.num_symbols < 2 * (n + 1) + (n + 1) ** 2
+    assert cfg.num_keys == cfg.num_values == n and cfg.needle_len == 3 and cfg.query_len == 4
+
+
+def test_fact_probe_answers_its_needle():
+    cfg = CorpusConfig(vocab_size=2048, seq_len=1024, num_needles=4, num_queries=2, key_len=1, value_len=1,
+                       needle_format="fact")
+    for depth in (0.0, 0.5, 0.99):
+        s = make_needle_probe(cfg, 3, depth)
+        needles, queries = parse(s.tokens, cfg)
+        (start, value), = needles.values()
+        assert queries[0][2] == value and s.tokens[s.target_positions[0]] == value[0]
+        assert abs(start / cfg.seq_len - depth) < 0.01

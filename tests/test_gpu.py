@@ -60,3 +60,69 @@ def test_no_host_synchronisation():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+def _views(shapes, dtype, layout, big):
+    """Tensors of the given [b, h, n(, d)] shapes as views of one buffer, with element offsets past
+    2^31: "token" gives them the token stride ``big`` (Megatron's [s, b, heads, d] with long rows),
+    each in its own columns; "head" the (batch, head) stride ``big``, each at its own offset in a slot."""
+    specs, used = [], 0
+    for shape in shapes:
+        b, h, n = shape[:3]
+        d = shape[3] if len(shape) == 4 else 1
+        assert layout == "head" or len(shape) == 4, "the lse's tokens are contiguous"
+        strides = (h * d, d, big, 1) if layout == "token" else (h * big, big, d, 1)
+        specs.append((shape, strides[:len(shape)], used))
+        used += b * h * d if layout == "token" else n * d
+    assert used <= big
+    size = max(off + sum((s - 1) * st for s, st in zip(shape, strides)) + 1 for shape, strides, off in specs)
+    buf = torch.empty(size, dtype=dtype, device="cuda")
+    return [buf.as_strided(shape, strides, off) for shape, strides, off in specs]
+
+
+@pytest.mark.parametrize("layout, n, big", [
+    ("token", 256, 12_582_912),  # token offsets past 2^31
+    ("token", 128, 34_603_008),  # and one 64-token tile spanning 2^31
+    ("head", 128, 716_000_000),  # (batch, head) offsets past 2^31, for k/v as a sum of two
+])
+def test_element_offsets_beyond_2_31(layout, n, big):
+    """A forward step (written, then merged into) and a backward step with every tensor a view
+    whose element offsets pass 2^31 give the same bits as on compact copies (up to 30 GB)."""
+    from megatron_mtraining.kernels import single_device_plan, step_backward, step_forward
+    from megatron_mtraining.kernels.triton_fwd import int64_offsets
+
+    b, hq, hkv, d, B = 2, 4, 2, 64, 64
+    scale = d ** -0.5
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    in_shapes = [(b, hq, n, d), (b, hkv, n, d), (b, hkv, n, d), (b, hq, n, d)]  # q, k, v, do
+    out_shapes = [(b, hq, n, d), (b, hq, n, d), (b, hkv, n, d), (b, hkv, n, d), (b, hq, n), (b, hq, n)]
+    compact_in = [torch.randn(s, device="cuda", generator=gen).bfloat16() for s in in_shapes]
+    big_in = _views(in_shapes, torch.bfloat16, layout, big)
+    for x, c in zip(big_in, compact_in):
+        x.copy_(c)
+    big_out = _views(out_shapes[:4 if layout == "token" else 6], torch.float32, layout, big)
+    big_out += [torch.empty(s, device="cuda") for s in out_shapes[len(big_out):]]  # out, dq, dk, dv, lse, delta
+    assert int64_offsets(*big_in, *big_out)  # some offset passes 2^31: the kernels go int64
+
+    for max_vertical in (0, 24):
+        index = VSIndex.random(b, hq, n, B, max_slash=3, max_vertical=max_vertical,
+                               generator=torch.Generator().manual_seed(max_vertical), device="cuda")
+        plan = single_device_plan(index, n)
+        results = []
+        for (q, k, v, do), (out, dq, dk, dv, lse, delta) in (
+                (compact_in, [torch.empty(s, device="cuda") for s in out_shapes]), (big_in, big_out)):
+            if max_vertical:  # the column gradients are scattered into contiguous dk, dv
+                assert plan.cols.shape[-1] > 0
+                dk, dv = (torch.empty(x.shape, device="cuda") for x in (dk, dv))
+            step_forward("triton", q, k, v, plan, out, lse, scale, accumulate=False)
+            step_forward("triton", q, k, v, plan, out, lse, scale, accumulate=True)
+            delta.copy_((do.float() * out).sum(-1))
+            for grad in (dq, dk, dv):
+                grad.zero_()
+            step_backward("triton", q, k, v, do, lse, delta, plan, dq, dk, dv, scale)
+            results.append([x.clone() for x in (out, lse, dq, dk, dv)])
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), results[1], results[0]):
+            assert want.abs().sum() > 0 and torch.isfinite(want).all(), name
+            assert torch.equal(got, want), name
+    del big_in, big_out
+    torch.cuda.empty_cache()

@@ -79,3 +79,15 @@ def test_density_matches_mask_count():
 def test_dense_index_density_is_one():
     idx = VSIndex.dense(1, 2, 128, 32)
     torch.testing.assert_close(idx.density(128), torch.ones(1, 2))
+
+
+def test_covers_matches_the_dense_mask():
+    """covers() against the oracle's dense mask on every (row, col) pair, random indices with
+    padding junk (random() fills it on purpose), including non-causal pairs (never covered)."""
+    g = torch.Generator().manual_seed(3)
+    n = 96
+    rows, cols = (x.reshape(-1) for x in torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij"))
+    for _ in range(4):
+        idx = VSIndex.random(2, 3, n, 16, max_slash=4, max_vertical=12, generator=g)
+        mask = dense_mask(idx, n)  # [b, h, n, n] bool, causal
+        assert torch.equal(idx.covers(rows, cols, n), mask[..., rows, cols])

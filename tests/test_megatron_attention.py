@@ -207,6 +207,23 @@ def test_forward_single_device_matches_reference():
     assert rel_err(out, ref.permute(2, 0, 1, 3).reshape(128, 1, 64)) < 1e-5
 
 
+@pytest.mark.parametrize("index", ["dense", "vs"])
+def test_forward_under_autocast_runs_in_the_autocast_dtype(index):
+    """fp32 q/k/v inside an autocast region (what megatron-core's layers hand over) are attended in
+    the autocast dtype, like torch's fused attention: the same numbers as bf16 inputs outside it,
+    and gradients flow back to the fp32 inputs."""
+    set_mtraining_config(MTrainingConfig(index=index, last_q=64))
+    attn = make_attention()
+    q, k, v = (x.requires_grad_() for x in qkv())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = attn(q, k, v, None)
+    assert out.dtype == torch.bfloat16
+    expected = attn(*(x.detach().bfloat16() for x in (q, k, v)), None)
+    assert torch.equal(out, expected)
+    out.float().sum().backward()
+    assert all(x.grad is not None and x.grad.dtype == torch.float32 and x.grad.abs().sum() > 0 for x in (q, k, v))
+
+
 def test_forward_rejects_packed_sequences():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="packed"):

@@ -46,6 +46,11 @@ def test_quality_pipeline_at_toy_scale(tmp_path):
     assert all(x == 1.0 for r in d["density_log"] for x in r["density_per_layer"])  # dense index
     grid = m["retrieval_sparse_inference"]
     assert grid["lengths"] == [512] and grid["depths"] == [0.1, 0.9] and len(grid["accuracy"][0]) == 2
+    # Both models are also read under MTraining's index, with the needle coverage of each layer.
+    assert isinstance(s["dense_retrieval_accuracy_sparse_inference"], float)
+    for run_name in ("dense", "mtraining"):
+        per_layer = s["needle_coverage_per_layer"][run_name]["512"]
+        assert len(per_layer) == 1 and all(0.0 <= x <= 1.0 for x in per_layer)
     with pytest.raises(AssertionError):
         run("--merge", sparse, dense, "--out", merged)  # order is checked
 

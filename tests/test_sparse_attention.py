@@ -190,18 +190,53 @@ def test_triton_tiles_smaller_than_the_block(monkeypatch, tile):
     check_against_oracle(q, k, v, index, "triton", 1e-5)
 
 
-def test_tensors_beyond_32_bit_offsets_are_refused_by_the_triton_backend():
-    """The kernels address elements with 32-bit offsets: a clear error, not wrong numbers."""
-    from megatron_mtraining.attention import check_qkv, max_element_offset
+def test_triton_backend_takes_tensors_beyond_32_bit_offsets():
+    """The kernels' offsets are int64 wherever they can pass 2^31: nothing is refused for its size
+    (tests/test_gpu.py runs the kernels on such tensors)."""
+    from megatron_mtraining.attention import check_qkv
+    from megatron_mtraining.kernels import triton_fwd
 
-    def qkv(tokens, batch=1):  # meta tensors: shapes and strides without memory
-        return [torch.empty(batch, heads, tokens, 128, device="meta", dtype=torch.bfloat16) for heads in (16, 2, 2)]
+    def meta(shape, dims=(0, 1, 2, 3)):  # shapes and strides without memory
+        return torch.empty(shape, device="meta", dtype=torch.bfloat16).permute(*dims)
 
-    check_qkv(*qkv(2 ** 19), backend="triton")  # 512K tokens x 16 heads x 128: 2^30 elements
-    with pytest.raises(ValueError, match="32-bit offsets"):
-        check_qkv(*qkv(2 ** 19, batch=3), backend="triton")
-    check_qkv(*qkv(2 ** 19, batch=2), backend="triton")  # 2^31 elements: the last offset still fits
-    check_qkv(*qkv(2 ** 19, batch=3), backend="torch")  # PyTorch indexes in 64 bits
-    # A [b, heads, s, d] view of Megatron's [s, b, heads, d] spans as much as the whole tensor.
-    view = torch.empty(2 ** 19, 2, 16, 128, device="meta").permute(1, 2, 0, 3)
-    assert max_element_offset(view) == view.numel() - 1
+    check_qkv(*(meta((3, h, 2 ** 19, 128)) for h in (16, 2, 2)), backend="triton")  # q: 3 * 2^30 elements
+    # [b, heads, s, d] views of Megatron's [s, b, heads, d]: q's token stride is b * heads * d.
+    megatron = [meta((2 ** 19, 4, h, 128), (1, 2, 0, 3)) for h in (16, 2, 2)]
+    check_qkv(*megatron, backend="triton")
+    # The kernels switch to int64 offsets exactly for tensors spanning 2^31 elements or more.
+    assert triton_fwd.int64_offsets(megatron[0]) and triton_fwd.int64_offsets(meta((3, 16, 2 ** 19, 128)))
+    assert not triton_fwd.int64_offsets(*megatron[1:], meta((2, 16, 2 ** 19, 128)))  # last offset 2^31 - 1
+    assert triton_fwd.max_element_offset(megatron[0]) == megatron[0].numel() - 1
+
+
+@pytest.mark.parametrize("int64", [False, True])
+def test_triton_on_views_of_megatron_layout(monkeypatch, int64):
+    """q, k, v as [b, heads, s, d] views of Megatron's [s, b, heads, d], through the kernels' int32
+    and int64 offsets (INT64, as for tensors spanning 2^31 elements: tests/test_gpu.py has those)."""
+    from megatron_mtraining.kernels import triton_fwd
+    calls = []
+    monkeypatch.setattr(triton_fwd, "int64_offsets", lambda *tensors: calls.append(tensors) or int64)
+    g = torch.Generator().manual_seed(11)
+    leaves = [torch.randn(64, 2, h, 32, generator=g).to(DEVICE).requires_grad_() for h in (4, 2, 2)]
+    q, k, v = (x.permute(1, 2, 0, 3) for x in leaves)
+    index = VSIndex.random(2, 4, 64, 16, max_slash=3, max_vertical=12, generator=torch.Generator().manual_seed(11))
+    check_against_oracle(q, k, v, index, "triton", 1e-5)
+    assert len(calls) == 2  # the forward and the backward ask for the flag
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b, h, n, d", [(1, 1, 64, 16), (2, 3, 100, 32), (1, 2, 7, 64)])
+def test_backward_delta_triton_matches_torch(dtype, b, h, n, d):
+    """The backward's delta = rowsum(out * d_out): the Triton kernel (ragged last row tile, head-strided
+    views as Megatron hands them over) against the fp32 PyTorch formula."""
+    from megatron_mtraining.kernels.step import backward_delta
+
+    g = torch.Generator().manual_seed(n)
+    # [n, b, h, d] storage viewed as [b, h, n, d]: neither row nor head stride is the contiguous one.
+    out, d_out = (torch.randn(n, b, h, d, generator=g).to(DEVICE, dtype).permute(1, 2, 0, 3) for _ in range(2))
+    got = backward_delta("triton", out, d_out)
+    want = (out.float() * d_out.float()).sum(-1)
+    assert got.dtype == torch.float32 and got.shape == (b, h, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert backward_delta("torch", out, d_out).dtype == torch.float32
+    assert backward_delta("torch", out.double(), d_out.double()).dtype == torch.float64

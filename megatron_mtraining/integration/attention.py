@@ -261,6 +261,20 @@ class MTrainingAttention(MegatronModule):
         if key.shape[0] != sq:
             raise ValueError(f"MTrainingAttention is self attention: sq ({sq}) != sk ({key.shape[0]})")
 
+        device_type = query.device.type
+        if torch.is_autocast_enabled(device_type):
+            # Like PyTorch's fused attention under autocast: attend in the autocast dtype. Megatron's
+            # linear layers and RoPE can hand us fp32 q/k/v inside an autocast region, and the fp32
+            # kernels are tens of times slower than the bf16 ones (measured: 2.6 s vs 0.1 s per
+            # training step of a 4-layer model at 32K on an H200). Autocast stays off inside, so
+            # that the fp32 statistics and accumulations are not cast down again.
+            dtype = torch.get_autocast_dtype(device_type)
+            with torch.autocast(device_type, enabled=False):
+                return self._attend(*(x.to(dtype) for x in (query, key, value)))
+        return self._attend(query, key, value)
+
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        sq, b, np_, hn = query.shape
         group = self.cp_group()
         # [s, b, heads, hn] -> [b, heads, s, hn]; the ring sends k/v, so give it dense tensors.
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))

@@ -35,6 +35,16 @@ def step_forward(backend: str, q, k, v, plan, out, lse, softmax_scale: float, ac
         vs_attention_fwd_torch(q, k, v, plan, out, lse, softmax_scale, accumulate)
 
 
+def backward_delta(backend: str, out: torch.Tensor, d_out: torch.Tensor) -> torch.Tensor:
+    """``rowsum(out * d_out)`` ``[b, h, n]`` for the backward, in fp32 (fp64 for fp64 inputs on the
+    PyTorch backend); the same for every ring step, so computed once per backward."""
+    if backend == "triton":
+        from .triton_delta import attention_delta_triton
+        return attention_delta_triton(out, d_out)
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    return (d_out.to(acc) * out.to(acc)).sum(-1)
+
+
 def step_backward(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float) -> None:
     """Add this step's gradients into fp32 ``dq``, ``dk``, ``dv`` (final ``lse`` and ``delta``)."""
     if backend == "triton":

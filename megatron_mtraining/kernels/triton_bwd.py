@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import triton_fwd
-from .triton_fwd import LOG2E, _column_tile, kernel_flags
+from .triton_fwd import LOG2E, _column_tile, _head_offset, _tile_ptrs, _wide, kernel_flags
 
 
 @triton.jit
@@ -35,16 +35,17 @@ def _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION: tl.cons
 @triton.jit
 def _load_query_side(Q, DO, Lse, Delta, b, h, rows, offs_d,
                      stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_on,
-                     stride_lb, stride_lh, UPCAST: tl.constexpr):
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :])
-    do = tl.load(DO + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :])
+                     stride_lb, stride_lh, INT64: tl.constexpr, UPCAST: tl.constexpr):
+    q = tl.load(_tile_ptrs(Q + _head_offset(b, h, stride_qb, stride_qh, INT64), rows, stride_qn, offs_d, INT64))
+    do = tl.load(_tile_ptrs(DO + _head_offset(b, h, stride_ob, stride_oh, INT64), rows, stride_on, offs_d, INT64))
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse = tl.load(Lse + b * stride_lb + h * stride_lh + rows)
+    stat = _head_offset(b, h, stride_lb, stride_lh, INT64) + rows
+    lse = tl.load(Lse + stat)
     # A row without any key (lse = -inf) has p = 0 everywhere: exp2(s - inf).
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    di = tl.load(Delta + b * stride_lb + h * stride_lh + rows)
+    di = tl.load(Delta + stat)
     return q, do, lse2, di
 
 
@@ -61,7 +62,7 @@ def _dq_kernel(
     qk_scale, sm_scale,
     HQ, GROUP, NQB, MAX_S, MAX_V, NB,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
-    HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -69,6 +70,7 @@ def _dq_kernel(
     h = pid_bh % HQ
     kvh = h // GROUP
     offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q_local_blk = pid_m // (BLOCK // BLOCK_M)
     q_blk = tl.load(QBlk + q_local_blk)
@@ -76,24 +78,25 @@ def _dq_kernel(
     rows = pid_m * BLOCK_M + offs_m
     q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, rows, offs_d,
                                        stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_on,
-                                       stride_lb, stride_lh, UPCAST)
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
+                                       stride_lb, stride_lh, INT64, UPCAST)
+    k_base = K + _head_offset(b, kvh, stride_kb, stride_kh, INT64)
+    v_base = V + _head_offset(b, kvh, stride_vb, stride_vh, INT64)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
-    plan_row = pid_bh * NQB + q_local_blk
+    bh = _wide(pid_bh, INT64)  # times the plan's row lengths
+    plan_row = bh * NQB + q_local_blk
     n_blocks = tl.load(KVCnt + plan_row)
     for t in range(0, n_blocks):
         j = tl.load(KVIdx + plan_row * MAX_S + t)
         k_blk = tl.load(KBlk + j)
         for sub in tl.static_range(0, BLOCK, BLOCK_N):
-            k_rows = j * BLOCK + sub + tl.arange(0, BLOCK_N)
-            k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
-            v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
+            k_rows = j * BLOCK + sub + offs_n
+            k = tl.load(_tile_ptrs(k_base, k_rows, stride_kn, offs_d, INT64))
+            v = tl.load(_tile_ptrs(v_base, k_rows, stride_vn, offs_d, INT64))
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            k_pos = k_blk * BLOCK + sub + tl.arange(0, BLOCK_N)
+            k_pos = k_blk * BLOCK + sub + offs_n
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             p = tl.where(k_pos[None, :] <= q_pos[:, None], tl.math.exp2(s - lse2[:, None]), 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
@@ -102,15 +105,15 @@ def _dq_kernel(
 
     n_cols = tl.load(ColCnt + pid_bh)
     for c0 in range(0, n_cols, BLOCK_COL):
-        k, v, active = _column_tile(Cols, KBlk, Bitmap, k_base, v_base, pid_bh * MAX_V, pid_bh * NB, c0, n_cols,
-                                    q_blk, q_pos, stride_kn, stride_vn, offs_d, BLOCK, BLOCK_COL, UPCAST)
+        k, v, active = _column_tile(Cols, KBlk, Bitmap, k_base, v_base, bh * MAX_V, bh * NB, c0, n_cols,
+                                    q_blk, q_pos, stride_kn, stride_vn, offs_d, BLOCK, BLOCK_COL, INT64, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.where(active, tl.math.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - di[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
-    dq_ptrs = DQ + b * stride_gb + h * stride_gh + rows[:, None] * stride_gn + offs_d[None, :]
+    dq_ptrs = _tile_ptrs(DQ + _head_offset(b, h, stride_gb, stride_gh, INT64), rows, stride_gn, offs_d, INT64)
     tl.store(dq_ptrs, tl.load(dq_ptrs) + dq * sm_scale)
 
 
@@ -127,7 +130,7 @@ def _dkdv_kernel(
     qk_scale, sm_scale,
     HQ, HKV, GROUP, NKB, MAX_S,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bkv = tl.program_id(1)
@@ -140,8 +143,8 @@ def _dkdv_kernel(
     k_blk = tl.load(KBlk + k_local_blk)
     k_pos = k_blk * BLOCK + (pid_n % (BLOCK // BLOCK_N)) * BLOCK_N + offs_n
     k_rows = pid_n * BLOCK_N + offs_n
-    k = tl.load(K + b * stride_kb + kvh * stride_kh + k_rows[:, None] * stride_kn + offs_d[None, :])
-    v = tl.load(V + b * stride_vb + kvh * stride_vh + k_rows[:, None] * stride_vn + offs_d[None, :])
+    k = tl.load(_tile_ptrs(K + _head_offset(b, kvh, stride_kb, stride_kh, INT64), k_rows, stride_kn, offs_d, INT64))
+    v = tl.load(_tile_ptrs(V + _head_offset(b, kvh, stride_vb, stride_vh, INT64), k_rows, stride_vn, offs_d, INT64))
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -149,7 +152,7 @@ def _dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
     for g in range(0, GROUP):
         h = kvh * GROUP + g
-        plan_row = (b * HQ + h) * NKB + k_local_blk
+        plan_row = _wide(b * HQ + h, INT64) * NKB + k_local_blk
         n_blocks = tl.load(QCnt + plan_row)
         for t in range(0, n_blocks):
             i = tl.load(QIdx + plan_row * MAX_S + t)
@@ -158,13 +161,14 @@ def _dkdv_kernel(
                 q_pos = q_blk * BLOCK + sub + offs_m
                 q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + sub + offs_m, offs_d,
                                                    stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
-                                                   stride_on, stride_lb, stride_lh, UPCAST)
+                                                   stride_on, stride_lb, stride_lh, INT64, UPCAST)
                 keep_t = k_pos[:, None] <= q_pos[None, :]
                 dv_t, dk_t = _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION)
                 dv += dv_t
                 dk += dk_t
-    dk_ptrs = DK + b * stride_gb + kvh * stride_gh + k_rows[:, None] * stride_gn + offs_d[None, :]
-    dv_ptrs = DV + b * stride_gb + kvh * stride_gh + k_rows[:, None] * stride_gn + offs_d[None, :]
+    g_head = _head_offset(b, kvh, stride_gb, stride_gh, INT64)
+    dk_ptrs = _tile_ptrs(DK + g_head, k_rows, stride_gn, offs_d, INT64)
+    dv_ptrs = _tile_ptrs(DV + g_head, k_rows, stride_gn, offs_d, INT64)
     tl.store(dk_ptrs, tl.load(dk_ptrs) + dk * sm_scale)
     tl.store(dv_ptrs, tl.load(dv_ptrs) + dv)
 
@@ -181,7 +185,7 @@ def _dkdv_col_kernel(
     qk_scale, sm_scale,
     HQ, GROUP, NQB, MAX_V, MAX_V_PAD, NB, Q_PER_SPLIT, BH,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -189,17 +193,18 @@ def _dkdv_col_kernel(
     b = pid_bh // HQ
     h = pid_bh % HQ
     kvh = h // GROUP
+    bh = _wide(pid_bh, INT64)  # times the plan's row lengths
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_c = pid_c * BLOCK_COL + tl.arange(0, BLOCK_COL)
     n_cols = tl.load(ColCnt + pid_bh)
     c_ok = offs_c < n_cols
-    col = tl.load(Cols + pid_bh * MAX_V + offs_c, mask=c_ok, other=0)
+    col = tl.load(Cols + bh * MAX_V + offs_c, mask=c_ok, other=0)
     c_blk = tl.load(KBlk + col // BLOCK, mask=c_ok, other=0)
     c_pos = c_blk * BLOCK + col % BLOCK
-    k = tl.load(K + b * stride_kb + kvh * stride_kh + col[:, None] * stride_kn + offs_d[None, :],
+    k = tl.load(_tile_ptrs(K + _head_offset(b, kvh, stride_kb, stride_kh, INT64), col, stride_kn, offs_d, INT64),
                 mask=c_ok[:, None], other=0.0)
-    v = tl.load(V + b * stride_vb + kvh * stride_vh + col[:, None] * stride_vn + offs_d[None, :],
+    v = tl.load(_tile_ptrs(V + _head_offset(b, kvh, stride_vb, stride_vh, INT64), col, stride_vn, offs_d, INT64),
                 mask=c_ok[:, None], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
@@ -212,20 +217,21 @@ def _dkdv_col_kernel(
     for i in range(i_start, i_end):
         q_blk = tl.load(QBlk + i)
         delta = q_blk - c_blk
-        covered = tl.load(Bitmap + pid_bh * NB + delta, mask=c_ok & (delta >= 0), other=0)
+        covered = tl.load(Bitmap + bh * NB + delta, mask=c_ok & (delta >= 0), other=0)
         keep = c_ok & (covered == 0)
         for sub in tl.static_range(0, BLOCK, BLOCK_M):
             q_pos = q_blk * BLOCK + sub + offs_m
             q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + sub + offs_m, offs_d,
                                                stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
-                                               stride_on, stride_lb, stride_lh, UPCAST)
+                                               stride_on, stride_lb, stride_lh, INT64, UPCAST)
             keep_t = keep[:, None] & (c_pos[:, None] <= q_pos[None, :])
             dv_t, dk_t = _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION)
             dv += dv_t
             dk += dk_t
-    part = (pid_s * BH + pid_bh) * MAX_V_PAD + offs_c
-    tl.store(DKP + part[:, None] * HEAD_DIM + offs_d[None, :], dk * sm_scale)
-    tl.store(DVP + part[:, None] * HEAD_DIM + offs_d[None, :], dv)
+    # Partials [splits * b * hq, MAX_V_PAD, HEAD_DIM] can pass 2^31 elements too; one store, so int64.
+    part = (pid_s * BH + pid_bh).to(tl.int64) * MAX_V_PAD * HEAD_DIM
+    tl.store(_tile_ptrs(DKP + part, offs_c, HEAD_DIM, offs_d, True), dk * sm_scale)
+    tl.store(_tile_ptrs(DVP + part, offs_c, HEAD_DIM, offs_d, True), dv)
 
 
 def _column_splits(nqb: int, programs_per_split: int) -> int:
@@ -252,6 +258,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     if delta.stride() != lse.stride():
         delta = delta.contiguous()
         lse = lse.contiguous()
+    launch["INT64"] = triton_fwd.int64_offsets(q, k, v, do, lse, delta, dq, dk, dv, *triton_fwd.plan_tensors(plan))
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
                lse.stride(0), lse.stride(1))

@@ -42,6 +42,24 @@ def kernel_flags(dtype: torch.dtype) -> dict:
 LAUNCH_OVERRIDES: dict = {}
 
 
+def max_element_offset(x: torch.Tensor) -> int:
+    """Offset of the last element from the first: the largest offset a kernel computes into ``x``."""
+    return sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()) if size > 0)
+
+
+def int64_offsets(*tensors: torch.Tensor) -> bool:
+    """The kernels' INT64 flag: whether an element offset into one of these tensors can pass
+    2^31 - 1 (a [b, heads, s, d] view of Megatron's [s, b, heads, d] spans the whole tensor). Only
+    then are offsets computed in int64: that costs the forward ~26% and the backward ~13% at
+    64-token blocks (~2% at 128; H100), and int32 ones provably suffice everywhere else."""
+    return any(max_element_offset(x) >= 2 ** 31 for x in tensors)
+
+
+def plan_tensors(plan) -> tuple:
+    """The plan's tensors that the kernels index per (batch, head) row, for ``int64_offsets``."""
+    return plan.kv_blocks, plan.q_blocks, plan.cols, plan.slash_bitmap
+
+
 def tile_config(block: int, dtype: torch.dtype, family: str = "fwd") -> dict:
     """Tile shapes and launch settings. Tiles divide the index block: a 128-block runs as 64-row
     tiles where 128-row fp32 tiles would not fit in shared memory."""
@@ -66,9 +84,29 @@ def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _wide(x, INT64: tl.constexpr):
+    """``x`` (an index that multiplies a stride) in int64 when offsets can pass 2^31 (``int64_offsets``)."""
+    if INT64:
+        x = tl.cast(x, tl.int64)  # tl.cast: the interpreter's loop indices are Python ints
+    return x
+
+
+@triton.jit
+def _head_offset(b, h, stride_b, stride_h, INT64: tl.constexpr):
+    """Offset of (batch ``b``, head ``h``)."""
+    return _wide(b, INT64) * stride_b + _wide(h, INT64) * stride_h
+
+
+@triton.jit
+def _tile_ptrs(base, rows, stride, offs_d, INT64: tl.constexpr):
+    """Pointers of the [rows, d] tile of the (batch, head) at ``base``."""
+    return base + _wide(rows, INT64)[:, None] * stride + offs_d[None, :]
+
+
+@triton.jit
 def _column_tile(Cols, KBlk, Bitmap, k_base, v_base, plan_row, bitmap_row, c0, n_cols, q_blk, q_pos,
                  stride_kn, stride_vn, offs_d,
-                 BLOCK: tl.constexpr, BLOCK_COL: tl.constexpr, UPCAST: tl.constexpr):
+                 BLOCK: tl.constexpr, BLOCK_COL: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr):
     """Gather one tile of the plan's columns: K, V and which (query, column) pairs are active
     (causal, and not already covered by a selected slash block of this query block)."""
     offs_c = c0 + tl.arange(0, BLOCK_COL)
@@ -79,8 +117,8 @@ def _column_tile(Cols, KBlk, Bitmap, k_base, v_base, plan_row, bitmap_row, c0, n
     covered = tl.load(Bitmap + bitmap_row + delta, mask=c_ok & (delta >= 0), other=0)
     c_pos = c_blk * BLOCK + col % BLOCK
     active = (c_ok & (covered == 0))[None, :] & (c_pos[None, :] <= q_pos[:, None])
-    k = tl.load(k_base + col[:, None] * stride_kn + offs_d[None, :], mask=c_ok[:, None], other=0.0)
-    v = tl.load(v_base + col[:, None] * stride_vn + offs_d[None, :], mask=c_ok[:, None], other=0.0)
+    k = tl.load(_tile_ptrs(k_base, col, stride_kn, offs_d, INT64), mask=c_ok[:, None], other=0.0)
+    v = tl.load(_tile_ptrs(v_base, col, stride_vn, offs_d, INT64), mask=c_ok[:, None], other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -99,7 +137,8 @@ def _vs_attn_fwd_kernel(
     qk_scale,
     HQ, GROUP, NQB, MAX_S, MAX_V, NB,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
-    HEAD_DIM: tl.constexpr, ACCUMULATE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ACCUMULATE: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -108,44 +147,46 @@ def _vs_attn_fwd_kernel(
     kvh = h // GROUP
 
     offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q_local_blk = pid_m // (BLOCK // BLOCK_M)
     q_blk = tl.load(QBlk + q_local_blk)
     q_pos = q_blk * BLOCK + (pid_m % (BLOCK // BLOCK_M)) * BLOCK_M + offs_m
     rows = pid_m * BLOCK_M + offs_m
-    q = tl.load(Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn + offs_d[None, :])
+    q = tl.load(_tile_ptrs(Q + _head_offset(b, h, stride_qb, stride_qh, INT64), rows, stride_qn, offs_d, INT64))
     if UPCAST:
         q = q.to(tl.float32)
-    k_base = K + b * stride_kb + kvh * stride_kh
-    v_base = V + b * stride_vb + kvh * stride_vh
+    k_base = K + _head_offset(b, kvh, stride_kb, stride_kh, INT64)
+    v_base = V + _head_offset(b, kvh, stride_vb, stride_vh, INT64)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     # Slash part: whole key blocks. Only the diagonal block can hold keys after a query.
-    plan_row = pid_bh * NQB + q_local_blk
+    bh = _wide(pid_bh, INT64)  # times the plan's row lengths
+    plan_row = bh * NQB + q_local_blk
     n_blocks = tl.load(KVCnt + plan_row)
     for t in range(0, n_blocks):
         j = tl.load(KVIdx + plan_row * MAX_S + t)
         k_blk = tl.load(KBlk + j)
         for sub in tl.static_range(0, BLOCK, BLOCK_N):
-            k_rows = j * BLOCK + sub + tl.arange(0, BLOCK_N)
-            k = tl.load(k_base + k_rows[:, None] * stride_kn + offs_d[None, :])
-            v = tl.load(v_base + k_rows[:, None] * stride_vn + offs_d[None, :])
+            k_rows = j * BLOCK + sub + offs_n
+            k = tl.load(_tile_ptrs(k_base, k_rows, stride_kn, offs_d, INT64))
+            v = tl.load(_tile_ptrs(v_base, k_rows, stride_vn, offs_d, INT64))
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            k_pos = k_blk * BLOCK + sub + tl.arange(0, BLOCK_N)
+            k_pos = k_blk * BLOCK + sub + offs_n
             s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     # Vertical part: gathered columns not covered by a selected slash block of this query block.
     n_cols = tl.load(ColCnt + pid_bh)
     for c0 in range(0, n_cols, BLOCK_COL):
-        k, v, active = _column_tile(Cols, KBlk, Bitmap, k_base, v_base, pid_bh * MAX_V, pid_bh * NB, c0, n_cols,
-                                    q_blk, q_pos, stride_kn, stride_vn, offs_d, BLOCK, BLOCK_COL, UPCAST)
+        k, v, active = _column_tile(Cols, KBlk, Bitmap, k_base, v_base, bh * MAX_V, bh * NB, c0, n_cols,
+                                    q_blk, q_pos, stride_kn, stride_vn, offs_d, BLOCK, BLOCK_COL, INT64, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(active, s, float("-inf"))
         m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
@@ -155,8 +196,8 @@ def _vs_attn_fwd_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
 
-    o_ptrs = Out + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + offs_d[None, :]
-    l_ptrs = Lse + b * stride_lb + h * stride_lh + rows
+    o_ptrs = _tile_ptrs(Out + _head_offset(b, h, stride_ob, stride_oh, INT64), rows, stride_on, offs_d, INT64)
+    l_ptrs = Lse + _head_offset(b, h, stride_lb, stride_lh, INT64) + rows
     if ACCUMULATE:
         # Merge with the previous steps' partial result through log-sum-exp, in fp32.
         old_lse = tl.load(l_ptrs)
@@ -198,5 +239,6 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
         lse.stride(0), lse.stride(1),
         softmax_scale * LOG2E,
         hq, hq // k.shape[1], nqb, plan.kv_blocks.shape[-1], max_v, plan.num_blocks,
-        BLOCK=B, HEAD_DIM=d, ACCUMULATE=accumulate, **kernel_flags(q.dtype), **cfg,
+        BLOCK=B, HEAD_DIM=d, ACCUMULATE=accumulate, INT64=int64_offsets(q, k, v, out, lse, *plan_tensors(plan)),
+        **kernel_flags(q.dtype), **cfg,
     )

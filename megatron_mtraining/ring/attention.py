@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..attention import check_attention_inputs, check_qkv
 from ..index import VSIndex
 from ..kernels.plan import build_step_plan
-from ..kernels.step import resolve_backend, step_backward, step_forward
+from ..kernels.step import backward_delta, resolve_backend, step_backward, step_forward
 from ..layout import check_layout, local_block_ids
 from .comm import RingTopology, ring_topology
 from .schedule import ring_backward, ring_forward
@@ -69,6 +69,9 @@ class SparseSteps:
     def forward(self, q, k, v, source, out, lse):
         step_forward(self.backend, q, k, v, self.plans[source], out, lse, self.softmax_scale, accumulate=True)
 
+    def delta(self, out, d_out):
+        return backward_delta(self.backend, out, d_out)
+
     def backward(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv):
         step_backward(self.backend, q, k, v, d_out, lse, delta, self.plans[source], dq, dk, dv, self.softmax_scale)
 
@@ -92,7 +95,7 @@ class RingAttentionFunction(torch.autograd.Function):
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
         d_out = d_out.contiguous()
-        delta = (d_out.float() * out.float()).sum(-1)
+        delta = ctx.steps.delta(out, d_out)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
         def gradients(kv, source):

@@ -1,0 +1,48 @@
+"""Triton preprocess of the attention backward: delta = rowsum(out * d_out) in fp32.
+
+The backward kernels need delta_i = sum_d out[i, d] * d_out[i, d] for every query row. Computed
+in PyTorch (two fp32 casts, a product and a reduction) it cost ~2.9 ms at 128K tokens x 16
+heads x d128 on an H200, against ~0.3 ms to read the two bf16 tensors once (1 GB at ~4 TB/s):
+this kernel reads them in their own dtype and accumulates in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ROWS_PER_PROGRAM = 64
+
+
+@triton.jit
+def _delta_kernel(O, DO, Delta, n, H,
+                  so_b, so_h, so_n, sdo_b, sdo_h, sdo_n,
+                  BLOCK_R: tl.constexpr, D: tl.constexpr):
+    pid_r, pid_bh = tl.program_id(0), tl.program_id(1)
+    b, h = pid_bh // H, pid_bh % H
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    dims = tl.arange(0, D)
+    ok = rows < n
+    # int64: b * stride_b alone passes 2^31 for large batches of long sequences.
+    r64 = rows.to(tl.int64)
+    o = tl.load(O + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + r64[:, None] * so_n + dims[None, :],
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h + r64[:, None] * sdo_n + dims[None, :],
+                 mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(Delta + pid_bh.to(tl.int64) * n + rows, tl.sum(o * do, axis=1), mask=ok)
+
+
+def attention_delta_triton(out: torch.Tensor, d_out: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[b, h, n]`` rowsum of ``out * d_out`` (``[b, h, n, d]``, last dim contiguous, d a power of 2)."""
+    if out.shape != d_out.shape or out.dim() != 4:
+        raise ValueError(f"out and d_out must both be [b, h, n, d], got {tuple(out.shape)}, {tuple(d_out.shape)}")
+    b, h, n, d = out.shape
+    if d & (d - 1) or out.stride(-1) != 1 or d_out.stride(-1) != 1:
+        raise ValueError(f"attention_delta_triton needs a power-of-2 head dim with unit stride, got d={d}, "
+                         f"strides {out.stride()}, {d_out.stride()}")
+    delta = torch.empty(b, h, n, dtype=torch.float32, device=out.device)
+    grid = (triton.cdiv(n, ROWS_PER_PROGRAM), b * h)
+    _delta_kernel[grid](out, d_out, delta, n, h, *out.stride()[:3], *d_out.stride()[:3],
+                        BLOCK_R=ROWS_PER_PROGRAM, D=d)
+    return delta
