@@ -114,3 +114,28 @@ def test_default_recipe_builds_every_phase_and_eval_length():
     from_script = vars(quality.parse_args(["--run", "dense"] + flags))
     assert {k: v for k, v in from_script.items() if k != "max_train_seconds"} == \
         {k: v for k, v in vars(args).items() if k != "max_train_seconds"}
+
+
+@pytest.mark.parametrize("needle_format", ["fact", "pair"])
+def test_needle_column_holds_the_answer(needle_format):
+    """needle_column (where the needle coverage looks) points at the probe's fact token, or at the
+    first value token of a pair needle: the token that the answer is copied from."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import quality
+
+    from megatron_mtraining.corpus import make_needle_probe
+
+    args = quality.parse_args(["--run", "dense", "--needle-format", needle_format, "--key-len", "1",
+                               "--value-len", "1"])
+    cfg = quality.corpus_config(args, 1024)
+    for depth in (0.0, 0.4, 0.95):
+        probe = make_needle_probe(cfg, 5, depth)
+        column = quality.needle_column(cfg, probe.tokens)
+        answer = int(probe.tokens[probe.target_positions[0]])
+        held = int(probe.tokens[column])
+        if needle_format == "pair":
+            assert held == answer
+        else:  # the fact token of (key, answer): facts follow the keys and values, key-major
+            a = cfg.fact_alphabet
+            assert (held - cfg.symbol_start - 2 * a) % a == answer - cfg.symbol_start - a
+        assert abs(column / cfg.seq_len - depth) < 0.01
