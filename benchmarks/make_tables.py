@@ -304,10 +304,13 @@ def render_quality(results: List[Result]) -> str:
                         f"{stopped.get('mtraining')} (MTraining) by the time budget")
         else:
             schedule = "both runs trained the whole schedule"
-        parts.append(f"Longest trained context {tokens(s['longest_context'])}, held-out loss at "
+        mt, stem = data["mtraining"]["settings"], os.path.splitext(path)[0]
+        parts.append(f"`{path}`: MTraining index top-p {mt['top_p']}, last_q {mt['last_q']}, min_vertical "
+                     f"{mt.get('min_vertical', 0)}. "
+                     f"Longest trained context {tokens(s['longest_context'])}, held-out loss at "
                      f"{tokens(s.get('held_out_length', s['longest_context']))}; {schedule}; retrieval chance "
-                     f"{num(s['retrieval_chance'], 3)}. Plots: `benchmarks/results/quality_loss.png`, "
-                     "`quality_retrieval.png`, `quality_density.png`." + (f" Note: {s['note']}" if s.get("note") else ""))
+                     f"{num(s['retrieval_chance'], 3)}. Plots: `{stem}_loss.png`, `{stem}_retrieval.png`, "
+                     f"`{stem}_density.png`." + (f" Note: {s['note']}" if s.get("note") else ""))
     return "\n\n".join(["**Training quality, MTraining vs dense** (`benchmarks/quality.py`, synthetic "
                           "retrieval corpus, same seed and data)."] + parts)
 

@@ -18,20 +18,33 @@ export GIT_COMMIT=${GIT_COMMIT:-unknown}
 FLAGS=${QUALITY_FLAGS:---phases 128:800,1024:400,4096:400,32768:800 --tokens-per-iteration 16384 --needles-per-1k 48 --queries 6 --needle-format fact --vocab-size 2048 --rotary-base 1000000 --answer-loss-weight 20 --lr 3e-3 --warmup 50 --eval-probes 16 --max-train-seconds 360}
 # RUNS="dense" then RUNS="mtraining" runs them one per call on a single GPU (each alone on it);
 # the merge happens where both JSONs are (here, or later with quality.py --merge).
+# MT_VARIANT="--min-vertical 256" adds a second MTraining run with these extra flags, after the
+# first on the same GPU, merged against the same dense run into quality_${VARIANT_NAME}.json.
 RUNS=${RUNS:-dense mtraining}
+VARIANT_NAME=${VARIANT_NAME:-variant}
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+train() {  # train RUN OUTPUT_NAME EXTRA_FLAGS...: one training on this job's GPU
+  local run=$1 name=$2; shift 2
+  timeout ${QUALITY_TIMEOUT:-520} $PY benchmarks/quality.py --run $run --out "$OUT/quality_$name.json" $FLAGS "$@" \
+      > "$OUT/quality_$name.log" 2>&1
+}
 for run in $RUNS; do
   gpu=$([ $run = dense ] || [ "$NGPU" -lt 2 ] && echo 0 || echo 1)
-  CUDA_VISIBLE_DEVICES=$gpu timeout ${QUALITY_TIMEOUT:-520} \
-      $PY benchmarks/quality.py --run $run --out "$OUT/quality_$run.json" $FLAGS > "$OUT/quality_$run.log" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=$gpu
+    train $run $run
+    if [ $run = mtraining ] && [ -n "${MT_VARIANT:-}" ]; then train mtraining "mtraining_$VARIANT_NAME" $MT_VARIANT; fi
+  ) &
   [ "$NGPU" -lt 2 ] && wait  # one GPU: one run after the other, so each has the GPU its time guard assumes
 done
 wait
-for run in $RUNS; do echo "$run:"; grep -E "answer|phase" "$OUT/quality_$run.log" | tail -4; tail -3 "$OUT/quality_$run.log"; done
+for log in "$OUT"/quality_*.log; do echo "$(basename $log):"; grep -E "answer|phase" "$log" | tail -3; tail -2 "$log"; done
 cd "$OUT"
-if [ -f quality_dense.json ] && [ -f quality_mtraining.json ]; then
-  $PY "$OLDPWD/benchmarks/quality.py" --merge quality_dense.json quality_mtraining.json --out quality.json \
-    && rm -f quality_dense.json quality_mtraining.json
-fi
-tar czf quality_logs.tgz quality_*.log $(ls setup_quality.log 2>/dev/null) && rm -f quality_*.log
+merge() { [ -f quality_dense.json ] && [ -f "quality_$1.json" ] \
+  && $PY "$OLDPWD/benchmarks/quality.py" --merge quality_dense.json "quality_$1.json" --out "$2"; }
+merge mtraining quality.json && rm -f quality_mtraining.json
+merge "mtraining_$VARIANT_NAME" "quality_$VARIANT_NAME.json" && rm -f "quality_mtraining_$VARIANT_NAME.json"
+[ -f quality.json ] && rm -f quality_dense.json
+# The device tool returns at most 8 files: logs and plots travel packed.
+tar czf quality_logs.tgz quality_*.log $(ls setup_quality.log *.png 2>/dev/null) && rm -f quality_*.log *.png
 ls
