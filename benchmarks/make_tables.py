@@ -282,6 +282,10 @@ def render_e2e(results: List[Result]) -> str:
         source_line(results)])
 
 
+def index_settings(settings: Dict) -> str:
+    return f"top-p {settings['top_p']}, last_q {settings['last_q']}, min_vertical {settings.get('min_vertical', 0)}"
+
+
 @renderer("quality")
 def render_quality(results: List[Result]) -> str:
     parts = []
@@ -305,8 +309,9 @@ def render_quality(results: List[Result]) -> str:
         else:
             schedule = "both runs trained the whole schedule"
         mt, stem = data["mtraining"]["settings"], os.path.splitext(path)[0]
-        parts.append(f"`{path}`: MTraining index top-p {mt['top_p']}, last_q {mt['last_q']}, min_vertical "
-                     f"{mt.get('min_vertical', 0)}. "
+        dense_note = ("" if index_settings(data["dense"]["settings"]) == index_settings(mt) else
+                      f" (the dense model under MTraining's index: {index_settings(data['dense']['settings'])})")
+        parts.append(f"`{path}`: MTraining index {index_settings(mt)}{dense_note}. "
                      f"Longest trained context {tokens(s['longest_context'])}, held-out loss at "
                      f"{tokens(s.get('held_out_length', s['longest_context']))}; {schedule}; retrieval chance "
                      f"{num(s['retrieval_chance'], 3)}. Plots: `{stem}_loss.png`, `{stem}_retrieval.png`, "

@@ -60,6 +60,8 @@ def steer(q_row: torch.Tensor, k: torch.Tensor, row: int, needle: int, share: fl
         logits = (q_row.double() + c * direction) @ keys.T * scale
         return torch.softmax(logits, -1)[needle].item()
 
+    if needle_share(0.0) >= share:
+        raise ValueError(f"row {row} already gives needle {needle} more than {share} of its attention")
     lo, hi = 0.0, 1.0
     while needle_share(hi) < share:  # reachable: the needle is the keys' extreme in its direction
         hi *= 2
@@ -74,6 +76,8 @@ def steer(q_row: torch.Tensor, k: torch.Tensor, row: int, needle: int, share: fl
 def pick_needle(keys: torch.Tensor, row: int, g: torch.Generator) -> int:
     """A random key before ``row - 256`` that is the extreme of the keys up to ``row`` in its own
     direction, so that moving a query towards it can give it any share of the attention."""
+    if row <= 320:
+        raise ValueError(f"row {row}: needles are drawn from [64, row - 256)")
     for _ in range(1000):
         j = int(torch.randint(64, row - 256, (1,), generator=g))
         if int((keys[:row + 1] @ keys[j]).argmax()) == j:

@@ -213,8 +213,8 @@ def core_attentions(model):
 @contextlib.contextmanager
 def index_override(model, index: str):
     """Evaluate with another index kind ("dense": exact attention; "vs": MTraining's) whatever
-    index the model trained with; the other MTraining settings stay."""
-    indexers = [a.indexer for a in core_attentions(model)]
+    index the model trained with; the other MTraining settings stay, and so do layers built dense."""
+    indexers = [a.indexer for a in core_attentions(model) if not a.indexer.dense]
     saved = [ix.mtraining_config for ix in indexers]
     for ix in indexers:
         ix.mtraining_config = dataclasses.replace(ix.mtraining_config, index=index)

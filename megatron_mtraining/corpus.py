@@ -372,13 +372,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--vocab-size", type=int, default=CorpusConfig.vocab_size)
     parser.add_argument("--num-needles", type=int, default=CorpusConfig.num_needles)
     parser.add_argument("--num-queries", type=int, default=CorpusConfig.num_queries)
-    parser.add_argument("--needle-format", choices=NEEDLE_FORMATS, default=CorpusConfig.needle_format)
+    parser.add_argument("--needle-format", choices=NEEDLE_FORMATS, default=CorpusConfig.needle_format,
+                        help="fact needles need --key-len 1 --value-len 1")
+    parser.add_argument("--key-len", type=int, default=CorpusConfig.key_len)
+    parser.add_argument("--value-len", type=int, default=CorpusConfig.value_len)
     parser.add_argument("--seed", type=int, default=CorpusConfig.seed)
     parser.add_argument("--start-index", type=int, default=0)
     args = parser.parse_args(argv)
     try:
         config = CorpusConfig(vocab_size=args.vocab_size, seq_len=args.seq_length, num_needles=args.num_needles,
-                              num_queries=args.num_queries, seed=args.seed, needle_format=args.needle_format)
+                              num_queries=args.num_queries, seed=args.seed, needle_format=args.needle_format,
+                              key_len=args.key_len, value_len=args.value_len)
     except ValueError as e:
         parser.error(str(e))
     prefix = write_indexed_dataset(args.output_prefix, config, args.num_sequences, args.start_index)

@@ -137,6 +137,8 @@ class VSIndex:
         """bool [b, hq, P]: whether each (query ``rows[p]``, key ``cols[p]``) pair is attended (a
         selected column, or a selected block offset ``rows//B - cols//B``; causal pairs only)."""
         B = self.block_size
+        if seq_len % B:
+            raise ValueError(f"sequence length {seq_len} is not a multiple of block_size {B}")
         rows, cols = rows.long().to(self.device), cols.long().to(self.device)
         offset = (rows // B - cols // B).clamp(min=0)
         by_slash = self.slash_bitmap(seq_len // B).bool()[..., offset]

@@ -4,7 +4,7 @@
 # trainings run side by side, one per GPU, from the same seed and data; then the merge writes
 # quality.json and the plots to $OUT. QUALITY_FLAGS overrides the schedule / model flags.
 set -uo pipefail
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the script changes folders
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || bash scripts/setup_env.sh .venv > "$OUT/setup_quality.log" 2>&1 \
@@ -22,6 +22,11 @@ FLAGS=${QUALITY_FLAGS:---phases 128:800,1024:400,4096:400,32768:800 --tokens-per
 # first on the same GPU, merged against the same dense run into quality_${VARIANT_NAME}.json.
 RUNS=${RUNS:-dense mtraining}
 VARIANT_NAME=${VARIANT_NAME:-variant}
+if [ -n "${MT_VARIANT:-}" ]; then
+  # Two MTraining trainings one after the other must fit one 10-minute device call (each takes
+  # ~150 s with data and evaluation on an H200): tighter guards (a later flag wins).
+  FLAGS="$FLAGS --max-train-seconds 200"; QUALITY_TIMEOUT=${QUALITY_TIMEOUT:-260}
+fi
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 train() {  # train RUN OUTPUT_NAME EXTRA_FLAGS...: one training on this job's GPU
   local run=$1 name=$2; shift 2

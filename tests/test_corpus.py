@@ -241,6 +241,15 @@ def test_cli(tmp_path):
         [sys.executable, "-m", "megatron_mtraining.corpus", "--output-prefix", prefix, "--num-sequences", "1",
          "--seq-length", "10"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "too short" in bad.stderr
+    fact = subprocess.run(
+        [sys.executable, "-m", "megatron_mtraining.corpus", "--output-prefix", prefix + "_fact", "--num-sequences", "2",
+         "--seq-length", "256", "--vocab-size", "512", "--num-needles", "3", "--num-queries", "1",
+         "--needle-format", "fact", "--key-len", "1", "--value-len", "1"], capture_output=True, text=True, cwd=REPO)
+    assert fact.returncode == 0, fact.stderr
+    cfg = CorpusConfig(vocab_size=512, seq_len=256, num_needles=3, num_queries=1, key_len=1, value_len=1,
+                       needle_format="fact")
+    fact_ds = IndexedDataset(prefix + "_fact")  # kept alive: items are views of its memory map
+    assert np.array_equal(fact_ds[1].astype(np.int64), make_sequence(cfg, 1).tokens.numpy())
 
 
 def test_query_target_positions_match_every_sequence_and_probe():

@@ -23,3 +23,5 @@ def test_quality_variant_renders_beside_the_default():
     assert text.count("| held-out LM loss |") == 2
     assert "min_vertical 0" in text and "min_vertical 256" in text
     assert "`benchmarks/results/quality_minv_loss.png`" in text and "1.5 points" in text
+    # The dense run's own index settings are named where they differ from the variant's.
+    assert "the dense model under MTraining's index: top-p 0.9, last_q 128, min_vertical 0" in text

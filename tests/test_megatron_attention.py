@@ -224,6 +224,32 @@ def test_forward_under_autocast_runs_in_the_autocast_dtype(index):
     assert all(x.grad is not None and x.grad.dtype == torch.float32 and x.grad.abs().sum() > 0 for x in (q, k, v))
 
 
+def test_megatron_recompute_under_autocast_attends_as_the_forward(megatron_cpu):
+    """Megatron's activation recompute re-runs the forward in the backward outside the autocast
+    region: the re-run attends in the first pass's dtype (same index, same numbers), so the
+    gradients equal those without recompute; the kept dtype does not leak into later forwards."""
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+
+    set_mtraining_config(MTrainingConfig(index="vs", last_q=64))
+    attn = make_attention()
+
+    def grads(recompute):
+        q, k, v = (x.clone().requires_grad_() for x in qkv())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if recompute:
+                out = CheckpointFunction.apply(lambda a, b, c: attn(a, b, c, None), False, q, k, v)
+            else:
+                out = attn(q, k, v, None)
+        out.float().sum().backward()
+        return out, q.grad
+
+    (out, grad), (out_r, grad_r) = grads(False), grads(True)
+    assert torch.equal(out, out_r) and torch.equal(grad, grad_r)
+    assert attn._recompute_dtype is None
+    q, k, v = qkv()  # a plain fp32 forward afterwards stays fp32
+    assert attn(q, k, v, None).dtype == torch.float32
+
+
 def test_forward_rejects_packed_sequences():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="packed"):

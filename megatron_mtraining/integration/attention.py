@@ -203,6 +203,8 @@ class MTrainingAttention(MegatronModule):
         # The index of the last forward (telemetry, tests); dropped with the next forward.
         self.last_index: Optional[VSIndex] = None
         self._inner_sizes = {}  # CP group -> inner ring size
+        # The autocast dtype of the no-grad first pass of an activation recompute (see forward).
+        self._recompute_dtype: Optional[torch.dtype] = None
 
     # ------------------------------------------------------------------ process groups
 
@@ -261,17 +263,33 @@ class MTrainingAttention(MegatronModule):
         if key.shape[0] != sq:
             raise ValueError(f"MTrainingAttention is self attention: sq ({sq}) != sk ({key.shape[0]})")
 
-        device_type = query.device.type
-        if torch.is_autocast_enabled(device_type):
-            # Like PyTorch's fused attention under autocast: attend in the autocast dtype. Megatron's
-            # linear layers and RoPE can hand us fp32 q/k/v inside an autocast region, and the fp32
-            # kernels are tens of times slower than the bf16 ones (measured: 2.6 s vs 0.1 s per
-            # training step of a 4-layer model at 32K on an H200). Autocast stays off inside, so
-            # that the fp32 statistics and accumulations are not cast down again.
-            dtype = torch.get_autocast_dtype(device_type)
-            with torch.autocast(device_type, enabled=False):
+        dtype = self._attention_dtype(query.device.type)
+        if dtype is not None:
+            # Autocast stays off inside, so that the fp32 statistics and accumulations are not
+            # cast down again.
+            with torch.autocast(query.device.type, enabled=False):
                 return self._attend(*(x.to(dtype) for x in (query, key, value)))
         return self._attend(query, key, value)
+
+    def _attention_dtype(self, device_type: str) -> Optional[torch.dtype]:
+        """The dtype to attend in: the autocast dtype inside an autocast region, like PyTorch's
+        fused attention (megatron-core's layers can hand us fp32 q/k/v there, and the fp32
+        kernels are tens of times slower: 2.6 s vs 0.1 s per training step of a 4-layer model at
+        32K on an H200); None (the inputs' own dtype) otherwise.
+
+        Megatron's activation recompute (``tensor_parallel.checkpoint``) runs a no-grad first
+        pass, then re-runs the forward in the backward outside the autocast region. The first
+        pass's dtype is kept for that re-run, so that it attends, and builds its index, as the
+        forward did; any other forward drops it."""
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+            first_pass_of_recompute = self.training and not torch.is_grad_enabled()
+            self._recompute_dtype = dtype if first_pass_of_recompute else None
+            return dtype
+        # Outside autocast, the re-run of a recompute (training, with grad) takes the first pass's dtype.
+        dtype = self._recompute_dtype if self.training and torch.is_grad_enabled() else None
+        self._recompute_dtype = None
+        return dtype
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         sq, b, np_, hn = query.shape

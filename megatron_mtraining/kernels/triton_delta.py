@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-ROWS_PER_PROGRAM = 64
+# Rows per program: two [rows, d] fp32 tiles stay at 8K elements (64 rows at d128), in registers.
+TILE_ELEMENTS = 8192
 
 
 @triton.jit
@@ -42,7 +43,7 @@ def attention_delta_triton(out: torch.Tensor, d_out: torch.Tensor) -> torch.Tens
         raise ValueError(f"attention_delta_triton needs a power-of-2 head dim with unit stride, got d={d}, "
                          f"strides {out.stride()}, {d_out.stride()}")
     delta = torch.empty(b, h, n, dtype=torch.float32, device=out.device)
-    grid = (triton.cdiv(n, ROWS_PER_PROGRAM), b * h)
-    _delta_kernel[grid](out, d_out, delta, n, h, *out.stride()[:3], *d_out.stride()[:3],
-                        BLOCK_R=ROWS_PER_PROGRAM, D=d)
+    rows = max(16, TILE_ELEMENTS // d)
+    grid = (triton.cdiv(n, rows), b * h)
+    _delta_kernel[grid](out, d_out, delta, n, h, *out.stride()[:3], *d_out.stride()[:3], BLOCK_R=rows, D=d)
     return delta
