@@ -33,9 +33,11 @@ from common import json_ready, run_metadata  # noqa: E402
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.approx import approximate_index  # noqa: E402
+from megatron_mtraining.index import VSIndex  # noqa: E402
 from megatron_mtraining.synthetic import synthetic_vs_qk  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESIDUAL = "residual verticals (prototype), top-p 0.9, last_q 128"
 VARIANTS = {  # name -> MTrainingConfig overrides (on top of the quality benchmark's settings)
     "top-p 0.9, last_q 128": {},
     "top-p 0.9, last_q 32": dict(last_q=32),
@@ -73,6 +75,34 @@ def steer(q_row: torch.Tensor, k: torch.Tensor, row: int, needle: int, share: fl
     return (q_row.double() + hi * direction).to(q_row.dtype)
 
 
+def residual_vertical_index(q, k, config: MTrainingConfig, index: VSIndex) -> VSIndex:
+    """Prototype of another vertical selection, not in the package: keep ``index``'s slashes and
+    choose the verticals by top-p of the mass those slashes leave (exact softmax of the last
+    ``last_q`` rows), plus the sink columns. The question it answers: do verticals that only
+    have to explain what the slash lines miss keep the needles, and at what density?"""
+    _, hq, n, d = q.shape
+    L, B, nb = config.last_q, config.block_size, n // config.block_size
+    rows, cols = torch.arange(n - L, n), torch.arange(n)
+    keys = k[0].repeat_interleave(hq // k.shape[1], 0).double()  # [hq, n, d]
+    causal = cols[None, :] <= rows[:, None]
+    logits = q[0, :, n - L:].double() @ keys.transpose(1, 2) / math.sqrt(d)
+    probs = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)  # [hq, L, n]
+    offset = (rows[:, None] // B - cols[None, :] // B).clamp(0, nb - 1)
+    covered = index.slash_bitmap(nb).bool()[0][:, offset] & causal
+    residual = (probs * ~covered).sum(1)  # [hq, n]
+    ranked, order = residual.sort(-1, descending=True)
+    count = (ranked.cumsum(-1) < config.top_p * residual.sum(-1, keepdim=True)).sum(-1) + 1
+    capacity = config.max_vertical
+    vertical = torch.zeros(1, hq, capacity, dtype=torch.int32)
+    n_vertical = torch.zeros(1, hq, dtype=torch.int32)
+    for h in range(hq):
+        chosen = set(order[h, :int(count[h])].tolist()) | set(range(config.sink_tokens))
+        chosen = sorted(chosen)[:capacity]
+        vertical[0, h, :len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+        n_vertical[0, h] = len(chosen)
+    return VSIndex(index.slash, index.n_slash, vertical, n_vertical, B)
+
+
 def pick_needle(keys: torch.Tensor, row: int, g: torch.Generator) -> int:
     """A random key before ``row - 256`` that is the extreme of the keys up to ``row`` in its own
     direction, so that moving a query towards it can give it any share of the attention."""
@@ -86,8 +116,8 @@ def pick_needle(keys: torch.Tensor, row: int, g: torch.Generator) -> int:
 
 
 def coverage(n: int, share: float, seeds: int, group: int, head_dim: int, locality: float, base: MTrainingConfig):
-    hits = {name: 0 for name in VARIANTS}
-    density = {name: 0.0 for name in VARIANTS}
+    hits = {name: 0 for name in (*VARIANTS, RESIDUAL)}
+    density = {name: 0.0 for name in hits}
     total = 0
     scale = 1.0 / math.sqrt(head_dim)
     for seed in range(seeds):
@@ -98,8 +128,10 @@ def coverage(n: int, share: float, seeds: int, group: int, head_dim: int, locali
         for row, needle in zip(rows, needles):
             for h in range(group):  # every query head of the group retrieves
                 q[0, h, row] = steer(q[0, h, row], k[0, 0], row, needle, share, scale)
-        for name, overrides in VARIANTS.items():
-            index = approximate_index(q, k, dataclasses.replace(base, **overrides), backend="torch")
+        indexes = {name: approximate_index(q, k, dataclasses.replace(base, **overrides), backend="torch")
+                   for name, overrides in VARIANTS.items()}
+        indexes[RESIDUAL] = residual_vertical_index(q, k, base, indexes["top-p 0.9, last_q 128"])
+        for name, index in indexes.items():
             covered = index.covers(torch.tensor(rows), torch.tensor(needles), n)[0]  # [heads, rows]
             hits[name] += int(covered.any(0).sum())
             density[name] += float(index.density(n).mean()) / seeds

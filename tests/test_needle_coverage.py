@@ -35,7 +35,8 @@ def test_sweep_writes_coverage_and_a_vertical_floor_never_loses_a_needle(tmp_pat
     assert len(rows) == 4
     for r in rows:
         cov = r["coverage"]
-        assert set(cov) == set(needle_coverage.VARIANTS) and all(0 <= x <= 1 for x in cov.values())
+        assert set(cov) == {*needle_coverage.VARIANTS, needle_coverage.RESIDUAL}
+        assert all(0 <= x <= 1 for x in cov.values())
         # min_vertical only adds columns to the same top-p selection
         assert cov["top-p 0.9, last_q 128, min_vertical 256"] >= cov["top-p 0.9, last_q 128"]
         assert all(0 < x <= 1 for x in r["density"].values())
