@@ -5,6 +5,7 @@
 
 Results files are named ``<kind>_<device>.json``; each kind has one renderer in ``RENDERERS``
 (``kernel``, ``ring``; the approximator benchmark adds its own with ``@renderer(...)``).
+``analysis_*.json`` (CPU models of ring balance and index coverage) have none: NOTES.md quotes them.
 Without a README or its markers the tables go to stdout and the exit status is 0.
 """
 
@@ -355,7 +356,8 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
             values["ring_speedup_vs_dense_512k_4gpu"] = (striped.get("speedup", {}).get("vs_best_dense"), path, "")
             if striped.get("fwdbwd_ms") and zigzag.get("fwdbwd_ms"):
                 values["ring_speedup_vs_sparse_zigzag_512k_4gpu"] = (
-                    zigzag["fwdbwd_ms"] / striped["fwdbwd_ms"], path, "")
+                    zigzag["fwdbwd_ms"] / striped["fwdbwd_ms"], path,
+                    "what the layouts' work balance allows on this index: analysis_ring_balance.json")
             for key, value in striped.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {}).items():
                 values[key] = (value, path, "sparse striped ring, 512K, 4 GPUs")
     # Strong scaling of the sparse striped ring at 512K: T(1 GPU) / (4 x T(4 GPUs)).

@@ -12,7 +12,7 @@ attention (bisection on the exact row softmax). Then the approximator builds the
 count the (row, needle) pairs it covers, in at least one query head of the row's KV group, for
 several configurations. CPU is fine (PyTorch statistics)::
 
-    python benchmarks/needle_coverage.py            # -> results/needle_coverage.json
+    python benchmarks/needle_coverage.py            # -> results/analysis_needle_coverage.json
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--out", default=os.path.join(RESULTS_DIR, "needle_coverage.json"))
+    p.add_argument("--out", default=os.path.join(RESULTS_DIR, "analysis_needle_coverage.json"))
     args = p.parse_args(argv)
     base = MTrainingConfig(index="vs", top_p=0.9, last_q=128, block_size=64)
     rows = []

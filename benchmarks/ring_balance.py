@@ -14,7 +14,7 @@ change in `ring.py`'s sparse zigzag / striped ratio.
 Indices: the ring benchmark's synthetic `fixed` index, and indices the approximator builds from
 synthetic vertical-slash q/k (`synthetic_vs_qk`) with diffuse to concentrated attention::
 
-    python benchmarks/ring_balance.py     # -> results/ring_balance.json
+    python benchmarks/ring_balance.py     # -> results/analysis_ring_balance.json
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def main(argv=None):
     p.add_argument("--density", type=float, default=0.05, help="density of the fixed index")
     p.add_argument("--localities", default="1,4,16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(RESULTS_DIR, "ring_balance.json"))
+    p.add_argument("--out", default=os.path.join(RESULTS_DIR, "analysis_ring_balance.json"))
     args = p.parse_args(argv)
     rows = []
     for seq_len in (int(x) for x in args.seq_lens.split(",")):
