@@ -6,6 +6,7 @@ Everything here is measurement plumbing; the attention itself comes from `megatr
 from __future__ import annotations
 
 import collections
+import json
 import math
 import os
 import platform
@@ -290,3 +291,10 @@ def json_ready(obj):
     if isinstance(obj, float):
         return float(f"{obj:.6g}") if math.isfinite(obj) else None
     return obj
+
+
+def write_json(path: str, result) -> None:
+    """``result`` (through ``json_ready``) to ``path``, creating its folder."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(json_ready(result), f, indent=1)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import sys
@@ -29,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import json_ready, run_metadata  # noqa: E402
+from common import run_metadata, write_json  # noqa: E402
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.approx import approximate_index  # noqa: E402
@@ -163,9 +162,7 @@ def main(argv=None):
                       + " | ".join(f"{k}: {v:.2f} ({density[k]:.3f})" for k, v in result.items()), flush=True)
     out = {"benchmark": "needle_coverage", "settings": vars(args), "rows": rows,
            "meta": run_metadata(torch.device("cpu"))}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(json_ready(out), f, indent=1)
+    write_json(args.out, out)
     print(f"wrote {args.out}")
 
 

@@ -55,7 +55,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import json_ready, run_metadata  # noqa: E402
+from common import run_metadata, write_json  # noqa: E402
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.corpus import (  # noqa: E402
@@ -425,8 +425,7 @@ def run(args):
         dist.destroy_process_group()
     result["meta"] = run_metadata(device)
     out = args.out or f"quality_{args.run}.json"
-    with open(out, "w") as f:
-        json.dump(json_ready(result), f, indent=1)
+    write_json(out, result)
     print(f"wrote {out}")
 
 
@@ -480,9 +479,7 @@ def merge(args):
     }
     result = {"benchmark": "quality", "summary": summary, "dense": dense, "mtraining": sparse}
     out = args.out or os.path.join(RESULTS_DIR, "quality.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(json_ready(result), f, indent=1)
+    write_json(out, result)
     plots = make_plots(result, os.path.splitext(out)[0])
     print(f"wrote {out} {' '.join(plots)}")
     for key, value in summary.items():

@@ -20,7 +20,6 @@ synthetic vertical-slash q/k (`synthetic_vs_qk`) with diffuse to concentrated at
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -29,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import fixed_vs_index, json_ready, run_metadata  # noqa: E402
+from common import fixed_vs_index, run_metadata, write_json  # noqa: E402
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.approx import approximate_index  # noqa: E402
@@ -116,9 +115,7 @@ def main(argv=None):
             print(f"S={seq_len:>6} {name:<28} density {row['density']:.3f} | zigzag / striped: "
                   + ", ".join(f"{m} {row['zigzag_over_striped'][m]:.3f}" for m in MODELS), flush=True)
     out = {"benchmark": "ring_balance", "settings": vars(args), "rows": rows, "meta": run_metadata(torch.device("cpu"))}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(json_ready(out), f, indent=1)
+    write_json(args.out, out)
     print(f"wrote {args.out}")
 
 

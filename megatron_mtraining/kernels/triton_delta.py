@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_fwd import _head_offset, _tile_ptrs, _wide, int64_offsets
+
 # Rows per program: two [rows, d] fp32 tiles stay at 8K elements (64 rows at d128), in registers.
 TILE_ELEMENTS = 8192
 
@@ -19,19 +21,17 @@ TILE_ELEMENTS = 8192
 @triton.jit
 def _delta_kernel(O, DO, Delta, n, H,
                   so_b, so_h, so_n, sdo_b, sdo_h, sdo_n,
-                  BLOCK_R: tl.constexpr, D: tl.constexpr):
+                  BLOCK_R: tl.constexpr, D: tl.constexpr, INT64: tl.constexpr):
     pid_r, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // H, pid_bh % H
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     dims = tl.arange(0, D)
     ok = rows < n
-    # int64: b * stride_b alone passes 2^31 for large batches of long sequences.
-    r64 = rows.to(tl.int64)
-    o = tl.load(O + b.to(tl.int64) * so_b + h.to(tl.int64) * so_h + r64[:, None] * so_n + dims[None, :],
+    o = tl.load(_tile_ptrs(O + _head_offset(b, h, so_b, so_h, INT64), rows, so_n, dims, INT64),
                 mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(DO + b.to(tl.int64) * sdo_b + h.to(tl.int64) * sdo_h + r64[:, None] * sdo_n + dims[None, :],
+    do = tl.load(_tile_ptrs(DO + _head_offset(b, h, sdo_b, sdo_h, INT64), rows, sdo_n, dims, INT64),
                  mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(Delta + pid_bh.to(tl.int64) * n + rows, tl.sum(o * do, axis=1), mask=ok)
+    tl.store(Delta + _wide(pid_bh, INT64) * n + rows, tl.sum(o * do, axis=1), mask=ok)
 
 
 def attention_delta_triton(out: torch.Tensor, d_out: torch.Tensor) -> torch.Tensor:
@@ -45,5 +45,6 @@ def attention_delta_triton(out: torch.Tensor, d_out: torch.Tensor) -> torch.Tens
     delta = torch.empty(b, h, n, dtype=torch.float32, device=out.device)
     rows = max(16, TILE_ELEMENTS // d)
     grid = (triton.cdiv(n, rows), b * h)
-    _delta_kernel[grid](out, d_out, delta, n, h, *out.stride()[:3], *d_out.stride()[:3], BLOCK_R=rows, D=d)
+    _delta_kernel[grid](out, d_out, delta, n, h, *out.stride()[:3], *d_out.stride()[:3], BLOCK_R=rows, D=d,
+                        INT64=int64_offsets(out, d_out, delta))
     return delta
