@@ -40,7 +40,9 @@ def quality(device, seq_len, heads, kv_heads, head_dim, top_ps, seeds):
     for top_p in top_ps:
         for seed in seeds:
             q, k = synthetic_vs_qk(1, heads, kv_heads, seq_len, head_dim, seed=seed, device=device)
-            cfg = MTrainingConfig(top_p=top_p, max_vertical=max(64, seq_len // 16), max_slash=max(16, seq_len // 256))
+            # min_vertical 0: the recall-density curve of the top-p budget alone
+            cfg = MTrainingConfig(top_p=top_p, max_vertical=max(64, seq_len // 16), min_vertical=0,
+                                  max_slash=max(16, seq_len // 256))
             index = approximate_index(q, k, cfg)
             r = attention_recall(q, k, index)
             rows.append({"top_p": top_p, "seed": seed, "seq_len": seq_len, "recall": r["mean_recall"],

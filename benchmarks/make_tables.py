@@ -16,7 +16,7 @@ import glob
 import json
 import os
 import sys
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -287,6 +287,17 @@ def index_settings(settings: Dict) -> str:
     return f"top-p {settings['top_p']}, last_q {settings['last_q']}, min_vertical {settings.get('min_vertical', 0)}"
 
 
+def needle_coverage_rows(coverage: Optional[Dict]) -> List[List[str]]:
+    """One row at the longest probed length: per layer, the share of probes whose needle the
+    index lets the answering row see (dense column: the dense model under MTraining's index)."""
+    if not coverage:
+        return []
+    length = max(coverage["mtraining"], key=int)
+    per_layer = lambda run: " / ".join(num(c, 2) for c in coverage[run][length])
+    return [[f"needle coverage by the index at {tokens(int(length))}, per layer", per_layer("dense"),
+             per_layer("mtraining"), "", ""]]
+
+
 @renderer("quality")
 def render_quality(results: List[Result]) -> str:
     parts = []
@@ -303,7 +314,8 @@ def render_quality(results: List[Result]) -> str:
              ["retrieval accuracy (MTraining's index at inference)",
               num(s.get("dense_retrieval_accuracy_sparse_inference"), 3),
               num(s.get("mtraining_retrieval_accuracy_sparse_inference"), 3), "", ""],
-             ["index density at the longest trained context", "1", num(s["mean_density"], 3), "", "<= 0.10"]]))
+             ["index density at the longest trained context", "1", num(s["mean_density"], 3), "", "<= 0.10"]]
+            + needle_coverage_rows(s.get("needle_coverage_per_layer"))))
         if any(stopped.get(run) is not None for run in ("dense", "mtraining")):
             schedule = (f"training stopped at iterations {stopped.get('dense')} (dense) / "
                         f"{stopped.get('mtraining')} (MTraining) by the time budget")

@@ -3,7 +3,8 @@
 The same small megatron-core GPT (RoPE, GQA) trains from the same seed on the same synthetic
 corpus (``megatron_mtraining.corpus``: word-completion filler plus key-value needles queried at
 the end of each sequence, stored in Megatron's indexed-dataset format) twice: with dense causal
-attention and with MTraining (``vs`` index, top-p 0.9). Both go through ``MTrainingAttention``;
+attention and with MTraining (``vs`` index, top-p 0.9, vertical floor ``--min-vertical`` 256,
+the default; 0 is the paper's pure top-p). Both go through ``MTrainingAttention``;
 the dense run uses the dense index (exact causal attention), so the attention code is the only
 difference. Training follows a short-to-long schedule (``--phases``, the same token count per
 iteration). Then both are evaluated:
@@ -99,8 +100,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--last-q", type=int, default=128)
-    p.add_argument("--min-vertical", type=int, default=0,
-                   help="lower clamp of each head's vertical budget (MTrainingConfig.min_vertical)")
+    p.add_argument("--min-vertical", type=int, default=MTrainingConfig.min_vertical,
+                   help="lower clamp of each head's vertical budget (MTrainingConfig.min_vertical; "
+                        "0: the paper's pure top-p budget)")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--eval-lengths", default="4096,16384,32768")
     p.add_argument("--eval-depths", default="0.05,0.25,0.45,0.65,0.85")

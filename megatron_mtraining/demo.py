@@ -38,7 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     add_mtraining_args(p)
     # Short demo sequences stay sparse; sparse-attention telemetry every 10 iterations.
-    p.set_defaults(mtraining_max_slash=8, mtraining_max_vertical=64, mtraining_log_interval=10)
+    p.set_defaults(mtraining_max_slash=8, mtraining_max_vertical=64, mtraining_min_vertical=16,
+                   mtraining_log_interval=10)
     return p.parse_args(argv)
 
 

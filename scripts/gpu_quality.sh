@@ -18,7 +18,7 @@ export GIT_COMMIT=${GIT_COMMIT:-unknown}
 FLAGS=${QUALITY_FLAGS:---phases 128:800,1024:400,4096:400,32768:800 --tokens-per-iteration 16384 --needles-per-1k 48 --queries 6 --needle-format fact --vocab-size 2048 --rotary-base 1000000 --answer-loss-weight 20 --lr 3e-3 --warmup 50 --eval-probes 16 --max-train-seconds 360}
 # RUNS="dense" then RUNS="mtraining" runs them one per call on a single GPU (each alone on it);
 # the merge happens where both JSONs are (here, or later with quality.py --merge).
-# MT_VARIANT="--min-vertical 256" adds a second MTraining run with these extra flags, after the
+# MT_VARIANT="--min-vertical 0" adds a second MTraining run with these extra flags, after the
 # first on the same GPU, merged against the same dense run into quality_${VARIANT_NAME}.json.
 RUNS=${RUNS:-dense mtraining}
 VARIANT_NAME=${VARIANT_NAME:-variant}

@@ -145,10 +145,10 @@ def test_dense_and_fixed_builders():
     q, k = structured_qk(256)
     dense = approximate_index(q, k, MTrainingConfig(index="dense"))
     assert torch.all(dense.n_slash == 4)  # 256 / 64 blocks
-    fixed = approximate_index(q, k, MTrainingConfig(index="fixed", max_slash=3, max_vertical=10))
+    fixed = approximate_index(q, k, MTrainingConfig(index="fixed", max_slash=3, max_vertical=10, min_vertical=0))
     fixed.validate(256)
     assert torch.all(fixed.n_vertical == 10) and torch.all(fixed.slash[..., 0] == 0)
-    big = fixed_index(1, 2, 4096, MTrainingConfig(max_slash=16, max_vertical=64))
+    big = fixed_index(1, 2, 4096, MTrainingConfig(max_slash=16, max_vertical=64, min_vertical=0))
     big.validate(4096)
     assert torch.all(big.n_slash == 16) and torch.all(big.n_vertical == 64)
 
@@ -192,7 +192,7 @@ def test_recall_on_synthetic_vertical_slash_data():
     from megatron_mtraining.synthetic import attention_recall, synthetic_vs_qk
     n = 8192
     q, k = synthetic_vs_qk(1, 8, 2, n, 64, seed=0)
-    index = approximate_index(q, k, MTrainingConfig(top_p=0.9, max_vertical=512, max_slash=32))
+    index = approximate_index(q, k, MTrainingConfig(top_p=0.9, max_vertical=512, min_vertical=0, max_slash=32))
     r = attention_recall(q, k, index)
     assert r["mean_recall"] >= 0.85, r
     assert r["mean_density"] < 0.15, r

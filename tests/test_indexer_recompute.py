@@ -17,7 +17,7 @@ from test_megatron_attention import (  # noqa: E402,F401  (reset_mtraining_confi
     transformer_config,
 )
 
-SPARSE = MTrainingConfig(index="vs", block_size=64, top_p=0.5, max_slash=2, max_vertical=16, last_q=64)
+SPARSE = MTrainingConfig(index="vs", block_size=64, top_p=0.5, max_slash=2, max_vertical=16, min_vertical=0, last_q=64)
 
 RECOMPUTE = {
     "none": {},

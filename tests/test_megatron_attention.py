@@ -115,7 +115,7 @@ def test_dense_mtraining_equals_local_attention(megatron_cpu):
 
 
 # top_p=0.9 keeps every block of this small random model; the second config is really sparse.
-@pytest.mark.parametrize("sparse_kwargs", [dict(top_p=0.9), dict(top_p=0.5, max_vertical=32, max_slash=2)])
+@pytest.mark.parametrize("sparse_kwargs", [dict(top_p=0.9), dict(top_p=0.5, max_vertical=32, min_vertical=0, max_slash=2)])
 def test_vs_index_forward_backward(megatron_cpu, sparse_kwargs):
     cfg = MTrainingConfig(index="vs", block_size=64, last_q=64, **sparse_kwargs)
     model = build_gpt(get_gpt_layer_spec(cfg))
@@ -452,7 +452,7 @@ def _check_context_parallel(world_size, settings):
     cases, references = [], []
     for layout, index, inner in settings:
         cfg = MTrainingConfig(index=index, layout=layout, block_size=CP_BLOCK, top_p=0.5, max_slash=2,
-                              max_vertical=32, inner_ring_size=inner)
+                              max_vertical=32, min_vertical=0, inner_ring_size=inner)
         reference = build_gpt(get_gpt_layer_local_spec() if index == "dense" else get_gpt_layer_spec(cfg))
         ref_logits = reference(tokens, position_ids, mask).detach()
         reference(tokens, position_ids, mask, labels=labels).float().mean().backward()

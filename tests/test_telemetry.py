@@ -17,7 +17,7 @@ from megatron_mtraining.integration.attention import MTrainingAttention  # noqa:
 from megatron_mtraining.ring import instrument  # noqa: E402
 from test_megatron_attention import transformer_config  # noqa: E402
 
-CFG = MTrainingConfig(index="vs", block_size=64, top_p=0.5, max_slash=2, max_vertical=16, last_q=64)
+CFG = MTrainingConfig(index="vs", block_size=64, top_p=0.5, max_slash=2, max_vertical=16, min_vertical=0, last_q=64)
 HEADS, GROUPS, HEAD_DIM = 4, 2, 16
 
 
