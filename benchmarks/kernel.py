@@ -448,26 +448,29 @@ def parse_args(argv=None):
     p.add_argument("--skip", default="", help="comma-separated: dense, flex, breakdown, check")
     p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU: tests the script itself")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernel_<device>.json)")
-    p.add_argument("--launch", default="", help="launch settings instead of the defaults, e.g. fwd:4x3,bwd:8x2 "
-                   "(num_warps x num_stages per kernel family)")
+    p.add_argument("--launch", default="", help="launch settings instead of the defaults, e.g. fwd:4x3,bwd:8x2h "
+                   "(num_warps x num_stages per kernel family; a trailing h: GQA heads as adjacent programs)")
     p.add_argument("--sweep", default="", help="compare launch settings instead of the full benchmark: "
                    "comma-separated WxS candidates, tried for fwd then for bwd (our kernels only)")
     return p.parse_args(argv)
 
 
 def parse_launch(text: str) -> Dict[str, dict]:
-    """'fwd:4x3,bwd:8x2' -> {'fwd': {'num_warps': 4, 'num_stages': 3}, 'bwd': {...}}."""
+    """'fwd:4x3,bwd:8x2h' -> {'fwd': {'num_warps': 4, 'num_stages': 3}, 'bwd': {..., 'HEADS_ADJACENT': True}}.
+    A trailing 'h' launches the query heads of a GQA group as consecutive programs."""
     out: Dict[str, dict] = {}
     for item in filter(None, text.split(",")):
         try:
             family, setting = item.split(":")
-            warps, stages = (int(x) for x in setting.lower().split("x"))
+            adjacent = setting.lower().endswith("h")
+            warps, stages = (int(x) for x in setting.lower().rstrip("h").split("x"))
         except ValueError:
-            raise SystemExit(f"kernel.py: bad --launch item {item!r}; expected FAMILY:WARPSxSTAGES, e.g. fwd:4x3")
+            raise SystemExit(f"kernel.py: bad --launch item {item!r}; expected FAMILY:WARPSxSTAGES[h], "
+                             "e.g. fwd:4x3 or fwd:4x2h")
         if family not in ("fwd", "bwd") or warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 8:
             raise SystemExit(f"kernel.py: bad --launch item {item!r}: family fwd/bwd, warps a power of 2 <= 16, "
                              "stages 1-8")
-        out[family] = {"num_warps": warps, "num_stages": stages}
+        out[family] = {"num_warps": warps, "num_stages": stages, **({"HEADS_ADJACENT": True} if adjacent else {})}
     return out
 
 

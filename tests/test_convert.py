@@ -168,3 +168,43 @@ def test_cuda_matches_reference(name, nb, q_ids, k_ids):
         stream.synchronize()
         assert all(o.device.type == "cuda" for o in out)
         assert_same(ref, out, f"{name} index {n}")
+
+
+def _bounds_cases():
+    """The ring's chunks plus chunks whose blocks are in no particular order."""
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    return CASES + [("permuted", 12, perm[:7], perm[5:])]
+
+
+@pytest.mark.parametrize("name, nb, q_ids, k_ids", _bounds_cases(), ids=[c[0] for c in _bounds_cases()])
+def test_column_bounds_skip_only_columns_after_every_query(name, nb, q_ids, k_ids):
+    """``StepPlan.col_limit`` (query-stationary kernels) and ``first_query_blocks`` (the column
+    gradient kernel) are the tightest bounds that keep every causally visible (query block,
+    column) pair: brute force over all pairs, for any order of the chunks' blocks."""
+    from megatron_mtraining.kernels.plan import build_step_plan
+    from megatron_mtraining.kernels.triton_bwd import first_query_blocks
+
+    block_col = 4
+    for index in index_cases(nb, zlib.crc32(name.encode())):
+        plan = build_step_plan(index, q_ids, k_ids, nb, impl="torch")
+        last_query = q_ids.long() * B + B - 1
+        b, h, max_v = plan.cols.shape
+        for bb in range(b):
+            for hh in range(h):
+                pos = [int(plan.k_block_ids[c // B]) * B + c % B
+                       for c in plan.cols[bb, hh, :plan.col_count[bb, hh]].tolist()]
+                for i, last in enumerate(last_query.tolist()):
+                    visible = [j for j, p in enumerate(pos) if p <= last]
+                    assert plan.col_limit[bb, hh, i] == (visible[-1] + 1 if visible else 0)
+        n_tiles = -(-max_v // block_col)
+        if n_tiles == 0:
+            continue
+        q_first = first_query_blocks(plan, B, block_col, n_tiles).view(b, h, n_tiles)
+        for bb in range(b):
+            for hh in range(h):
+                pos = plan.col_pos[bb, hh].tolist()
+                for t in range(n_tiles):
+                    tile = [p for p in pos[t * block_col:(t + 1) * block_col] if p < nb * B]
+                    seeing = [i for i, last in enumerate(last_query.tolist()) if tile and min(tile) <= last]
+                    # every block that sees the tile is at or after q_first; the first that does is q_first
+                    assert q_first[bb, hh, t] == (seeing[0] if seeing else len(last_query))

@@ -26,9 +26,10 @@ def test_parse_launch():
     assert kernel.parse_launch("") == {}
     assert kernel.parse_launch("fwd:4x3,bwd:8X2") == {"fwd": {"num_warps": 4, "num_stages": 3},
                                                       "bwd": {"num_warps": 8, "num_stages": 2}}
+    assert kernel.parse_launch("fwd:4x2h") == {"fwd": {"num_warps": 4, "num_stages": 2, "HEADS_ADJACENT": True}}
 
 
-@pytest.mark.parametrize("text", ["fwd:3x2", "fwd:4x0", "dq:4x2", "fwd4x2", "fwd:4"])
+@pytest.mark.parametrize("text", ["fwd:3x2", "fwd:4x0", "dq:4x2", "fwd4x2", "fwd:4", "fwd:4x2g"])
 def test_bad_launch_settings_are_rejected(text):
     with pytest.raises(SystemExit, match="bad --launch item"):
         kernel.parse_launch(text)

@@ -183,10 +183,23 @@ def test_triton_tiles_smaller_than_the_block(monkeypatch, tile):
     """Index blocks larger than the kernel tiles (as fp32 with block 128 runs on the GPU)."""
     from megatron_mtraining.kernels import triton_fwd
     monkeypatch.setattr(triton_fwd, "tile_config", lambda block, dtype, family="fwd": dict(
-        BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=16, num_warps=4, num_stages=1))
+        BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=16, num_warps=4, num_stages=1, HEADS_ADJACENT=False))
     q, k, v = inputs(1, 4, 2, 192, 32, seed=tile)
     index = VSIndex.random(1, 4, 192, 64, max_slash=3, max_vertical=40,
                            generator=torch.Generator().manual_seed(tile))
+    check_against_oracle(q, k, v, index, "triton", 1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_triton_heads_adjacent_program_order(monkeypatch, group):
+    """The query-stationary kernels launched with a GQA group's heads as consecutive programs
+    (HEADS_ADJACENT) compute the same attention and gradients, batch > 1 included."""
+    from megatron_mtraining.kernels import triton_fwd
+    monkeypatch.setattr(triton_fwd, "LAUNCH_OVERRIDES", {f: {"HEADS_ADJACENT": True} for f in ("fwd", "bwd")})
+    assert triton_fwd.tile_config(64, torch.bfloat16, "bwd")["HEADS_ADJACENT"]
+    q, k, v = inputs(2, 4, 4 // group, 128, 32, seed=group)
+    index = VSIndex.random(2, 4, 128, 16, max_slash=4, max_vertical=24,
+                           generator=torch.Generator().manual_seed(group))
     check_against_oracle(q, k, v, index, "triton", 1e-5)
 
 

@@ -12,7 +12,8 @@ The conversion yields, per (batch, query head):
   q_count/q_blocks   [b, hq, nkb(, max_s)]  the transpose: local query blocks reading each key block;
   col_count/cols     [b, hq(, max_v)]       selected columns owned by the key chunk, as local
                                             key-token indices, ascending.
-Entries past a count are 0. ``convert_step_reference`` is the readable PyTorch definition;
+Entries past a count are 0. ``StepPlan.col_limit`` (derived in PyTorch) bounds the columns a query
+block walks, so no kernel iterates over columns that are causally after all of its queries. ``convert_step_reference`` is the readable PyTorch definition;
 ``csrc/`` holds the C++ and CUDA versions, which must return identical tensors.
 """
 
@@ -90,6 +91,30 @@ def convert_step(slash, n_slash, vertical, n_vertical, q_block_ids, k_block_ids,
     return convert_step_reference(*args, num_blocks, block_size)
 
 
+def column_positions(cols: torch.Tensor, col_count: torch.Tensor, k_block_ids: torch.Tensor, num_blocks: int,
+                     block_size: int) -> torch.Tensor:
+    """Global position of each column slot ``[b, hq, max_v]`` (int64); empty slots hold
+    ``num_blocks * block_size``, after every query."""
+    B = block_size
+    c = cols.long()
+    pos = k_block_ids.long()[c // B] * B + c % B
+    slot_ok = torch.arange(cols.shape[-1], device=cols.device) < col_count[..., None]
+    return torch.where(slot_ok, pos, num_blocks * B)
+
+
+def column_limits(col_pos: torch.Tensor, q_block_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int32 ``[b, hq, nqb]``: how many leading column slots local query block ``i`` must walk.
+    Every slot at or past the limit is after the block's last query. With ``suffix_min[j]`` the
+    earliest position among slots ``j..``, slot ``j`` is needed iff ``suffix_min[j] <= last``;
+    ``suffix_min`` never decreases, so the limit is a binary search, for any chunk order (the
+    layouts' ascending block ids make ``suffix_min`` the positions themselves)."""
+    if col_pos.shape[-1] == 0:
+        return torch.zeros(*col_pos.shape[:-1], q_block_ids.numel(), dtype=torch.int32, device=col_pos.device)
+    suffix_min = col_pos.flip(-1).cummin(-1).values.flip(-1).contiguous()
+    last_query = (q_block_ids.long() * block_size + block_size - 1).expand(*col_pos.shape[:-1], -1).contiguous()
+    return torch.searchsorted(suffix_min, last_query, right=True).to(torch.int32)
+
+
 @dataclasses.dataclass
 class StepPlan:
     """Everything the kernels need for one (query chunk, key chunk) pair; fixed shapes."""
@@ -105,6 +130,15 @@ class StepPlan:
     q_blocks: torch.Tensor
     col_count: torch.Tensor
     cols: torch.Tensor
+    col_pos: torch.Tensor = None    # int64 [b, hq, max_v] (``column_positions``)
+    col_limit: torch.Tensor = None  # int32 [b, hq, nqb] (``column_limits``)
+
+    def __post_init__(self):
+        if self.col_pos is None:
+            self.col_pos = column_positions(self.cols, self.col_count, self.k_block_ids, self.num_blocks,
+                                            self.block_size)
+        if self.col_limit is None:
+            self.col_limit = column_limits(self.col_pos, self.q_block_ids, self.block_size)
 
     @property
     def block_size(self) -> int:

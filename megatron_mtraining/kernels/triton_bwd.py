@@ -7,7 +7,8 @@ and added into fp32 accumulators, so a ring can call this once per step:
     query head of the GQA group. Slash sets are closed under transposition (query block
     ``kb + delta`` reads key block ``kb``), so each key block has exactly one writer: no atomics.
   * ``_dkdv_col_kernel`` columns are read by every later query block: a split reduction over
-    query-block ranges writes fp32 partials, summed in a fixed order afterwards (deterministic).
+    the query blocks from the first that can see the column tile (``first_query_blocks``)
+    writes fp32 partials, summed in a fixed order afterwards (deterministic).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import triton_fwd
-from .triton_fwd import LOG2E, _column_tile, _head_offset, _tile_ptrs, _wide, kernel_flags
+from .triton_fwd import LOG2E, _column_tile, _head_offset, _query_program, _tile_ptrs, _wide, kernel_flags
 
 
 @triton.jit
@@ -52,7 +53,7 @@ def _load_query_side(Q, DO, Lse, Delta, b, h, rows, offs_d,
 @triton.jit
 def _dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,
-    QBlk, KBlk, KVCnt, KVIdx, ColCnt, Cols, Bitmap,
+    QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, Bitmap,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -63,9 +64,9 @@ def _dq_kernel(
     HQ, GROUP, NQB, MAX_S, MAX_V, NB,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
     HEAD_DIM: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEADS_ADJACENT: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_m, pid_bh = _query_program(GROUP, HEADS_ADJACENT)
     b = pid_bh // HQ
     h = pid_bh % HQ
     kvh = h // GROUP
@@ -103,7 +104,7 @@ def _dq_kernel(
             ds = p * (dp - di[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
-    n_cols = tl.load(ColCnt + pid_bh)
+    n_cols = tl.load(ColLimit + plan_row)  # the columns after it are after all of this block's queries
     for c0 in range(0, n_cols, BLOCK_COL):
         k, v, active = _column_tile(Cols, KBlk, Bitmap, k_base, v_base, bh * MAX_V, bh * NB, c0, n_cols,
                                     q_blk, q_pos, stride_kn, stride_vn, offs_d, BLOCK, BLOCK_COL, INT64, UPCAST)
@@ -176,14 +177,14 @@ def _dkdv_kernel(
 @triton.jit
 def _dkdv_col_kernel(
     Q, K, V, DO, Lse, Delta, DKP, DVP,
-    QBlk, KBlk, ColCnt, Cols, Bitmap,
+    QBlk, KBlk, ColCnt, Cols, Bitmap, QFirst,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     stride_lb, stride_lh,
     qk_scale, sm_scale,
-    HQ, GROUP, NQB, MAX_V, MAX_V_PAD, NB, Q_PER_SPLIT, BH,
+    HQ, GROUP, NQB, MAX_V, MAX_V_PAD, NB, SPLITS, BH,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
     INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -211,9 +212,11 @@ def _dkdv_col_kernel(
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_COL, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_COL, HEAD_DIM], tl.float32)
-    i_start = pid_s * Q_PER_SPLIT
-    i_end = tl.minimum(i_start + Q_PER_SPLIT, NQB)
-    i_end = tl.where(pid_c * BLOCK_COL < n_cols, i_end, i_start)  # empty tiles write zero partials
+    # The query blocks before q_first end before the tile's first column: the splits share the rest.
+    q_first = tl.load(QFirst + pid_bh * tl.num_programs(0) + pid_c)
+    per_split = tl.cdiv(NQB - q_first, SPLITS)
+    i_start = q_first + pid_s * per_split
+    i_end = tl.minimum(i_start + per_split, NQB)  # empty tiles (q_first = NQB) write zero partials
     for i in range(i_start, i_end):
         q_blk = tl.load(QBlk + i)
         delta = q_blk - c_blk
@@ -240,6 +243,19 @@ def _column_splits(nqb: int, programs_per_split: int) -> int:
     return max(1, min(nqb, -(-target // max(1, programs_per_split))))
 
 
+def first_query_blocks(plan, block_size: int, block_col: int, n_tiles: int) -> torch.Tensor:
+    """int32 ``[b * hq, n_tiles]``: per column tile, the first local query block that can see one
+    of its columns. Earlier blocks (by the running maximum of their last positions, so any chunk
+    order works) end before the tile's earliest column; empty tiles get ``nqb``."""
+    bh = plan.cols.shape[0] * plan.cols.shape[1]
+    pad = n_tiles * block_col - plan.col_pos.shape[-1]
+    sentinel = plan.num_blocks * block_size
+    col_pos = torch.nn.functional.pad(plan.col_pos.reshape(bh, -1), (0, pad), value=sentinel)
+    tile_first = col_pos.view(bh, n_tiles, block_col).amin(-1).contiguous()
+    last_query = torch.cummax(plan.q_block_ids.long() * block_size + block_size - 1, 0).values
+    return torch.searchsorted(last_query, tile_first).to(torch.int32)
+
+
 def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float) -> None:
     """Add this plan's gradients into fp32 ``dq`` ``[b,hq,nq,d]`` and ``dk``/``dv`` ``[b,hkv,nk,d]``.
 
@@ -264,12 +280,13 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
                lse.stride(0), lse.stride(1))
     cols = plan.cols if max_v > 0 else plan.col_count  # never read when empty; Triton wants storage
 
-    _dq_kernel[(nq // block_m, b * hq)](
+    _dq_kernel[triton_fwd.query_grid(nq // block_m, b, hq, group, cfg["HEADS_ADJACENT"])](
         q, k, v, do, lse, delta, dq,
-        plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_count, cols,
+        plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols,
         plan.slash_bitmap, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
         qk_scale, softmax_scale, hq, group, nqb, max_s, max_v, plan.num_blocks,
-        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_COL=block_col, HEAD_DIM=d, **launch)
+        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_COL=block_col, HEAD_DIM=d,
+        HEADS_ADJACENT=cfg["HEADS_ADJACENT"], **launch)
 
     _dkdv_kernel[(nk // block_n, b * hkv)](
         q, k, v, do, lse, delta, dk, dv,
@@ -283,15 +300,14 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     n_tiles = -(-max_v // block_col)
     max_v_pad = n_tiles * block_col
     splits = _column_splits(nqb, n_tiles * b * hq)
-    per_split = -(-nqb // splits)
-    splits = -(-nqb // per_split)
+    q_first = first_query_blocks(plan, B, block_col, n_tiles)
     dk_part = torch.empty(splits, b * hq, max_v_pad, d, dtype=torch.float32, device=q.device)
     dv_part = torch.empty_like(dk_part)
     _dkdv_col_kernel[(n_tiles, b * hq, splits)](
         q, k, v, do, lse, delta, dk_part, dv_part,
-        plan.q_block_ids, plan.k_block_ids, plan.col_count, plan.cols, plan.slash_bitmap,
+        plan.q_block_ids, plan.k_block_ids, plan.col_count, plan.cols, plan.slash_bitmap, q_first,
         *strides, qk_scale, softmax_scale,
-        hq, group, nqb, max_v, max_v_pad, plan.num_blocks, per_split, b * hq,
+        hq, group, nqb, max_v, max_v_pad, plan.num_blocks, splits, b * hq,
         BLOCK=B, BLOCK_M=block_m, BLOCK_COL=block_col, HEAD_DIM=d, **launch)
     # Fixed-order reduction over splits, then one scatter per GQA position: within one
     # index_add_ every real target row is distinct (padding slots add exact zeros), so the

@@ -2,8 +2,9 @@
 
 One program per (query tile of BLOCK_M rows, batch x query head); tiles divide the index block
 B. It walks the key blocks that the plan lists for its query block (slash part, diagonal last,
-each in tiles of BLOCK_N keys), then the plan's columns in tiles of BLOCK_COL, skipping columns whose block is already covered by a selected slash offset, with an
-online softmax in fp32 (base 2). The result is written as (out, fp32 lse), or merged through
+each in tiles of BLOCK_N keys), then the plan's columns in tiles of BLOCK_COL up to the plan's
+column limit (later columns are after every query of the block), skipping columns whose block
+is already covered by a selected slash offset, with an online softmax in fp32 (base 2). The result is written as (out, fp32 lse), or merged through
 log-sum-exp into existing accumulators (ring attention calls it once per step).
 
 Cost per (query block, head): 4*B*d FLOPs per active key (QK^T and PV) over B*d*2 bytes of K/V
@@ -57,7 +58,7 @@ def int64_offsets(*tensors: torch.Tensor) -> bool:
 
 def plan_tensors(plan) -> tuple:
     """The plan's tensors that the kernels index per (batch, head) row, for ``int64_offsets``."""
-    return plan.kv_blocks, plan.q_blocks, plan.cols, plan.slash_bitmap
+    return plan.kv_blocks, plan.q_blocks, plan.cols, plan.slash_bitmap, plan.col_limit
 
 
 def tile_config(block: int, dtype: torch.dtype, family: str = "fwd") -> dict:
@@ -66,9 +67,29 @@ def tile_config(block: int, dtype: torch.dtype, family: str = "fwd") -> dict:
     tile = min(block, 64) if dtype == torch.float32 else min(block, 128)
     cfg = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=min(tile, 64),
                num_warps=8 if tile >= 128 else 4,
-               num_stages=1 if (tile >= 128 or dtype == torch.float32) else 2)
+               num_stages=1 if (tile >= 128 or dtype == torch.float32) else 2,
+               HEADS_ADJACENT=False)
     cfg.update(LAUNCH_OVERRIDES.get(family, {}))
     return cfg
+
+
+def query_grid(n_tiles: int, batch: int, heads: int, group: int, heads_adjacent: bool) -> tuple:
+    """Grid of the query-stationary kernels (forward, dQ); ``_query_program`` inverts it."""
+    return (n_tiles * group, batch * heads // group) if heads_adjacent else (n_tiles, batch * heads)
+
+
+@triton.jit
+def _query_program(GROUP, HEADS_ADJACENT: tl.constexpr):
+    """(query tile, batch x query head) of this program. HEADS_ADJACENT launches the query heads
+    of one GQA group as consecutive programs: they read the same K/V tiles at about the same
+    time, so the group's K/V is fetched from HBM once and served from L2 to the others."""
+    if HEADS_ADJACENT:
+        pid_m = tl.program_id(0) // GROUP
+        pid_bh = tl.program_id(1) * GROUP + tl.program_id(0) % GROUP
+    else:
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+    return pid_m, pid_bh
 
 
 @triton.jit
@@ -128,7 +149,7 @@ def _column_tile(Cols, KBlk, Bitmap, k_base, v_base, plan_row, bitmap_row, c0, n
 @triton.jit
 def _vs_attn_fwd_kernel(
     Q, K, V, Out, Lse,
-    QBlk, KBlk, KVCnt, KVIdx, ColCnt, Cols, Bitmap,
+    QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, Bitmap,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -138,10 +159,9 @@ def _vs_attn_fwd_kernel(
     HQ, GROUP, NQB, MAX_S, MAX_V, NB,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
     HEAD_DIM: tl.constexpr, ACCUMULATE: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEADS_ADJACENT: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_m, pid_bh = _query_program(GROUP, HEADS_ADJACENT)
     b = pid_bh // HQ
     h = pid_bh % HQ
     kvh = h // GROUP
@@ -182,8 +202,9 @@ def _vs_attn_fwd_kernel(
             s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
-    # Vertical part: gathered columns not covered by a selected slash block of this query block.
-    n_cols = tl.load(ColCnt + pid_bh)
+    # Vertical part: gathered columns not covered by a selected slash block of this query block,
+    # up to the last one that is not after all of its queries.
+    n_cols = tl.load(ColLimit + plan_row)
     for c0 in range(0, n_cols, BLOCK_COL):
         k, v, active = _column_tile(Cols, KBlk, Bitmap, k_base, v_base, bh * MAX_V, bh * NB, c0, n_cols,
                                     q_blk, q_pos, stride_kn, stride_vn, offs_d, BLOCK, BLOCK_COL, INT64, UPCAST)
@@ -227,10 +248,10 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
     max_v = plan.cols.shape[-1]
     cols = plan.cols if max_v > 0 else plan.col_count  # never read when empty; Triton wants storage
     cfg = tile_config(B, q.dtype)
-    grid = (nq // cfg["BLOCK_M"], b * hq)
+    grid = query_grid(nq // cfg["BLOCK_M"], b, hq, hq // k.shape[1], cfg["HEADS_ADJACENT"])
     _vs_attn_fwd_kernel[grid](
         q, k, v, out, lse,
-        plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_count, cols,
+        plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols,
         plan.slash_bitmap,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
