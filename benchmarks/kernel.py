@@ -449,28 +449,35 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU: tests the script itself")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernel_<device>.json)")
     p.add_argument("--launch", default="", help="launch settings instead of the defaults, e.g. fwd:4x3,bwd:8x2h "
-                   "(num_warps x num_stages per kernel family; a trailing h: GQA heads as adjacent programs)")
+                   "(num_warps x num_stages per kernel family, then option letters: LAUNCH_OPTIONS)")
     p.add_argument("--sweep", default="", help="compare launch settings instead of the full benchmark: "
                    "comma-separated WxS candidates, tried for fwd then for bwd (our kernels only)")
     return p.parse_args(argv)
 
 
+# Letters after a launch setting that switch kernel options on (triton_fwd.tile_config's flags):
+# h: the query heads of a GQA group run as consecutive programs; m: the causal mask on every
+# slash tile (not only the diagonal block's).
+LAUNCH_OPTIONS = {"h": "HEADS_ADJACENT", "m": "MASK_EVERY_TILE"}
+
+
 def parse_launch(text: str) -> Dict[str, dict]:
     """'fwd:4x3,bwd:8x2h' -> {'fwd': {'num_warps': 4, 'num_stages': 3}, 'bwd': {..., 'HEADS_ADJACENT': True}}.
-    A trailing 'h' launches the query heads of a GQA group as consecutive programs."""
+    Trailing letters switch kernel options (``LAUNCH_OPTIONS``), e.g. 4x2hm."""
     out: Dict[str, dict] = {}
     for item in filter(None, text.split(",")):
         try:
             family, setting = item.split(":")
-            adjacent = setting.lower().endswith("h")
-            warps, stages = (int(x) for x in setting.lower().rstrip("h").split("x"))
-        except ValueError:
-            raise SystemExit(f"kernel.py: bad --launch item {item!r}; expected FAMILY:WARPSxSTAGES[h], "
-                             "e.g. fwd:4x3 or fwd:4x2h")
+            letters = setting.lower().lstrip("0123456789x")
+            options = {LAUNCH_OPTIONS[c]: True for c in letters}
+            warps, stages = (int(x) for x in setting.lower()[:len(setting) - len(letters)].split("x"))
+        except (ValueError, KeyError):
+            raise SystemExit(f"kernel.py: bad --launch item {item!r}; expected FAMILY:WARPSxSTAGES[options], "
+                             f"e.g. fwd:4x3 or fwd:4x2h (options: {LAUNCH_OPTIONS})")
         if family not in ("fwd", "bwd") or warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 8:
             raise SystemExit(f"kernel.py: bad --launch item {item!r}: family fwd/bwd, warps a power of 2 <= 16, "
                              "stages 1-8")
-        out[family] = {"num_warps": warps, "num_stages": stages, **({"HEADS_ADJACENT": True} if adjacent else {})}
+        out[family] = {"num_warps": warps, "num_stages": stages, **options}
     return out
 
 

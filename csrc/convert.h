@@ -46,15 +46,21 @@ MT_HOST_DEVICE inline int32_t q_row(const int32_t* slash, int64_t n, int32_t k_b
   return count;
 }
 
+// Local key-token index of global column `c` in the key chunk, -1 where the chunk does not hold it.
+MT_HOST_DEVICE inline int32_t col_local(int32_t c, const int32_t* inv_k, int64_t num_blocks,
+                                        int64_t block_size) {
+  if (c < 0 || c >= num_blocks * block_size) return -1;
+  const int64_t local = inv_k[c / block_size];
+  return local < 0 ? -1 : static_cast<int32_t>(local * block_size + c % block_size);
+}
+
 // Vertical columns held by the key chunk, as local key-token indices, in input order.
 MT_HOST_DEVICE inline int32_t col_row(const int32_t* vertical, int64_t n, const int32_t* inv_k,
                                       int64_t num_blocks, int64_t block_size, int32_t* out) {
   int32_t count = 0;
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t c = vertical[t];
-    if (c < 0 || c >= num_blocks * block_size) continue;
-    const int64_t local = inv_k[c / block_size];
-    if (local >= 0) out[count++] = static_cast<int32_t>(local * block_size + c % block_size);
+    const int32_t local = col_local(vertical[t], inv_k, num_blocks, block_size);
+    if (local >= 0) out[count++] = local;
   }
   return count;
 }

@@ -1,5 +1,5 @@
 // CUDA implementation of the per-step conversion: one thread per output row, running the row
-// functions of convert.h. Everything stays on the device (no host synchronisation), on the
+// functions of convert.h (the column rows, thousands of entries long, take a block each). Everything stays on the device (no host synchronisation), on the
 // current stream, so it can sit inside a ring step or a CUDA graph.
 #include "convert.h"
 
@@ -50,15 +50,35 @@ __global__ void q_kernel(const int32_t* __restrict__ slash, const int32_t* __res
                      num_blocks, blocks + row * max_s);
 }
 
-// Row bh of cols: thread per (batch, head).
+// Row bh of cols: a block of kThreads per (batch, head). A row holds up to max_vertical columns
+// (thousands), so one thread per row spent ~1 ms in dependent loads at 128K. Here each thread
+// takes a contiguous run of the row, a block-wide scan of the runs' counts gives each run its
+// output offset, and the output keeps the input order, as col_row's does.
 __global__ void col_kernel(const int32_t* __restrict__ vertical, const int32_t* __restrict__ n_vertical,
                            int64_t max_v, const int32_t* __restrict__ inv_k, int64_t num_blocks,
-                           int64_t block_size, int64_t rows, int32_t* __restrict__ count,
-                           int32_t* __restrict__ cols) {
-  const int64_t bh = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (bh >= rows) return;
-  count[bh] = col_row(vertical + bh * max_v, clamp_count(n_vertical[bh], max_v), inv_k, num_blocks,
-                      block_size, cols + bh * max_v);
+                           int64_t block_size, int32_t* __restrict__ count, int32_t* __restrict__ cols) {
+  __shared__ int32_t scan[kThreads];
+  const int64_t bh = blockIdx.x;
+  const int64_t n = clamp_count(n_vertical[bh], max_v);
+  const int32_t* row = vertical + bh * max_v;
+  const int64_t per_thread = (n + kThreads - 1) / kThreads;
+  const int64_t begin = min(n, threadIdx.x * per_thread), end = min(n, begin + per_thread);
+  int32_t mine = 0;
+  for (int64_t t = begin; t < end; ++t) mine += col_local(row[t], inv_k, num_blocks, block_size) >= 0;
+  scan[threadIdx.x] = mine;
+  __syncthreads();
+  for (int stride = 1; stride < kThreads; stride *= 2) {  // inclusive Hillis-Steele scan
+    const int32_t add = threadIdx.x >= stride ? scan[threadIdx.x - stride] : 0;
+    __syncthreads();
+    scan[threadIdx.x] += add;
+    __syncthreads();
+  }
+  int32_t* out = cols + bh * max_v + (scan[threadIdx.x] - mine);
+  for (int64_t t = begin; t < end; ++t) {
+    const int32_t local = col_local(row[t], inv_k, num_blocks, block_size);
+    if (local >= 0) *out++ = local;
+  }
+  if (threadIdx.x == kThreads - 1) count[bh] = scan[kThreads - 1];
 }
 
 at::Tensor inverse_map(const at::Tensor& ids, int64_t num_blocks, cudaStream_t stream) {
@@ -106,9 +126,9 @@ std::vector<at::Tensor> convert_step_cuda(const at::Tensor& slash, const at::Ten
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (bh > 0) {
-    col_kernel<<<num_launch_blocks(bh), kThreads, 0, stream>>>(
+    col_kernel<<<bh, kThreads, 0, stream>>>(
         vertical.data_ptr<int32_t>(), n_vertical.data_ptr<int32_t>(), max_v, inv_k.data_ptr<int32_t>(),
-        num_blocks, block_size, bh, col_count.data_ptr<int32_t>(), cols.data_ptr<int32_t>());
+        num_blocks, block_size, col_count.data_ptr<int32_t>(), cols.data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {kv_count, kv_blocks, q_count, q_blocks, col_count, cols};

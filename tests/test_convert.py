@@ -170,6 +170,21 @@ def test_cuda_matches_reference(name, nb, q_ids, k_ids):
         assert_same(ref, out, f"{name} index {n}")
 
 
+@pytest.mark.gpu
+@needs_cuda_ext
+@pytest.mark.parametrize("rank", [0, 2])
+def test_cuda_long_column_rows(rank):
+    """Column rows much longer than the CUDA column kernel's block of threads (several entries per
+    thread, runs that straddle the chunk's blocks) keep the reference's entries and order."""
+    nb, world = 384, 3
+    g = torch.Generator().manual_seed(rank)
+    idx = VSIndex.random(2, 3, nb * B, B, max_slash=8, max_vertical=nb * B, generator=g)
+    idx.n_vertical[0, 0] = 5  # a short row beside the long ones
+    ref, out = run_both(idx, nb, striped(nb, world, 1), striped(nb, world, rank), "cuda")
+    assert_same(ref, out, f"rank {rank}")
+    assert int(ref[4].max()) > 2 * 256  # rows of more than 2 entries per thread of the block
+
+
 def _bounds_cases():
     """The ring's chunks plus chunks whose blocks are in no particular order."""
     perm = torch.randperm(12, generator=torch.Generator().manual_seed(3)).to(torch.int32)

@@ -27,6 +27,13 @@ def test_parse_launch():
     assert kernel.parse_launch("fwd:4x3,bwd:8X2") == {"fwd": {"num_warps": 4, "num_stages": 3},
                                                       "bwd": {"num_warps": 8, "num_stages": 2}}
     assert kernel.parse_launch("fwd:4x2h") == {"fwd": {"num_warps": 4, "num_stages": 2, "HEADS_ADJACENT": True}}
+    assert kernel.parse_launch("bwd:8x1mh") == {"bwd": {"num_warps": 8, "num_stages": 1, "HEADS_ADJACENT": True,
+                                                        "MASK_EVERY_TILE": True}}
+
+    import torch
+
+    from megatron_mtraining.kernels import triton_fwd
+    assert set(kernel.LAUNCH_OPTIONS.values()) <= set(triton_fwd.tile_config(64, torch.bfloat16))
 
 
 @pytest.mark.parametrize("text", ["fwd:3x2", "fwd:4x0", "dq:4x2", "fwd4x2", "fwd:4", "fwd:4x2g"])

@@ -68,7 +68,7 @@ def tile_config(block: int, dtype: torch.dtype, family: str = "fwd") -> dict:
     cfg = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=min(tile, 64),
                num_warps=8 if tile >= 128 else 4,
                num_stages=1 if (tile >= 128 or dtype == torch.float32) else 2,
-               HEADS_ADJACENT=False)
+               HEADS_ADJACENT=False, MASK_EVERY_TILE=False)
     cfg.update(LAUNCH_OVERRIDES.get(family, {}))
     return cfg
 
@@ -159,7 +159,7 @@ def _vs_attn_fwd_kernel(
     HQ, GROUP, NQB, MAX_S, MAX_V, NB,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
     HEAD_DIM: tl.constexpr, ACCUMULATE: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEADS_ADJACENT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEADS_ADJACENT: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
 ):
     pid_m, pid_bh = _query_program(GROUP, HEADS_ADJACENT)
     b = pid_bh // HQ
@@ -198,8 +198,9 @@ def _vs_attn_fwd_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            k_pos = k_blk * BLOCK + sub + offs_n
-            s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+            if MASK_EVERY_TILE or k_blk == q_blk:  # earlier key blocks hold no key after a query
+                k_pos = k_blk * BLOCK + sub + offs_n
+                s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     # Vertical part: gathered columns not covered by a selected slash block of this query block,
