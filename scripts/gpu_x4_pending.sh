@@ -2,7 +2,8 @@
 # One 4-GPU device call for the measurements still missing after session 2 (see summary.json):
 # ring at 256K, strong scaling 1 -> 2 -> 4 at 512K, flat vs hierarchical under an emulated slow
 # inter-node link, the approximator over 4 GPUs, and end-to-end Megatron training at 512K.
-# STAGES picks a subset (default: all): ext gputests ring scaling slowlink approx e2e. All of it may not fit
+# STAGES picks a subset (default: all): ext gputests ring scaling slowlink approx e2e; RING_LENS and
+# SCALING_GPUS narrow the ring and scaling stages (default 256K,512K and 1 2). All of it may not fit
 # in one 10-minute call: STAGES="ext ring scaling slowlink approx", then STAGES=e2e. Results go to $OUT.
 # "ext" builds the package's compiled extension (CUDA index conversion) first: without it every
 # ring step converts its index in PyTorch (the benchmarks' meta.extension says which ran).
@@ -18,9 +19,9 @@ for stage in $STAGES; do case $stage in
   ext) bash scripts/setup_env.sh .venv > "$OUT/setup.log" 2>&1; tail -1 "$OUT/setup.log"
        python3 -c "import megatron_mtraining._C" || { echo "extension not importable: stopping"; exit 1; } ;;
   gputests) run gpu_tests python3 -m pytest -q tests/test_gpu_approx.py tests/test_gpu_ring.py tests/test_slow_link.py ;;
-  ring) run ring_4gpu $TR --nproc_per_node=4 benchmarks/ring.py --seq-lens 262144,524288 --no-fwd --scaling \
+  ring) run ring_4gpu $TR --nproc_per_node=4 benchmarks/ring.py --seq-lens ${RING_LENS:-262144,524288} --no-fwd --scaling \
           --out "$OUT/ring_nvidia-h200_4gpu.json" ;;
-  scaling) for n in 1 2; do
+  scaling) for n in ${SCALING_GPUS:-1 2}; do
           run ring_scaling_${n}gpu $TR --nproc_per_node=$n benchmarks/ring.py --seq-lens 524288 --no-fwd --scaling \
             --variants sparse_striped,dense_zigzag --reps 3 --out "$OUT/ring_nvidia-h200_${n}gpu_scaling.json"; done ;;
   slowlink) for gbps in ${SLOW_LINK_GBPS:-1 2}; do

@@ -23,12 +23,9 @@ from .triton_fwd import LOG2E, _column_tile, _head_offset, _query_program, _tile
 
 @triton.jit
 def _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION: tl.constexpr):
-    """Key-major gradient pieces of one tile: (dv, dk) contributions (dk without softmax scale).
-    ``keep_t`` None: every pair of the tile is active."""
+    """Key-major gradient pieces of one tile: (dv, dk) contributions (dk without softmax scale)."""
     s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-    p_t = tl.math.exp2(s_t - lse2[None, :])
-    if keep_t is not None:
-        p_t = tl.where(keep_t, p_t, 0.0)
+    p_t = tl.where(keep_t, tl.math.exp2(s_t - lse2[None, :]), 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - di[None, :])
@@ -136,7 +133,7 @@ def _dkdv_kernel(
     qk_scale, sm_scale,
     HQ, HKV, GROUP, NKB, MAX_S,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
+    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bkv = tl.program_id(1)
@@ -168,11 +165,10 @@ def _dkdv_kernel(
                 q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + sub + offs_m, offs_d,
                                                    stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
                                                    stride_on, stride_lb, stride_lh, INT64, UPCAST)
-                if MASK_EVERY_TILE or q_blk == k_blk:  # later query blocks have no query before a key
-                    keep_t = k_pos[:, None] <= q_pos[None, :]
-                    dv_t, dk_t = _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION)
-                else:
-                    dv_t, dk_t = _grad_tile_t(k, v, q, do, lse2, di, None, qk_scale, DOT_PRECISION)
+                # Masked on every tile: a branch to two copies of the tile's code (unmasked off the
+                # diagonal) made this kernel twice as slow on an H200 (NOTES, session 5).
+                keep_t = k_pos[:, None] <= q_pos[None, :]
+                dv_t, dk_t = _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION)
                 dv += dv_t
                 dk += dk_t
     g_head = _head_offset(b, kvh, stride_gb, stride_gh, INT64)
@@ -301,7 +297,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
         plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks,
         *strides, dk.stride(0), dk.stride(1), dk.stride(2),
         qk_scale, softmax_scale, hq, hkv, group, nkb, max_s,
-        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], **launch)
+        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, **launch)
 
     if max_v == 0:
         return
