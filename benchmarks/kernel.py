@@ -451,7 +451,7 @@ def parse_args(argv=None):
     p.add_argument("--launch", default="", help="launch settings instead of the defaults, e.g. fwd:4x3,bwd:8x2h "
                    "(num_warps x num_stages per kernel family, then option letters: LAUNCH_OPTIONS)")
     p.add_argument("--sweep", default="", help="compare launch settings instead of the full benchmark: "
-                   "comma-separated WxS candidates, tried for fwd then for bwd (our kernels only)")
+                   "comma-separated WxS[options] candidates (see --launch), tried for fwd then for bwd (our kernels only)")
     return p.parse_args(argv)
 
 

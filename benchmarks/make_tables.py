@@ -292,8 +292,8 @@ def needle_coverage_rows(coverage: Optional[Dict]) -> List[List[str]]:
     index lets the answering row see (dense column: the dense model under MTraining's index)."""
     if not coverage:
         return []
-    length = max(coverage["mtraining"], key=int)
-    per_layer = lambda run: " / ".join(num(c, 2) for c in coverage[run][length])
+    length = max(coverage.get("mtraining") or coverage.get("dense"), key=int)
+    per_layer = lambda run: " / ".join(num(c, 2) for c in coverage.get(run, {}).get(length, [])) or "—"
     return [[f"needle coverage by the index at {tokens(int(length))}, per layer", per_layer("dense"),
              per_layer("mtraining"), "", ""]]
 

@@ -150,7 +150,8 @@ def main(argv=None):
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--out", default=os.path.join(RESULTS_DIR, "analysis_needle_coverage.json"))
     args = p.parse_args(argv)
-    base = MTrainingConfig(index="vs", top_p=0.9, last_q=128, block_size=64)
+    # min_vertical 0: the variants below add their own settings to the pure top-p budget
+    base = MTrainingConfig(index="vs", top_p=0.9, last_q=128, block_size=64, min_vertical=0)
     rows = []
     for n in (int(x) for x in args.seq_lens.split(",")):
         for locality in (float(x) for x in args.localities.split(",")):

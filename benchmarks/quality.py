@@ -59,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import run_metadata, write_json  # noqa: E402
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
+from megatron_mtraining.config import VERTICAL_FLOOR  # noqa: E402
 from megatron_mtraining.corpus import (  # noqa: E402
     KEY, NEEDLE_FORMATS, CorpusConfig, make_needle_probe, query_target_positions, retrieval_accuracy,
     write_indexed_dataset,
@@ -100,7 +101,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--last-q", type=int, default=128)
-    p.add_argument("--min-vertical", type=int, default=MTrainingConfig.min_vertical,
+    p.add_argument("--min-vertical", type=int, default=VERTICAL_FLOOR,
                    help="lower clamp of each head's vertical budget (MTrainingConfig.min_vertical; "
                         "0: the paper's pure top-p budget)")
     p.add_argument("--block-size", type=int, default=64)

@@ -29,6 +29,7 @@ MT_HOST_DEVICE inline int32_t kv_row(const int32_t* slash, int64_t n, int32_t q_
                                      const int32_t* inv_k, int64_t num_blocks, int32_t* out) {
   int32_t count = 0;
   for (int64_t t = n - 1; t >= 0; --t) {
+    if (slash[t] < 0) continue;  // a key block after the query block: never attended (plan.py)
     const int64_t kb = static_cast<int64_t>(q_block) - slash[t];  // int64: no overflow on odd offsets
     if (kb >= 0 && kb < num_blocks && inv_k[kb] >= 0) out[count++] = inv_k[kb];
   }
@@ -40,6 +41,7 @@ MT_HOST_DEVICE inline int32_t q_row(const int32_t* slash, int64_t n, int32_t k_b
                                     const int32_t* inv_q, int64_t num_blocks, int32_t* out) {
   int32_t count = 0;
   for (int64_t t = 0; t < n; ++t) {
+    if (slash[t] < 0) continue;
     const int64_t qb = static_cast<int64_t>(k_block) + slash[t];
     if (qb >= 0 && qb < num_blocks && inv_q[qb] >= 0) out[count++] = inv_q[qb];
   }

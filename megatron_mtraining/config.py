@@ -10,6 +10,7 @@ from typing import Optional
 LAYOUTS = ("striped", "zigzag")
 INDEX_BUILDERS = ("vs", "dense", "fixed")
 BLOCK_SIZES = (64, 128)
+VERTICAL_FLOOR = 256  # default min_vertical (capped by max_vertical): see MTrainingConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,10 +22,11 @@ class MTrainingConfig:
     last_q: number of final queries the approximator scores against all keys.
     max_vertical / max_slash: index capacity (fixed shapes); budgets are clamped to it.
     min_vertical / min_slash: lower clamps of the per-head budgets. The vertical floor defaults
-        to 256: top-p alone lets the local columns of the many rows that do not retrieve crowd
-        out a retrieval head's needle columns, which then get no gradient (quality benchmark,
-        32K: retrieval 0.48 with min_vertical 0, 0.95 with 256; dense 0.73). At long context
-        256 columns cost little density; 0 gives the paper's pure top-p budget.
+        (None) to min(VERTICAL_FLOOR = 256, max_vertical): top-p alone lets the local columns of
+        the many rows that do not retrieve crowd out a retrieval head's needle columns, which
+        then get no gradient (quality benchmark, 32K: retrieval 0.48 with min_vertical 0, 0.95
+        with 256; dense 0.73). At long context 256 columns cost little density; 0 gives the
+        paper's pure top-p budget.
     sink_tokens: leading columns always kept (attention sinks).
     local_window: slash offsets 0..local_window-1 always kept (the diagonal is offset 0).
     layout: token layout across context-parallel ranks, "striped" (balanced) or "zigzag".
@@ -40,7 +42,7 @@ class MTrainingConfig:
     last_q: int = 64
     max_vertical: int = 1024
     max_slash: int = 256
-    min_vertical: int = 256
+    min_vertical: Optional[int] = None  # None: min(VERTICAL_FLOOR, max_vertical)
     min_slash: int = 1
     sink_tokens: int = 4
     local_window: int = 1
@@ -53,6 +55,8 @@ class MTrainingConfig:
         def fail(msg):
             raise ValueError(f"MTrainingConfig: {msg}")
 
+        if self.min_vertical is None:  # frozen dataclass: resolve the default in place
+            object.__setattr__(self, "min_vertical", min(VERTICAL_FLOOR, max(0, int(self.max_vertical))))
         if self.block_size not in BLOCK_SIZES:
             fail(f"block_size must be one of {BLOCK_SIZES}, got {self.block_size}")
         if not (0.0 < float(self.top_p) <= 1.0):

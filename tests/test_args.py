@@ -31,6 +31,11 @@ def test_defaults_round_trip():
     assert args.mtraining_deterministic is True
 
 
+def test_small_max_vertical_alone_lowers_the_vertical_floor():
+    assert MTrainingConfig.from_args(parse("--mtraining-max-vertical", "128")).min_vertical == 128
+    assert MTrainingConfig.from_args(parse()).min_vertical == 256
+
+
 def test_every_config_field_has_a_flag_with_its_default():
     parser = add_mtraining_args(argparse.ArgumentParser())
     for f in dataclasses.fields(MTrainingConfig):

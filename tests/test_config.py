@@ -28,5 +28,17 @@ def test_invalid_settings_raise(kwargs, message):
         MTrainingConfig(**kwargs)
 
 
+def test_vertical_floor_default_is_capped_by_the_capacity():
+    """min_vertical defaults to 256, or to max_vertical where that is smaller (a small
+    --mtraining-max-vertical stays valid); an explicit floor above the capacity is an error."""
+    from megatron_mtraining.config import VERTICAL_FLOOR
+    assert VERTICAL_FLOOR == 256 and MTrainingConfig().min_vertical == 256
+    assert MTrainingConfig(max_vertical=128).min_vertical == 128
+    assert MTrainingConfig(max_vertical=0, sink_tokens=0).min_vertical == 0
+    assert MTrainingConfig(max_vertical=64, min_vertical=0).min_vertical == 0
+    with pytest.raises(ValueError, match="lower min_vertical"):
+        MTrainingConfig(max_vertical=128, min_vertical=256)
+
+
 def test_block_size_128_allowed():
     assert MTrainingConfig(block_size=128).block_size == 128

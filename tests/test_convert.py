@@ -104,6 +104,23 @@ def test_reference_hand_made():
         assert tensor.tolist() == expected[name], name
 
 
+def test_negative_slash_offsets_are_dropped():
+    """An offset below 0 (an index built on the GPU skips VSIndex.validate) would list a key block
+    after its query block, which the kernels would not mask: the conversion drops it."""
+    slash = torch.tensor([[[0, -1, 2]]], dtype=torch.int32)
+    vertical = torch.zeros(1, 1, 0, dtype=torch.int32)
+    n_slash, n_vertical = torch.tensor([[3]], dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32)
+    clean = torch.tensor([[[0, 2, 0]]], dtype=torch.int32), torch.tensor([[2]], dtype=torch.int32)
+    nb = 4
+    impls = [convert_step_reference] + ([_ext.module().convert_step] if _ext.available() else [])
+    for convert in impls:
+        got = convert(slash, n_slash, vertical, n_vertical, ids(range(nb)), ids(range(nb)), nb, B)
+        want = convert(*clean, vertical, n_vertical, ids(range(nb)), ids(range(nb)), nb, B)
+        for name, a, b in zip(NAMES, got, want):
+            assert torch.equal(a[..., :2] if name.endswith("blocks") else a,
+                               b[..., :2] if name.endswith("blocks") else b), name
+
+
 def test_reference_single_device_order():
     """kv lists key blocks ascending (diagonal last); q lists query blocks ascending."""
     idx = VSIndex.from_lists([[[0, 1, 3]]], [[[]]], block_size=B)

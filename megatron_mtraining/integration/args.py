@@ -35,7 +35,8 @@ def add_mtraining_args(parser):
     group.add_argument("--mtraining-max-slash", type=int, default=d["max_slash"],
                        help=f"Capacity of slash (diagonal block) indices per head (default: {d['max_slash']}).")
     group.add_argument("--mtraining-min-vertical", type=int, default=d["min_vertical"],
-                       help=f"Lower clamp of the per-head vertical budget (default: {d['min_vertical']}).")
+                       help="Lower clamp of the per-head vertical budget (default: min(256, "
+                            "--mtraining-max-vertical); 0: the paper's pure top-p budget).")
     group.add_argument("--mtraining-min-slash", type=int, default=d["min_slash"],
                        help=f"Lower clamp of the per-head slash budget (default: {d['min_slash']}).")
     group.add_argument("--mtraining-sink-tokens", type=int, default=d["sink_tokens"],

@@ -11,7 +11,8 @@ The conversion yields, per (batch, query head):
                                             diagonal block last);
   q_count/q_blocks   [b, hq, nkb(, max_s)]  the transpose: local query blocks reading each key block;
   col_count/cols     [b, hq(, max_v)]       selected columns owned by the key chunk, as local
-                                            key-token indices, ascending.
+                                            key-token indices, in the index's (ascending global)
+                                            order.
 Entries past a count are 0. ``StepPlan.col_limit`` (derived in PyTorch) bounds the columns a query
 block walks, so no kernel iterates over columns that are causally after all of its queries. ``convert_step_reference`` is the readable PyTorch definition;
 ``csrc/`` holds the C++ and CUDA versions, which must return identical tensors.
@@ -52,7 +53,10 @@ def convert_step_reference(slash, n_slash, vertical, n_vertical, q_block_ids, k_
     inv_q = _inverse_map(q_block_ids, num_blocks)
     inv_k = _inverse_map(k_block_ids, num_blocks)
     max_s = slash.shape[-1]
-    s_valid = torch.arange(max_s, device=slash.device) < n_slash[..., None]
+    # A negative offset would put a key block after its query block; the kernels mask the
+    # diagonal block only, so such entries are dropped here (VSIndex.validate rejects them, but
+    # it runs on CPU indices only: checking a GPU index would synchronise).
+    s_valid = (torch.arange(max_s, device=slash.device) < n_slash[..., None]) & (slash >= 0)
 
     # Query block i reads key block qb - delta, for each selected delta (largest delta first).
     rev_slash, rev_valid = slash.flip(-1).long(), s_valid.flip(-1)
