@@ -455,10 +455,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# Letters after a launch setting that switch kernel options on (triton_fwd.tile_config's flags):
+# Letters after a launch setting that set kernel options (triton_fwd.tile_config's keys):
 # h: the query heads of a GQA group run as consecutive programs; m: the causal mask on every
-# slash tile (not only the diagonal block's).
-LAUNCH_OPTIONS = {"h": "HEADS_ADJACENT", "m": "MASK_EVERY_TILE"}
+# slash tile of the forward and dQ (not only the diagonal block's); c: 4x the column-gradient
+# programs (shorter ones).
+LAUNCH_OPTIONS = {"h": ("HEADS_ADJACENT", True), "m": ("MASK_EVERY_TILE", True), "c": ("COLUMN_PROGRAMS", 4096)}
 
 
 def parse_launch(text: str) -> Dict[str, dict]:
@@ -469,7 +470,7 @@ def parse_launch(text: str) -> Dict[str, dict]:
         try:
             family, setting = item.split(":")
             letters = setting.lower().lstrip("0123456789x")
-            options = {LAUNCH_OPTIONS[c]: True for c in letters}
+            options = dict(LAUNCH_OPTIONS[c] for c in letters)
             warps, stages = (int(x) for x in setting.lower()[:len(setting) - len(letters)].split("x"))
         except (ValueError, KeyError):
             raise SystemExit(f"kernel.py: bad --launch item {item!r}; expected FAMILY:WARPSxSTAGES[options], "

@@ -9,7 +9,7 @@ import torch
 
 from .index import VSIndex
 from .kernels.plan import single_device_plan
-from .kernels.step import backward_delta, resolve_backend, step_backward, step_forward
+from .kernels.step import backward_delta, resolve_backend, single_step_backward, step_forward
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -71,12 +71,8 @@ class _SparseAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         d_out = d_out.contiguous()
         delta = backward_delta(ctx.backend, out, d_out)
-        acc = delta.dtype
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-        step_backward(ctx.backend, q, k, v, d_out, lse, delta, ctx.plan, dq, dk, dv, ctx.softmax_scale)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dq, dk, dv = single_step_backward(ctx.backend, q, k, v, d_out, lse, delta, ctx.plan, ctx.softmax_scale)
+        return dq, dk, dv, None, None, None
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex,

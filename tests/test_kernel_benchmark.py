@@ -33,7 +33,8 @@ def test_parse_launch():
     import torch
 
     from megatron_mtraining.kernels import triton_fwd
-    assert set(kernel.LAUNCH_OPTIONS.values()) <= set(triton_fwd.tile_config(64, torch.bfloat16))
+    assert {key for key, _ in kernel.LAUNCH_OPTIONS.values()} <= set(triton_fwd.tile_config(64, torch.bfloat16))
+    assert kernel.parse_launch("bwd:4x2c")["bwd"]["COLUMN_PROGRAMS"] == 4096
 
 
 @pytest.mark.parametrize("text", ["fwd:3x2", "fwd:4x0", "dq:4x2", "fwd4x2", "fwd:4", "fwd:4x2g"])

@@ -64,7 +64,7 @@ def _dq_kernel(
     HQ, GROUP, NQB, MAX_S, MAX_V, NB,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
     HEAD_DIM: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEADS_ADJACENT: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
+    HEADS_ADJACENT: tl.constexpr, MASK_EVERY_TILE: tl.constexpr, DQ_ACCUMULATE: tl.constexpr,
 ):
     pid_m, pid_bh = _query_program(GROUP, HEADS_ADJACENT)
     b = pid_bh // HQ
@@ -117,7 +117,10 @@ def _dq_kernel(
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
     dq_ptrs = _tile_ptrs(DQ + _head_offset(b, h, stride_gb, stride_gh, INT64), rows, stride_gn, offs_d, INT64)
-    tl.store(dq_ptrs, tl.load(dq_ptrs) + dq * sm_scale)
+    if DQ_ACCUMULATE:
+        tl.store(dq_ptrs, tl.load(dq_ptrs) + dq * sm_scale)
+    else:  # this program is the rows' only writer: store in DQ's dtype
+        tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty))
 
 
 @triton.jit
@@ -241,9 +244,9 @@ def _dkdv_col_kernel(
     tl.store(_tile_ptrs(DVP + part, offs_c, HEAD_DIM, offs_d, True), dv)
 
 
-def _column_splits(nqb: int, programs_per_split: int) -> int:
-    """Query-range splits of the column reduction: enough programs to fill a large GPU."""
-    target = 1024
+def _column_splits(nqb: int, programs_per_split: int, target: int) -> int:
+    """Query-range splits of the column reduction: about ``target`` programs, to fill a large GPU
+    (more splits: shorter programs, more fp32 partials to sum)."""
     return max(1, min(nqb, -(-target // max(1, programs_per_split))))
 
 
@@ -260,8 +263,10 @@ def first_query_blocks(plan, block_size: int, block_col: int, n_tiles: int) -> t
     return torch.searchsorted(last_query, tile_first).to(torch.int32)
 
 
-def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float) -> None:
+def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float,
+                            accumulate_dq: bool = True) -> None:
     """Add this plan's gradients into fp32 ``dq`` ``[b,hq,nq,d]`` and ``dk``/``dv`` ``[b,hkv,nk,d]``.
+    ``accumulate_dq=False`` (a single step) writes ``dq`` in its own dtype instead of adding.
 
     ``lse`` and ``delta`` (fp32 ``[b, hq, nq]``, same strides) belong to the FINAL output.
     """
@@ -290,7 +295,8 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
         plan.slash_bitmap, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
         qk_scale, softmax_scale, hq, group, nqb, max_s, max_v, plan.num_blocks,
         BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_COL=block_col, HEAD_DIM=d,
-        HEADS_ADJACENT=cfg["HEADS_ADJACENT"], MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], **launch)
+        HEADS_ADJACENT=cfg["HEADS_ADJACENT"], MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], DQ_ACCUMULATE=accumulate_dq,
+        **launch)
 
     _dkdv_kernel[(nk // block_n, b * hkv)](
         q, k, v, do, lse, delta, dk, dv,
@@ -303,7 +309,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
         return
     n_tiles = -(-max_v // block_col)
     max_v_pad = n_tiles * block_col
-    splits = _column_splits(nqb, n_tiles * b * hq)
+    splits = _column_splits(nqb, n_tiles * b * hq, cfg["COLUMN_PROGRAMS"])
     q_first = first_query_blocks(plan, B, block_col, n_tiles)
     dk_part = torch.empty(splits, b * hq, max_v_pad, d, dtype=torch.float32, device=q.device)
     dv_part = torch.empty_like(dk_part)

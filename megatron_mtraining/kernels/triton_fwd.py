@@ -68,7 +68,8 @@ def tile_config(block: int, dtype: torch.dtype, family: str = "fwd") -> dict:
     cfg = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=min(tile, 64),
                num_warps=8 if tile >= 128 else 4,
                num_stages=1 if (tile >= 128 or dtype == torch.float32) else 2,
-               HEADS_ADJACENT=False, MASK_EVERY_TILE=False)
+               HEADS_ADJACENT=False, MASK_EVERY_TILE=False,
+               COLUMN_PROGRAMS=1024)  # backward's column-gradient kernel: programs to aim for
     cfg.update(LAUNCH_OVERRIDES.get(family, {}))
     return cfg
 
