@@ -250,6 +250,7 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
     max_v = plan.cols.shape[-1]
     cols = plan.cols if max_v > 0 else plan.col_count  # never read when empty; Triton wants storage
     cfg = tile_config(B, q.dtype)
+    cfg.pop("COLUMN_PROGRAMS")  # a backward setting: the compiled kernel refuses unknown keywords
     grid = query_grid(nq // cfg["BLOCK_M"], b, hq, hq // k.shape[1], cfg["HEADS_ADJACENT"])
     _vs_attn_fwd_kernel[grid](
         q, k, v, out, lse,
