@@ -81,3 +81,19 @@ def test_smoke_run_records_its_launch_settings(tmp_path):
 def test_sweep_does_not_combine_with_launch():
     proc = run_kernel_py("--sweep", "4x2", "--launch", "bwd:8x2")
     assert proc.returncode != 0 and "does not combine with --launch" in proc.stderr
+
+
+@pytest.mark.parametrize("letters", ["", "hmc"])
+def test_forward_launch_keywords_are_kernel_arguments(letters):
+    """Triton's interpreter ignores unknown launch keywords, the compiled kernel refuses them: every
+    key the forward passes, with any launch option set, must be one of the kernel's arguments."""
+    import torch
+
+    from megatron_mtraining.kernels import triton_fwd
+    try:
+        triton_fwd.LAUNCH_OVERRIDES.update(kernel.parse_launch(f"fwd:4x2{letters}"))
+        for dtype in (torch.bfloat16, torch.float32):
+            cfg = triton_fwd.forward_launch_config(64, dtype)
+            assert set(cfg) - {"num_warps", "num_stages"} <= set(triton_fwd._vs_attn_fwd_kernel.arg_names)
+    finally:
+        triton_fwd.LAUNCH_OVERRIDES.clear()

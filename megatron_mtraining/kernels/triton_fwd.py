@@ -93,6 +93,14 @@ def _query_program(GROUP, HEADS_ADJACENT: tl.constexpr):
     return pid_m, pid_bh
 
 
+def forward_launch_config(block: int, dtype: torch.dtype) -> dict:
+    """The forward's share of ``tile_config``: every key is a keyword of ``_vs_attn_fwd_kernel``
+    or a launch setting (the compiled kernel refuses unknown keywords; the interpreter does not)."""
+    cfg = tile_config(block, dtype)
+    cfg.pop("COLUMN_PROGRAMS")  # the backward's column-gradient kernel
+    return cfg
+
+
 @triton.jit
 def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     """Fold one tile of base-2 scores ``s`` (masked entries -inf) into (m, l, acc)."""
@@ -249,8 +257,7 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
     nqb = nq // B
     max_v = plan.cols.shape[-1]
     cols = plan.cols if max_v > 0 else plan.col_count  # never read when empty; Triton wants storage
-    cfg = tile_config(B, q.dtype)
-    cfg.pop("COLUMN_PROGRAMS")  # a backward setting: the compiled kernel refuses unknown keywords
+    cfg = forward_launch_config(B, q.dtype)
     grid = query_grid(nq // cfg["BLOCK_M"], b, hq, hq // k.shape[1], cfg["HEADS_ADJACENT"])
     _vs_attn_fwd_kernel[grid](
         q, k, v, out, lse,
