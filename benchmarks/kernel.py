@@ -456,14 +456,14 @@ def parse_args(argv=None):
 
 
 # Letters after a launch setting that set kernel options (triton_fwd.tile_config's keys):
-# h: the query heads of a GQA group run as consecutive programs; m: the causal mask on every
-# slash tile of the forward and dQ (not only the diagonal block's); c: 4x the column-gradient
-# programs (shorter ones).
-LAUNCH_OPTIONS = {"h": ("HEADS_ADJACENT", True), "m": ("MASK_EVERY_TILE", True), "c": ("COLUMN_PROGRAMS", 4096)}
+# m: the causal mask on every slash tile of the forward and dQ (not only the diagonal block's);
+# c: 4x the column-gradient programs (shorter ones). (Session 5 also tried running a GQA group's
+# query heads as adjacent programs: no gain, removed; benchmarks/NOTES.md.)
+LAUNCH_OPTIONS = {"m": ("MASK_EVERY_TILE", True), "c": ("COLUMN_PROGRAMS", 4096)}
 
 
 def parse_launch(text: str) -> Dict[str, dict]:
-    """'fwd:4x3,bwd:8x2h' -> {'fwd': {'num_warps': 4, 'num_stages': 3}, 'bwd': {..., 'HEADS_ADJACENT': True}}.
+    """'fwd:4x3,bwd:8x2m' -> {'fwd': {'num_warps': 4, 'num_stages': 3}, 'bwd': {..., 'MASK_EVERY_TILE': True}}.
     Trailing letters switch kernel options (``LAUNCH_OPTIONS``), e.g. 4x2hm."""
     out: Dict[str, dict] = {}
     for item in filter(None, text.split(",")):

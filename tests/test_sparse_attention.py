@@ -183,21 +183,19 @@ def test_triton_tiles_smaller_than_the_block(monkeypatch, tile):
     """Index blocks larger than the kernel tiles (as fp32 with block 128 runs on the GPU)."""
     from megatron_mtraining.kernels import triton_fwd
     monkeypatch.setattr(triton_fwd, "tile_config", lambda block, dtype, family="fwd": dict(
-        BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=16, num_warps=4, num_stages=1, HEADS_ADJACENT=False,
-        MASK_EVERY_TILE=False, COLUMN_PROGRAMS=1024))
+        BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=16, num_warps=4, num_stages=1, MASK_EVERY_TILE=False,
+        COLUMN_PROGRAMS=1024))
     q, k, v = inputs(1, 4, 2, 192, 32, seed=tile)
     index = VSIndex.random(1, 4, 192, 64, max_slash=3, max_vertical=40,
                            generator=torch.Generator().manual_seed(tile))
     check_against_oracle(q, k, v, index, "triton", 1e-5)
 
 
-@pytest.mark.parametrize("group, option", [(2, "HEADS_ADJACENT"), (4, "HEADS_ADJACENT"), (2, "MASK_EVERY_TILE"),
-                                           (2, "COLUMN_PROGRAMS")])
+@pytest.mark.parametrize("group, option", [(4, "MASK_EVERY_TILE"), (2, "COLUMN_PROGRAMS")])
 def test_triton_launch_options(monkeypatch, group, option):
     """The kernels' launch options compute the same attention and gradients, batch > 1 included:
-    HEADS_ADJACENT (a GQA group's heads as consecutive programs), MASK_EVERY_TILE (the causal
-    mask on every slash tile instead of the diagonal block's only) and COLUMN_PROGRAMS (here as
-    many column-gradient splits as query blocks)."""
+    MASK_EVERY_TILE (the causal mask on every slash tile instead of the diagonal block's only)
+    and COLUMN_PROGRAMS (here as many column-gradient splits as query blocks)."""
     from megatron_mtraining.kernels import triton_fwd
     value = 10 ** 6 if option == "COLUMN_PROGRAMS" else True  # one split per query block
     monkeypatch.setattr(triton_fwd, "LAUNCH_OVERRIDES", {f: {option: value} for f in ("fwd", "bwd")})

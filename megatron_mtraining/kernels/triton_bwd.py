@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import triton_fwd
-from .triton_fwd import LOG2E, _column_tile, _head_offset, _query_program, _tile_ptrs, _wide, kernel_flags
+from .triton_fwd import LOG2E, _column_tile, _head_offset, _tile_ptrs, _wide, kernel_flags
 
 
 @triton.jit
@@ -64,9 +64,10 @@ def _dq_kernel(
     HQ, GROUP, NQB, MAX_S, MAX_V, NB,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
     HEAD_DIM: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HEADS_ADJACENT: tl.constexpr, MASK_EVERY_TILE: tl.constexpr, DQ_ACCUMULATE: tl.constexpr,
+    MASK_EVERY_TILE: tl.constexpr, DQ_ACCUMULATE: tl.constexpr,
 ):
-    pid_m, pid_bh = _query_program(GROUP, HEADS_ADJACENT)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
     b = pid_bh // HQ
     h = pid_bh % HQ
     kvh = h // GROUP
@@ -289,14 +290,13 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
                lse.stride(0), lse.stride(1))
     cols = plan.cols if max_v > 0 else plan.col_count  # never read when empty; Triton wants storage
 
-    _dq_kernel[triton_fwd.query_grid(nq // block_m, b, hq, group, cfg["HEADS_ADJACENT"])](
+    _dq_kernel[(nq // block_m, b * hq)](
         q, k, v, do, lse, delta, dq,
         plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols,
         plan.slash_bitmap, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
         qk_scale, softmax_scale, hq, group, nqb, max_s, max_v, plan.num_blocks,
         BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_COL=block_col, HEAD_DIM=d,
-        HEADS_ADJACENT=cfg["HEADS_ADJACENT"], MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], DQ_ACCUMULATE=accumulate_dq,
-        **launch)
+        MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], DQ_ACCUMULATE=accumulate_dq, **launch)
 
     _dkdv_kernel[(nk // block_n, b * hkv)](
         q, k, v, do, lse, delta, dk, dv,

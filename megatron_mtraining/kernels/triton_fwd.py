@@ -68,29 +68,10 @@ def tile_config(block: int, dtype: torch.dtype, family: str = "fwd") -> dict:
     cfg = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=min(tile, 64),
                num_warps=8 if tile >= 128 else 4,
                num_stages=1 if (tile >= 128 or dtype == torch.float32) else 2,
-               HEADS_ADJACENT=False, MASK_EVERY_TILE=False,
+               MASK_EVERY_TILE=False,
                COLUMN_PROGRAMS=1024)  # backward's column-gradient kernel: programs to aim for
     cfg.update(LAUNCH_OVERRIDES.get(family, {}))
     return cfg
-
-
-def query_grid(n_tiles: int, batch: int, heads: int, group: int, heads_adjacent: bool) -> tuple:
-    """Grid of the query-stationary kernels (forward, dQ); ``_query_program`` inverts it."""
-    return (n_tiles * group, batch * heads // group) if heads_adjacent else (n_tiles, batch * heads)
-
-
-@triton.jit
-def _query_program(GROUP, HEADS_ADJACENT: tl.constexpr):
-    """(query tile, batch x query head) of this program. HEADS_ADJACENT launches the query heads
-    of one GQA group as consecutive programs: they read the same K/V tiles at about the same
-    time, so the group's K/V is fetched from HBM once and served from L2 to the others."""
-    if HEADS_ADJACENT:
-        pid_m = tl.program_id(0) // GROUP
-        pid_bh = tl.program_id(1) * GROUP + tl.program_id(0) % GROUP
-    else:
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-    return pid_m, pid_bh
 
 
 def forward_launch_config(block: int, dtype: torch.dtype) -> dict:
@@ -168,9 +149,10 @@ def _vs_attn_fwd_kernel(
     HQ, GROUP, NQB, MAX_S, MAX_V, NB,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
     HEAD_DIM: tl.constexpr, ACCUMULATE: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEADS_ADJACENT: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
 ):
-    pid_m, pid_bh = _query_program(GROUP, HEADS_ADJACENT)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
     b = pid_bh // HQ
     h = pid_bh % HQ
     kvh = h // GROUP
@@ -258,7 +240,7 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
     max_v = plan.cols.shape[-1]
     cols = plan.cols if max_v > 0 else plan.col_count  # never read when empty; Triton wants storage
     cfg = forward_launch_config(B, q.dtype)
-    grid = query_grid(nq // cfg["BLOCK_M"], b, hq, hq // k.shape[1], cfg["HEADS_ADJACENT"])
+    grid = (nq // cfg["BLOCK_M"], b * hq)
     _vs_attn_fwd_kernel[grid](
         q, k, v, out, lse,
         plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols,
