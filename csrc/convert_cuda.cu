@@ -1,6 +1,7 @@
 // CUDA implementation of the per-step conversion: one thread per output row, running the row
-// functions of convert.h (the column rows, thousands of entries long, take a block each). Everything stays on the device (no host synchronisation), on the
-// current stream, so it can sit inside a ring step or a CUDA graph.
+// functions of convert.h (the column rows, thousands of entries long, take a block each).
+// Everything stays on the device (no host synchronisation), on the current stream, so it can
+// sit inside a ring step or a CUDA graph.
 #include "convert.h"
 
 // c10's stream header rather than ATen/cuda/CUDAContext.h: the same current-stream function

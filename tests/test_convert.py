@@ -214,7 +214,7 @@ def test_column_bounds_skip_only_columns_after_every_query(name, nb, q_ids, k_id
     gradient kernel) are the tightest bounds that keep every causally visible (query block,
     column) pair: brute force over all pairs, for any order of the chunks' blocks."""
     from megatron_mtraining.kernels.plan import build_step_plan
-    from megatron_mtraining.kernels.triton_bwd import first_query_blocks
+    from megatron_mtraining.kernels.plan import first_query_blocks
 
     block_col = 4
     for index in index_cases(nb, zlib.crc32(name.encode())):
@@ -231,7 +231,7 @@ def test_column_bounds_skip_only_columns_after_every_query(name, nb, q_ids, k_id
         n_tiles = -(-max_v // block_col)
         if n_tiles == 0:
             continue
-        q_first = first_query_blocks(plan, B, block_col, n_tiles).view(b, h, n_tiles)
+        q_first = first_query_blocks(plan, block_col).view(b, h, n_tiles)
         for bb in range(b):
             for hh in range(h):
                 pos = plan.col_pos[bb, hh].tolist()

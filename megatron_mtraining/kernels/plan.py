@@ -13,9 +13,11 @@ The conversion yields, per (batch, query head):
   col_count/cols     [b, hq(, max_v)]       selected columns owned by the key chunk, as local
                                             key-token indices, in the index's (ascending global)
                                             order.
-Entries past a count are 0. ``StepPlan.col_limit`` (derived in PyTorch) bounds the columns a query
-block walks, so no kernel iterates over columns that are causally after all of its queries. ``convert_step_reference`` is the readable PyTorch definition;
+Entries past a count are 0. ``convert_step_reference`` is the readable PyTorch definition;
 ``csrc/`` holds the C++ and CUDA versions, which must return identical tensors.
+Two bounds derived in PyTorch keep the kernels off causally dead column work:
+``StepPlan.col_limit`` (the columns a query block walks) and ``first_query_blocks`` (the query
+blocks a column tile's gradient walks).
 """
 
 from __future__ import annotations
@@ -117,6 +119,21 @@ def column_limits(col_pos: torch.Tensor, q_block_ids: torch.Tensor, block_size: 
     suffix_min = col_pos.flip(-1).cummin(-1).values.flip(-1).contiguous()
     last_query = (q_block_ids.long() * block_size + block_size - 1).expand(*col_pos.shape[:-1], -1).contiguous()
     return torch.searchsorted(suffix_min, last_query, right=True).to(torch.int32)
+
+
+def first_query_blocks(plan: "StepPlan", block_col: int) -> torch.Tensor:
+    """int32 ``[b * hq, column tiles of block_col]``: per column tile, the first local query block
+    that can see one of its columns. Earlier blocks (by the running maximum of their last
+    positions, so any chunk order works) end before the tile's earliest column; empty tiles get
+    ``nqb``."""
+    B = plan.block_size
+    bh, max_v = plan.col_pos.shape[0] * plan.col_pos.shape[1], plan.col_pos.shape[-1]
+    n_tiles = -(-max_v // block_col)
+    col_pos = torch.nn.functional.pad(plan.col_pos.reshape(bh, max_v), (0, n_tiles * block_col - max_v),
+                                      value=plan.num_blocks * B)  # padding slots: after every query
+    tile_first = col_pos.view(bh, n_tiles, block_col).amin(-1).contiguous()
+    last_query = torch.cummax(plan.q_block_ids.long() * B + B - 1, 0).values
+    return torch.searchsorted(last_query, tile_first).to(torch.int32)
 
 
 @dataclasses.dataclass

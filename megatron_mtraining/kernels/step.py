@@ -67,5 +67,5 @@ def single_step_backward(backend: str, q, k, v, do, lse, delta, plan, softmax_sc
         vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale, accumulate_dq=False)
     else:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        vs_attention_bwd_torch(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
+        step_backward(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

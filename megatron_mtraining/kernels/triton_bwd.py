@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from . import triton_fwd
+from .plan import first_query_blocks
 from .triton_fwd import LOG2E, _column_tile, _head_offset, _tile_ptrs, _wide, kernel_flags
 
 
@@ -251,19 +252,6 @@ def _column_splits(nqb: int, programs_per_split: int, target: int) -> int:
     return max(1, min(nqb, -(-target // max(1, programs_per_split))))
 
 
-def first_query_blocks(plan, block_size: int, block_col: int, n_tiles: int) -> torch.Tensor:
-    """int32 ``[b * hq, n_tiles]``: per column tile, the first local query block that can see one
-    of its columns. Earlier blocks (by the running maximum of their last positions, so any chunk
-    order works) end before the tile's earliest column; empty tiles get ``nqb``."""
-    bh = plan.cols.shape[0] * plan.cols.shape[1]
-    pad = n_tiles * block_col - plan.col_pos.shape[-1]
-    sentinel = plan.num_blocks * block_size
-    col_pos = torch.nn.functional.pad(plan.col_pos.reshape(bh, -1), (0, pad), value=sentinel)
-    tile_first = col_pos.view(bh, n_tiles, block_col).amin(-1).contiguous()
-    last_query = torch.cummax(plan.q_block_ids.long() * block_size + block_size - 1, 0).values
-    return torch.searchsorted(last_query, tile_first).to(torch.int32)
-
-
 def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float,
                             accumulate_dq: bool = True) -> None:
     """Add this plan's gradients into fp32 ``dq`` ``[b,hq,nq,d]`` and ``dk``/``dv`` ``[b,hkv,nk,d]``.
@@ -310,7 +298,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     n_tiles = -(-max_v // block_col)
     max_v_pad = n_tiles * block_col
     splits = _column_splits(nqb, n_tiles * b * hq, cfg["COLUMN_PROGRAMS"])
-    q_first = first_query_blocks(plan, B, block_col, n_tiles)
+    q_first = first_query_blocks(plan, block_col)
     dk_part = torch.empty(splits, b * hq, max_v_pad, d, dtype=torch.float32, device=q.device)
     dv_part = torch.empty_like(dk_part)
     _dkdv_col_kernel[(n_tiles, b * hq, splits)](
