@@ -1,0 +1,69 @@
+"""One profiled forward+backward of the sparse attention kernels, for Nsight Compute.
+
+Builds the kernel benchmark's canonical problem (fixed index, Qwen2.5-3B attention shape),
+warms up (compiles), then runs one forward+backward between ``cudaProfilerStart/Stop`` so that
+``ncu --profile-from-start off`` sees exactly one launch of each kernel. It also prints what the
+compiler gave each kernel (registers, spills, shared memory), which ncu's launch section does
+not break down per compile variant.
+
+    ncu --profile-from-start off --section SpeedOfLight ... python benchmarks/profile_kernels.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernel import Config, forward_and_backward, index_and_inputs, parse_launch  # noqa: E402
+
+from megatron_mtraining import sparse_attention  # noqa: E402
+from megatron_mtraining.kernels import triton_bwd, triton_delta, triton_fwd  # noqa: E402
+
+
+def compiled_variants():
+    """(kernel name, registers, spills, shared bytes) of every compiled variant of our kernels."""
+    for module in (triton_fwd, triton_bwd, triton_delta):
+        for name in dir(module):
+            fn = getattr(module, name)
+            caches = getattr(fn, "device_caches", None)
+            if not name.endswith("_kernel") or caches is None:
+                continue
+            for cache in caches.values():
+                for compiled in cache[0].values():
+                    yield (name, getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None),
+                           getattr(compiled.metadata, "shared", None))
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-len", type=int, default=65536)
+    parser.add_argument("--launch", default="", help="as benchmarks/kernel.py --launch, e.g. fwd:4x2,bwd:4x2")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_kernels.py needs a CUDA device")
+    triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(args.launch))
+    cfg = Config(seq_lens=[args.seq_len])
+    device = torch.device("cuda")
+    index, arg_sets = index_and_inputs(cfg, args.seq_len, device)
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    run = forward_and_backward(lambda q, k, v: sparse_attention(q, k, v, index, scale, "triton"))
+    for _ in range(2):
+        run(*arg_sets[0])
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    run(*arg_sets[0])
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    for name, regs, spills, shared in compiled_variants():
+        print(f"compiled {name}: registers {regs}, spills {spills}, shared {shared}")
+
+
+if __name__ == "__main__":
+    main()
