@@ -2,7 +2,8 @@
 # One single-GPU device call: GPU tests (TESTS, default the kernel and conversion tests), then
 # Nsight Compute on one forward+backward of the canonical problem (benchmarks/profile_kernels.py,
 # PROFILE_LEN tokens, default 64K): speed of light, occupancy, warp stalls, memory, per kernel.
-# Logs and reports under $OUT; PROFILE_LAUNCH as kernel.py --launch.
+# Logs and reports under $OUT (KEEP_REPORT=1 keeps the .ncu-rep); PROFILE_LAUNCH as kernel.py
+# --launch; TESTS="" skips the tests.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -24,6 +25,7 @@ timeout ${PROFILE_TIMEOUT:-240} ncu --clock-control none --profile-from-start of
 echo "ncu rc=$?"; grep -E "^compiled" "$OUT/profile.log"
 ncu --import "$OUT/profile.ncu-rep" --page details > "$OUT/ncu.txt" 2>> "$OUT/ncu.err"
 ncu --import "$OUT/profile.ncu-rep" --page raw --csv > "$OUT/raw.csv" 2>> "$OUT/ncu.err"
+[ "${KEEP_REPORT:-0}" = 1 ] || rm -f "$OUT/profile.ncu-rep"  # the text pages hold what we read
 # Short table: per kernel, duration, SM / tensor / memory throughput, occupancy, top stalls.
 grep -E "^  _|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Theoretical Occupancy" "$OUT/ncu.txt" | head -80
 $PY - "$OUT/raw.csv" <<'PYEOF'

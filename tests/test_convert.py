@@ -240,3 +240,39 @@ def test_column_bounds_skip_only_columns_after_every_query(name, nb, q_ids, k_id
                     seeing = [i for i, last in enumerate(last_query.tolist()) if tile and min(tile) <= last]
                     # every block that sees the tile is at or after q_first; the first that does is q_first
                     assert q_first[bb, hh, t] == (seeing[0] if seeing else len(last_query))
+
+
+@pytest.mark.parametrize("name, nb, q_ids, k_ids", _bounds_cases(), ids=[c[0] for c in _bounds_cases()])
+def test_column_words_mark_exactly_the_live_columns(name, nb, q_ids, k_ids):
+    """``StepPlan.column_words``: bit s of word w for query block i is set iff slot w*64+s holds a
+    column whose block is not after block i and not read through one of its slash offsets; diag
+    flags a live column in the block itself. Brute force over all (query block, slot) pairs, for
+    indices with and without the diagonal offset; the Triton kernel (interpreter) gives the same."""
+    from megatron_mtraining.kernels.column_words import column_words_reference, column_words_triton
+    from megatron_mtraining.kernels.plan import build_step_plan
+    from megatron_mtraining.kernels.triton_fwd import interpreting
+
+    seed = zlib.crc32(name.encode())
+    no_diagonal = VSIndex.from_lists([[[1, 3], [2]]], [[[5, 20, 21, 40, 47], [1, 35, 36]]], block_size=B)
+    for index in [*index_cases(nb, seed), no_diagonal]:
+        plan = build_step_plan(index, q_ids, k_ids, nb, impl="torch")
+        words, diag = plan.column_words
+        b, h, max_v = plan.cols.shape
+        assert words.shape == (b, h, len(q_ids), -(-max_v // 64)) and words.dtype == torch.int64
+        bitmap = index.slash_bitmap(nb)
+        for bb in range(b):
+            for hh in range(h):
+                pos = plan.col_pos[bb, hh].tolist()
+                for i, qb in enumerate(q_ids.tolist()):
+                    bits = [(int(words[bb, hh, i, s // 64]) >> (s % 64)) & 1 for s in range(max_v)]
+                    live = [p < nb * B and p // B <= qb and not bitmap[bb, hh, qb - p // B] for p in pos]
+                    assert bits == [int(x) for x in live], (bb, hh, i)
+                    in_block = any(x and p // B == qb for x, p in zip(live, pos))
+                    assert int(diag[bb, hh, i]) == int(in_block)
+        if interpreting() or torch.cuda.is_available():
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+            args = (plan.col_pos.to(dev), plan.q_block_ids.to(dev), plan.slash_bitmap.to(dev), B)
+            for g, w in zip(column_words_triton(*args), column_words_reference(*args)):
+                assert torch.equal(g.cpu(), w.cpu())
+    if name == "single":  # the index without a diagonal has live columns inside query blocks
+        assert int(diag.sum()) > 0

@@ -256,3 +256,12 @@ def test_backward_delta_triton_matches_torch(dtype, b, h, n, d):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert backward_delta("torch", out, d_out).dtype == torch.float32
     assert backward_delta("torch", out.double(), d_out.double()).dtype == torch.float64
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125])
+def test_triton_rejects_non_positive_softmax_scale(scale):
+    """The Triton forward takes the row maximum before scaling (exact only for a positive scale)."""
+    q, k, v = inputs(1, 2, 1, 32, 16, seed=1)
+    index = VSIndex.dense(1, 2, 32, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="softmax_scale must be positive"):
+        sparse_attention(q, k, v, index, softmax_scale=scale, backend="triton")

@@ -32,13 +32,28 @@ def token_rows(blocks, B):
     return (blocks[:, None] * B + torch.arange(B)).reshape(-1)
 
 
+def without_diagonal(n, B, g):
+    """Random slash offsets from 1 up and columns inside the query blocks: outside DESIGN's
+    contract (offset 0 is mandatory; ``validate`` rejects it), but the kernels must stay exact
+    when no check ran, through the column words' token-level causal path."""
+    idx = VSIndex.random(1, 4, n, B, max_slash=4, max_vertical=30, generator=g)
+    idx.slash[..., :] = torch.arange(1, idx.slash.shape[-1] + 1, dtype=torch.int32)
+    return idx
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("layout, world", [("striped", 3), ("zigzag", 2)])
-def test_chunked_steps_equal_full_attention(backend, layout, world):
+@pytest.mark.parametrize("layout, world, kind", [("striped", 3, "random"), ("zigzag", 2, "random"),
+                                                 ("striped", 1, "without_diagonal"),
+                                                 ("striped", 2, "without_diagonal")])
+def test_chunked_steps_equal_full_attention(backend, layout, world, kind):
     B, nb, d = 16, 12, 32
     n = nb * B
     g = torch.Generator().manual_seed(world)
-    index = VSIndex.random(1, 4, n, B, max_slash=5, max_vertical=30, generator=g).to(DEVICE)
+    if kind == "random":
+        index = VSIndex.random(1, 4, n, B, max_slash=5, max_vertical=30, generator=g)
+    else:
+        index = without_diagonal(n, B, g)
+    index = index.to(DEVICE)
     q, k, v = (torch.randn(1, h, n, d, generator=g).to(DEVICE).requires_grad_() for h in (4, 2, 2))
     full, full_lse = reference_attention(q, k, v, index)
     grad = torch.randn_like(full)
@@ -83,3 +98,5 @@ def test_chunked_steps_equal_full_attention(backend, layout, world):
         dq[:, :, rows[r]] = dq_r
     for name, got, exp in zip(("dq", "dk", "dv"), (dq, dk, dv), want):
         assert rel_err(got, exp) < 1e-5, name
+    if kind == "without_diagonal":  # the case reached the token-level causal path of the column words
+        assert any(bool(build_step_plan(index, c, c, nb).column_words[1].any()) for c in chunks)

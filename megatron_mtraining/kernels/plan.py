@@ -17,7 +17,8 @@ Entries past a count are 0. ``convert_step_reference`` is the readable PyTorch d
 ``csrc/`` holds the C++ and CUDA versions, which must return identical tensors.
 Two bounds derived in PyTorch keep the kernels off causally dead column work:
 ``StepPlan.col_limit`` (the columns a query block walks) and ``first_query_blocks`` (the query
-blocks a column tile's gradient walks).
+blocks a column tile's gradient walks); ``StepPlan.column_words`` says which of the walked
+columns each query block sees (``column_words.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 
 from .. import _ext
 from ..index import VSIndex
+from .column_words import column_words
 
 
 def _inverse_map(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -153,6 +155,7 @@ class StepPlan:
     cols: torch.Tensor
     col_pos: torch.Tensor = None    # int64 [b, hq, max_v] (``column_positions``)
     col_limit: torch.Tensor = None  # int32 [b, hq, nqb] (``column_limits``)
+    _column_words: tuple = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if self.col_pos is None:
@@ -164,6 +167,14 @@ class StepPlan:
     @property
     def block_size(self) -> int:
         return self.index.block_size
+
+    @property
+    def column_words(self) -> tuple:
+        """(words, diag) of ``column_words.py``: which column slots each query block sees. Made on
+        first use (only the Triton kernels need it) and kept for the step's other kernels."""
+        if self._column_words is None:
+            self._column_words = column_words(self.col_pos, self.q_block_ids, self.slash_bitmap, self.block_size)
+        return self._column_words
 
     def positions(self, block_ids: torch.Tensor) -> torch.Tensor:
         B = self.block_size

@@ -18,15 +18,21 @@ import triton
 import triton.language as tl
 
 from . import triton_fwd
+from .column_words import column_word_count
 from .plan import first_query_blocks
-from .triton_fwd import LOG2E, _column_tile, _head_offset, _tile_ptrs, _wide, kernel_flags
+from .triton_fwd import LOG2E, _causal_columns, _column_tile, _head_offset, _tile_ptrs, _wide, kernel_flags
 
 
 @triton.jit
-def _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION: tl.constexpr):
-    """Key-major gradient pieces of one tile: (dv, dk) contributions (dk without softmax scale)."""
-    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
-    p_t = tl.where(keep_t, tl.math.exp2(s_t - lse2[None, :]), 0.0)
+def _probs_t(k, q, lse2, qk_scale, DOT_PRECISION: tl.constexpr):
+    """Key-major probabilities of one tile, recomputed from the saved log-sum-exp (base 2)."""
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    return tl.math.exp2(s_t * qk_scale - lse2[None, :])
+
+
+@triton.jit
+def _grads_t(p_t, v, q, do, di, DOT_PRECISION: tl.constexpr):
+    """(dv, dk) contributions of one tile from its masked probabilities (dk without softmax scale)."""
     dv = tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - di[None, :])
@@ -54,7 +60,7 @@ def _load_query_side(Q, DO, Lse, Delta, b, h, rows, offs_d,
 @triton.jit
 def _dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,
-    QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, Bitmap,
+    QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, ColPos, Words, Diag,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -62,7 +68,7 @@ def _dq_kernel(
     stride_lb, stride_lh,
     stride_gb, stride_gh, stride_gn,
     qk_scale, sm_scale,
-    HQ, GROUP, NQB, MAX_S, MAX_V, NB,
+    HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
     HEAD_DIM: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MASK_EVERY_TILE: tl.constexpr, DQ_ACCUMULATE: tl.constexpr,
@@ -109,11 +115,14 @@ def _dq_kernel(
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
     n_cols = tl.load(ColLimit + plan_row)  # the columns after it are after all of this block's queries
+    diag = tl.load(Diag + plan_row) != 0
     for c0 in range(0, n_cols, BLOCK_COL):
-        k, v, active = _column_tile(Cols, KBlk, Bitmap, k_base, v_base, bh * MAX_V, bh * NB, c0, n_cols,
-                                    q_blk, q_pos, stride_kn, stride_vn, offs_d, BLOCK, BLOCK_COL, INT64, UPCAST)
+        k, v, live = _column_tile(Cols, Words, k_base, v_base, bh * MAX_V, plan_row * N_WORDS, c0, n_cols,
+                                  stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        p = tl.where(active, tl.math.exp2(s - lse2[:, None]), 0.0)
+        p = tl.where(live[None, :], tl.math.exp2(s - lse2[:, None]), 0.0)
+        if diag:
+            p = _causal_columns(p, 0.0, ColPos, bh * MAX_V, c0, n_cols, q_pos, BLOCK_COL)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - di[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -138,7 +147,7 @@ def _dkdv_kernel(
     qk_scale, sm_scale,
     HQ, HKV, GROUP, NKB, MAX_S,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bkv = tl.program_id(1)
@@ -170,10 +179,13 @@ def _dkdv_kernel(
                 q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + sub + offs_m, offs_d,
                                                    stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
                                                    stride_on, stride_lb, stride_lh, INT64, UPCAST)
-                # Masked on every tile: a branch to two copies of the tile's code (unmasked off the
-                # diagonal) made this kernel twice as slow on an H200 (NOTES, session 5).
-                keep_t = k_pos[:, None] <= q_pos[None, :]
-                dv_t, dk_t = _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION)
+                p_t = _probs_t(k, q, lse2, qk_scale, DOT_PRECISION)
+                # Only the diagonal block holds queries before keys. The branch holds the mask alone:
+                # branching to two copies of the tile's products made this kernel twice as slow
+                # on an H200 (NOTES, session 5).
+                if MASK_EVERY_TILE or q_blk == k_blk:
+                    p_t = tl.where(k_pos[:, None] <= q_pos[None, :], p_t, 0.0)
+                dv_t, dk_t = _grads_t(p_t, v, q, do, di, DOT_PRECISION)
                 dv += dv_t
                 dk += dk_t
     g_head = _head_offset(b, kvh, stride_gb, stride_gh, INT64)
@@ -186,14 +198,14 @@ def _dkdv_kernel(
 @triton.jit
 def _dkdv_col_kernel(
     Q, K, V, DO, Lse, Delta, DKP, DVP,
-    QBlk, KBlk, ColCnt, Cols, Bitmap, QFirst,
+    QBlk, ColCnt, Cols, ColPos, Words, Diag, QFirst,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     stride_lb, stride_lh,
     qk_scale, sm_scale,
-    HQ, GROUP, NQB, MAX_V, MAX_V_PAD, NB, SPLITS, BH,
+    HQ, GROUP, NQB, MAX_V, MAX_V_PAD, N_WORDS, SPLITS, BH,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
     INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -210,8 +222,8 @@ def _dkdv_col_kernel(
     n_cols = tl.load(ColCnt + pid_bh)
     c_ok = offs_c < n_cols
     col = tl.load(Cols + bh * MAX_V + offs_c, mask=c_ok, other=0)
-    c_blk = tl.load(KBlk + col // BLOCK, mask=c_ok, other=0)
-    c_pos = c_blk * BLOCK + col % BLOCK
+    c_pos = tl.load(ColPos + bh * MAX_V + offs_c, mask=c_ok, other=0)
+    bit = (tl.arange(0, BLOCK_COL) + (pid_c * BLOCK_COL) % 64).to(tl.int64)
     k = tl.load(_tile_ptrs(K + _head_offset(b, kvh, stride_kb, stride_kh, INT64), col, stride_kn, offs_d, INT64),
                 mask=c_ok[:, None], other=0.0)
     v = tl.load(_tile_ptrs(V + _head_offset(b, kvh, stride_vb, stride_vh, INT64), col, stride_vn, offs_d, INT64),
@@ -226,18 +238,21 @@ def _dkdv_col_kernel(
     per_split = tl.cdiv(NQB - q_first, SPLITS)
     i_start = q_first + pid_s * per_split
     i_end = tl.minimum(i_start + per_split, NQB)  # empty tiles (q_first = NQB) write zero partials
+    word_col = (pid_c * BLOCK_COL) // 64
     for i in range(i_start, i_end):
         q_blk = tl.load(QBlk + i)
-        delta = q_blk - c_blk
-        covered = tl.load(Bitmap + bh * NB + delta, mask=c_ok & (delta >= 0), other=0)
-        keep = c_ok & (covered == 0)
+        word = tl.load(Words + (bh * NQB + i) * N_WORDS + word_col)  # this block's live columns
+        live = ((word >> bit) & 1) != 0
+        diag = tl.load(Diag + bh * NQB + i) != 0  # a live column in the block itself: mask by token
         for sub in tl.static_range(0, BLOCK, BLOCK_M):
             q_pos = q_blk * BLOCK + sub + offs_m
             q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + sub + offs_m, offs_d,
                                                stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
                                                stride_on, stride_lb, stride_lh, INT64, UPCAST)
-            keep_t = keep[:, None] & (c_pos[:, None] <= q_pos[None, :])
-            dv_t, dk_t = _grad_tile_t(k, v, q, do, lse2, di, keep_t, qk_scale, DOT_PRECISION)
+            p_t = tl.where(live[:, None], _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
+            if diag:
+                p_t = tl.where(c_pos[:, None] <= q_pos[None, :], p_t, 0.0)
+            dv_t, dk_t = _grads_t(p_t, v, q, do, di, DOT_PRECISION)
             dv += dv_t
             dk += dk_t
     # Partials [splits * b * hq, MAX_V_PAD, HEAD_DIM] can pass 2^31 elements too; one store, so int64.
@@ -276,13 +291,14 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
                lse.stride(0), lse.stride(1))
-    cols = plan.cols if max_v > 0 else plan.col_count  # never read when empty; Triton wants storage
+    cols, col_pos, words, diag = triton_fwd.column_arguments(plan)
+    n_words = column_word_count(max_v)
 
     _dq_kernel[(nq // block_m, b * hq)](
         q, k, v, do, lse, delta, dq,
-        plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols,
-        plan.slash_bitmap, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-        qk_scale, softmax_scale, hq, group, nqb, max_s, max_v, plan.num_blocks,
+        plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos,
+        words, diag, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+        qk_scale, softmax_scale, hq, group, nqb, max_s, max_v, n_words,
         BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_COL=block_col, HEAD_DIM=d,
         MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], DQ_ACCUMULATE=accumulate_dq, **launch)
 
@@ -291,7 +307,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
         plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks,
         *strides, dk.stride(0), dk.stride(1), dk.stride(2),
         qk_scale, softmax_scale, hq, hkv, group, nkb, max_s,
-        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, **launch)
+        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], **launch)
 
     if max_v == 0:
         return
@@ -303,9 +319,9 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     dv_part = torch.empty_like(dk_part)
     _dkdv_col_kernel[(n_tiles, b * hq, splits)](
         q, k, v, do, lse, delta, dk_part, dv_part,
-        plan.q_block_ids, plan.k_block_ids, plan.col_count, plan.cols, plan.slash_bitmap, q_first,
+        plan.q_block_ids, plan.col_count, cols, col_pos, words, diag, q_first,
         *strides, qk_scale, softmax_scale,
-        hq, group, nqb, max_v, max_v_pad, plan.num_blocks, splits, b * hq,
+        hq, group, nqb, max_v, max_v_pad, n_words, splits, b * hq,
         BLOCK=B, BLOCK_M=block_m, BLOCK_COL=block_col, HEAD_DIM=d, **launch)
     # Fixed-order reduction over splits, then one scatter per GQA position: within one
     # index_add_ every real target row is distinct (padding slots add exact zeros), so the

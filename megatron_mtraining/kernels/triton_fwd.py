@@ -3,9 +3,10 @@
 One program per (query tile of BLOCK_M rows, batch x query head); tiles divide the index block
 B. It walks the key blocks that the plan lists for its query block (slash part, diagonal last,
 each in tiles of BLOCK_N keys), then the plan's columns in tiles of BLOCK_COL up to the plan's
-column limit (later columns are after every query of the block), skipping columns whose block
-is already covered by a selected slash offset, with an online softmax in fp32 (base 2). The result is written as (out, fp32 lse), or merged through
-log-sum-exp into existing accumulators (ring attention calls it once per step).
+column limit (later columns are after every query of the block), keeping the columns that the
+step's column words mark live for the block (not already read through a selected slash block),
+with an online softmax in fp32 (base 2). The result is written as (out, fp32 lse), or merged
+through log-sum-exp into existing accumulators (ring attention calls it once per step).
 
 Cost per (query block, head): 4*B*d FLOPs per active key (QK^T and PV) over B*d*2 bytes of K/V
 per key block: the work is the active pairs, nothing proportional to the sequence.
@@ -19,6 +20,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from .column_words import column_word_count
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -58,7 +61,16 @@ def int64_offsets(*tensors: torch.Tensor) -> bool:
 
 def plan_tensors(plan) -> tuple:
     """The plan's tensors that the kernels index per (batch, head) row, for ``int64_offsets``."""
-    return plan.kv_blocks, plan.q_blocks, plan.cols, plan.slash_bitmap, plan.col_limit
+    return plan.kv_blocks, plan.q_blocks, plan.cols, plan.col_pos, plan.col_limit, *plan.column_words
+
+
+def column_arguments(plan) -> tuple:
+    """(cols, col_pos, words, diag) for the kernels' column part. With no column capacity the
+    kernels never read them, but Triton wants storage behind every pointer."""
+    words, diag = plan.column_words
+    if plan.cols.shape[-1] == 0:
+        return plan.col_count, plan.col_count, diag, diag
+    return plan.cols, plan.col_pos, words, diag
 
 
 def tile_config(block: int, dtype: torch.dtype, family: str = "fwd") -> dict:
@@ -83,11 +95,13 @@ def forward_launch_config(block: int, dtype: torch.dtype) -> dict:
 
 
 @triton.jit
-def _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """Fold one tile of base-2 scores ``s`` (masked entries -inf) into (m, l, acc)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+def _online_softmax_step(s, qk_scale, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of raw scores ``s`` = q.k (masked entries -inf) into (m, l, acc), base 2.
+    The scale (> 0, so the row maximum commutes with it) is applied inside exp2's argument: one
+    fused multiply-add per score instead of a multiply and a subtract."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay exact zeros
-    p = tl.math.exp2(s - m_safe[:, None])
+    p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -115,38 +129,42 @@ def _tile_ptrs(base, rows, stride, offs_d, INT64: tl.constexpr):
 
 
 @triton.jit
-def _column_tile(Cols, KBlk, Bitmap, k_base, v_base, plan_row, bitmap_row, c0, n_cols, q_blk, q_pos,
-                 stride_kn, stride_vn, offs_d,
-                 BLOCK: tl.constexpr, BLOCK_COL: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr):
-    """Gather one tile of the plan's columns: K, V and which (query, column) pairs are active
-    (causal, and not already covered by a selected slash block of this query block)."""
+def _column_tile(Cols, Words, k_base, v_base, col_row, word_row, c0, n_cols, stride_kn, stride_vn, offs_d,
+                 BLOCK_COL: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr):
+    """Gather one tile of the plan's columns: K, V and which columns are live for the query block
+    (one word of the step's column words, instead of a gather chain per column)."""
     offs_c = c0 + tl.arange(0, BLOCK_COL)
-    c_ok = offs_c < n_cols
-    col = tl.load(Cols + plan_row + offs_c, mask=c_ok, other=0)
-    c_blk = tl.load(KBlk + col // BLOCK, mask=c_ok, other=0)
-    delta = q_blk - c_blk
-    covered = tl.load(Bitmap + bitmap_row + delta, mask=c_ok & (delta >= 0), other=0)
-    c_pos = c_blk * BLOCK + col % BLOCK
-    active = (c_ok & (covered == 0))[None, :] & (c_pos[None, :] <= q_pos[:, None])
-    k = tl.load(_tile_ptrs(k_base, col, stride_kn, offs_d, INT64), mask=c_ok[:, None], other=0.0)
-    v = tl.load(_tile_ptrs(v_base, col, stride_vn, offs_d, INT64), mask=c_ok[:, None], other=0.0)
+    col = tl.load(Cols + col_row + offs_c, mask=offs_c < n_cols, other=0)  # past the limit: row 0, not live
+    word = tl.load(Words + word_row + c0 // 64)
+    live = ((word >> (tl.arange(0, BLOCK_COL) + c0 % 64).to(tl.int64)) & 1) != 0
+    k = tl.load(_tile_ptrs(k_base, col, stride_kn, offs_d, INT64))
+    v = tl.load(_tile_ptrs(v_base, col, stride_vn, offs_d, INT64))
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    return k, v, active
+    return k, v, live
+
+
+@triton.jit
+def _causal_columns(x, fill, ColPos, col_row, c0, n_cols, q_pos, BLOCK_COL: tl.constexpr):
+    """``x`` with ``fill`` where a column is after the query: needed only where a live column
+    shares the query block (``column_words``' diag), so callers branch on that first."""
+    offs_c = c0 + tl.arange(0, BLOCK_COL)
+    c_pos = tl.load(ColPos + col_row + offs_c, mask=offs_c < n_cols, other=0)
+    return tl.where(c_pos[None, :] <= q_pos[:, None], x, fill)
 
 
 @triton.jit
 def _vs_attn_fwd_kernel(
     Q, K, V, Out, Lse,
-    QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, Bitmap,
+    QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, ColPos, Words, Diag,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     stride_lb, stride_lh,
     qk_scale,
-    HQ, GROUP, NQB, MAX_S, MAX_V, NB,
+    HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
     HEAD_DIM: tl.constexpr, ACCUMULATE: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
@@ -188,21 +206,23 @@ def _vs_attn_fwd_kernel(
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             if MASK_EVERY_TILE or k_blk == q_blk:  # earlier key blocks hold no key after a query
                 k_pos = k_blk * BLOCK + sub + offs_n
                 s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+            m_i, l_i, acc = _online_softmax_step(s, qk_scale, v, m_i, l_i, acc, DOT_PRECISION)
 
     # Vertical part: gathered columns not covered by a selected slash block of this query block,
     # up to the last one that is not after all of its queries.
     n_cols = tl.load(ColLimit + plan_row)
+    diag = tl.load(Diag + plan_row) != 0
     for c0 in range(0, n_cols, BLOCK_COL):
-        k, v, active = _column_tile(Cols, KBlk, Bitmap, k_base, v_base, bh * MAX_V, bh * NB, c0, n_cols,
-                                    q_blk, q_pos, stride_kn, stride_vn, offs_d, BLOCK, BLOCK_COL, INT64, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(active, s, float("-inf"))
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, DOT_PRECISION)
+        k, v, live = _column_tile(Cols, Words, k_base, v_base, bh * MAX_V, plan_row * N_WORDS, c0, n_cols,
+                                  stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST)
+        s = tl.where(live[None, :], tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), float("-inf"))
+        if diag:
+            s = _causal_columns(s, float("-inf"), ColPos, bh * MAX_V, c0, n_cols, q_pos, BLOCK_COL)
+        m_i, l_i, acc = _online_softmax_step(s, qk_scale, v, m_i, l_i, acc, DOT_PRECISION)
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -234,24 +254,26 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
     q ``[b, hq, nq, d]``, k/v ``[b, hkv, nk, d]`` (last dim contiguous); out ``[b, hq, nq, d]``
     (fp32 when accumulating); lse fp32 ``[b, hq, nq]`` contiguous in the last dim.
     """
+    if not softmax_scale > 0:
+        raise ValueError(f"vs_attention_fwd_triton: softmax_scale must be positive, got {softmax_scale}")
     b, hq, nq, d = q.shape
     B = plan.block_size
     nqb = nq // B
     max_v = plan.cols.shape[-1]
-    cols = plan.cols if max_v > 0 else plan.col_count  # never read when empty; Triton wants storage
+    cols, col_pos, words, diag = column_arguments(plan)
     cfg = forward_launch_config(B, q.dtype)
     grid = (nq // cfg["BLOCK_M"], b * hq)
     _vs_attn_fwd_kernel[grid](
         q, k, v, out, lse,
-        plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols,
-        plan.slash_bitmap,
+        plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos,
+        words, diag,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         softmax_scale * LOG2E,
-        hq, hq // k.shape[1], nqb, plan.kv_blocks.shape[-1], max_v, plan.num_blocks,
+        hq, hq // k.shape[1], nqb, plan.kv_blocks.shape[-1], max_v, column_word_count(max_v),
         BLOCK=B, HEAD_DIM=d, ACCUMULATE=accumulate, INT64=int64_offsets(q, k, v, out, lse, *plan_tensors(plan)),
         **kernel_flags(q.dtype), **cfg,
     )
