@@ -456,7 +456,7 @@ def parse_args(argv=None):
 
 
 # Letters after a launch setting that set kernel options (triton_fwd.tile_config's keys):
-# m: the causal mask on every slash tile of the forward, dQ and dK/dV (not only the diagonal block's);
+# m: the causal mask on every slash tile of the forward and dQ (not only the diagonal block's);
 # c: 4x the column-gradient programs (shorter ones). (Session 5 also tried running a GQA group's
 # query heads as adjacent programs: no gain, removed; benchmarks/NOTES.md.)
 LAUNCH_OPTIONS = {"m": ("MASK_EVERY_TILE", True), "c": ("COLUMN_PROGRAMS", 4096)}

@@ -49,25 +49,27 @@ def column_words_reference(col_pos: torch.Tensor, q_block_ids: torch.Tensor, sla
 
 @triton.jit
 def _column_words_kernel(ColPos, QBlk, Bitmap, Words, Diag, MAX_V, NQB, NB, N_WORDS,
-                         BLOCK: tl.constexpr, INT64: tl.constexpr):
+                         BLOCK: tl.constexpr, WORDS_PER_ITER: tl.constexpr, INT64: tl.constexpr):
     pid_q = tl.program_id(0)
     bh = tl.program_id(1)
     if INT64:
         bh = tl.cast(bh, tl.int64)
     q_blk = tl.load(QBlk + pid_q)
     bit = tl.arange(0, 64)
-    one = tl.full([64], 1, tl.int64)
-    diag = tl.zeros([64], tl.int32)
+    one = tl.full([WORDS_PER_ITER, 64], 1, tl.int64)
+    diag = tl.zeros([WORDS_PER_ITER, 64], tl.int32)
     out = Words + (bh * NQB + pid_q) * N_WORDS
-    for w in range(0, N_WORDS):
-        slot = w * 64 + bit
+    # Several words per iteration: the gathers of one iteration are in flight together.
+    for w0 in range(0, N_WORDS, WORDS_PER_ITER):
+        word = w0 + tl.arange(0, WORDS_PER_ITER)
+        slot = word[:, None] * 64 + bit[None, :]
         pos = tl.load(ColPos + bh * MAX_V + slot, mask=slot < MAX_V, other=NB * BLOCK)
         delta = q_blk - (pos // BLOCK).to(tl.int32)
         covered = tl.load(Bitmap + bh * NB + delta, mask=delta >= 0, other=1)
         live = (delta >= 0) & (covered == 0)
-        tl.store(out + w, tl.sum(tl.where(live, one << bit.to(tl.int64), 0)))
+        tl.store(out + word, tl.sum(tl.where(live, one << bit[None, :].to(tl.int64), 0), 1), mask=word < N_WORDS)
         diag = tl.maximum(diag, (live & (delta == 0)).to(tl.int32))
-    tl.store(Diag + bh * NQB + pid_q, tl.max(diag).to(tl.int8))
+    tl.store(Diag + bh * NQB + pid_q, tl.max(tl.max(diag, 1), 0).to(tl.int8))
 
 
 def column_words_triton(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_bitmap: torch.Tensor,
@@ -84,7 +86,7 @@ def column_words_triton(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_
     int64 = max(words.numel(), col_pos.numel(), slash_bitmap.numel()) >= 2 ** 31
     _column_words_kernel[(nqb, b * hq)](
         col_pos.contiguous(), q_block_ids, slash_bitmap.contiguous(), words, diag, max_v, nqb, nb, n_words,
-        BLOCK=block_size, INT64=int64, num_warps=2)
+        BLOCK=block_size, WORDS_PER_ITER=min(16, triton.next_power_of_2(n_words)), INT64=int64, num_warps=4)
     return words, diag
 
 

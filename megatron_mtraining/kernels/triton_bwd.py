@@ -58,6 +58,24 @@ def _load_query_side(Q, DO, Lse, Delta, b, h, rows, offs_d,
 
 
 @triton.jit
+def _dq_columns(dq, q, do, lse2, di, q_pos, qk_scale, Cols, ColPos, Words, k_base, v_base, col_row, word_row,
+                n_cols, stride_kn, stride_vn, offs_d, BLOCK_COL: tl.constexpr, INT64: tl.constexpr,
+                UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+    """dQ's column part: add the live columns of slots [0, n_cols) into ``dq``."""
+    for c0 in range(0, n_cols, BLOCK_COL):
+        k, v, live = _column_tile(Cols, Words, k_base, v_base, col_row, word_row, c0, n_cols,
+                                  stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.where(live[None, :], tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
+        if CAUSAL:
+            p = _causal_columns(p, 0.0, ColPos, col_row, c0, n_cols, q_pos, BLOCK_COL)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - di[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
 def _dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,
     QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, ColPos, Words, Diag,
@@ -114,18 +132,18 @@ def _dq_kernel(
             ds = p * (dp - di[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
 
-    n_cols = tl.load(ColLimit + plan_row)  # the columns after it are after all of this block's queries
-    diag = tl.load(Diag + plan_row) != 0
-    for c0 in range(0, n_cols, BLOCK_COL):
-        k, v, live = _column_tile(Cols, Words, k_base, v_base, bh * MAX_V, plan_row * N_WORDS, c0, n_cols,
-                                  stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        p = tl.where(live[None, :], tl.math.exp2(s - lse2[:, None]), 0.0)
-        if diag:
-            p = _causal_columns(p, 0.0, ColPos, bh * MAX_V, c0, n_cols, q_pos, BLOCK_COL)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - di[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
+    # The columns after the limit are after all of this block's queries. Two copies of the loop,
+    # so that neither branches inside (diag: never for a valid index).
+    n_cols = tl.load(ColLimit + plan_row)
+    col_row, word_row = bh * MAX_V, plan_row * N_WORDS
+    if tl.load(Diag + plan_row) != 0:
+        dq = _dq_columns(dq, q, do, lse2, di, q_pos, qk_scale, Cols, ColPos, Words, k_base, v_base, col_row,
+                         word_row, n_cols, stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST, DOT_PRECISION,
+                         True)
+    else:
+        dq = _dq_columns(dq, q, do, lse2, di, q_pos, qk_scale, Cols, ColPos, Words, k_base, v_base, col_row,
+                         word_row, n_cols, stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST, DOT_PRECISION,
+                         False)
 
     dq_ptrs = _tile_ptrs(DQ + _head_offset(b, h, stride_gb, stride_gh, INT64), rows, stride_gn, offs_d, INT64)
     if DQ_ACCUMULATE:
@@ -147,7 +165,7 @@ def _dkdv_kernel(
     qk_scale, sm_scale,
     HQ, HKV, GROUP, NKB, MAX_S,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
+    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bkv = tl.program_id(1)
@@ -179,12 +197,10 @@ def _dkdv_kernel(
                 q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + sub + offs_m, offs_d,
                                                    stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
                                                    stride_on, stride_lb, stride_lh, INT64, UPCAST)
-                p_t = _probs_t(k, q, lse2, qk_scale, DOT_PRECISION)
-                # Only the diagonal block holds queries before keys. The branch holds the mask alone:
-                # branching to two copies of the tile's products made this kernel twice as slow
-                # on an H200 (NOTES, session 5).
-                if MASK_EVERY_TILE or q_blk == k_blk:
-                    p_t = tl.where(k_pos[:, None] <= q_pos[None, :], p_t, 0.0)
+                # Masked on every tile: a branch to two copies of the tile's code (unmasked off the
+                # diagonal) made this kernel twice as slow on an H200, and a branch around the mask
+                # alone 9% slower (more spills; NOTES, sessions 5 and 6).
+                p_t = tl.where(k_pos[:, None] <= q_pos[None, :], _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
                 dv_t, dk_t = _grads_t(p_t, v, q, do, di, DOT_PRECISION)
                 dv += dv_t
                 dk += dk_t
@@ -196,9 +212,32 @@ def _dkdv_kernel(
 
 
 @triton.jit
+def _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, Q, DO, Lse, Delta, QBlk, b, h, offs_m,
+                      offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_on,
+                      stride_lb, stride_lh, N_WORDS, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                      INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                      CAUSAL: tl.constexpr):
+    """Add the gradients of one column tile over query blocks [i_start, i_end) into (dk, dv)."""
+    for i in range(i_start, i_end):
+        live = ((tl.load(words + i * N_WORDS) >> bit) & 1) != 0  # this block's live columns
+        for sub in tl.static_range(0, BLOCK, BLOCK_M):
+            q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + sub + offs_m, offs_d,
+                                               stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
+                                               stride_on, stride_lb, stride_lh, INT64, UPCAST)
+            p_t = tl.where(live[:, None], _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
+            if CAUSAL:
+                q_pos = tl.load(QBlk + i) * BLOCK + sub + offs_m
+                p_t = tl.where(c_pos[:, None] <= q_pos[None, :], p_t, 0.0)
+            dv_t, dk_t = _grads_t(p_t, v, q, do, di, DOT_PRECISION)
+            dv += dv_t
+            dk += dk_t
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_col_kernel(
     Q, K, V, DO, Lse, Delta, DKP, DVP,
-    QBlk, ColCnt, Cols, ColPos, Words, Diag, QFirst,
+    QBlk, ColCnt, Cols, ColPos, Words, HeadDiag, QFirst,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -238,23 +277,19 @@ def _dkdv_col_kernel(
     per_split = tl.cdiv(NQB - q_first, SPLITS)
     i_start = q_first + pid_s * per_split
     i_end = tl.minimum(i_start + per_split, NQB)  # empty tiles (q_first = NQB) write zero partials
-    word_col = (pid_c * BLOCK_COL) // 64
-    for i in range(i_start, i_end):
-        q_blk = tl.load(QBlk + i)
-        word = tl.load(Words + (bh * NQB + i) * N_WORDS + word_col)  # this block's live columns
-        live = ((word >> bit) & 1) != 0
-        diag = tl.load(Diag + bh * NQB + i) != 0  # a live column in the block itself: mask by token
-        for sub in tl.static_range(0, BLOCK, BLOCK_M):
-            q_pos = q_blk * BLOCK + sub + offs_m
-            q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + sub + offs_m, offs_d,
-                                               stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
-                                               stride_on, stride_lb, stride_lh, INT64, UPCAST)
-            p_t = tl.where(live[:, None], _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
-            if diag:
-                p_t = tl.where(c_pos[:, None] <= q_pos[None, :], p_t, 0.0)
-            dv_t, dk_t = _grads_t(p_t, v, q, do, di, DOT_PRECISION)
-            dv += dv_t
-            dk += dk_t
+    words = Words + bh * NQB * N_WORDS + (pid_c * BLOCK_COL) // 64  # this tile's word, per query block
+    # Two copies of the loop, so that neither branches inside: with a live column inside some
+    # query block of this head (never for a valid index), every tile gets the token-level test.
+    if tl.load(HeadDiag + pid_bh) != 0:
+        dk, dv = _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, Q, DO, Lse, Delta, QBlk, b, h,
+                                   offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
+                                   stride_on, stride_lb, stride_lh, N_WORDS, BLOCK, BLOCK_M, INT64, UPCAST,
+                                   DOT_PRECISION, True)
+    else:
+        dk, dv = _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, Q, DO, Lse, Delta, QBlk, b, h,
+                                   offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
+                                   stride_on, stride_lb, stride_lh, N_WORDS, BLOCK, BLOCK_M, INT64, UPCAST,
+                                   DOT_PRECISION, False)
     # Partials [splits * b * hq, MAX_V_PAD, HEAD_DIM] can pass 2^31 elements too; one store, so int64.
     part = (pid_s * BH + pid_bh).to(tl.int64) * MAX_V_PAD * HEAD_DIM
     tl.store(_tile_ptrs(DKP + part, offs_c, HEAD_DIM, offs_d, True), dk * sm_scale)
@@ -307,7 +342,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
         plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks,
         *strides, dk.stride(0), dk.stride(1), dk.stride(2),
         qk_scale, softmax_scale, hq, hkv, group, nkb, max_s,
-        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], **launch)
+        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, **launch)
 
     if max_v == 0:
         return
@@ -319,7 +354,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     dv_part = torch.empty_like(dk_part)
     _dkdv_col_kernel[(n_tiles, b * hq, splits)](
         q, k, v, do, lse, delta, dk_part, dv_part,
-        plan.q_block_ids, plan.col_count, cols, col_pos, words, diag, q_first,
+        plan.q_block_ids, plan.col_count, cols, col_pos, words, diag.amax(-1).contiguous(), q_first,
         *strides, qk_scale, softmax_scale,
         hq, group, nqb, max_v, max_v_pad, n_words, splits, b * hq,
         BLOCK=B, BLOCK_M=block_m, BLOCK_COL=block_col, HEAD_DIM=d, **launch)

@@ -148,10 +148,26 @@ def _column_tile(Cols, Words, k_base, v_base, col_row, word_row, c0, n_cols, str
 @triton.jit
 def _causal_columns(x, fill, ColPos, col_row, c0, n_cols, q_pos, BLOCK_COL: tl.constexpr):
     """``x`` with ``fill`` where a column is after the query: needed only where a live column
-    shares the query block (``column_words``' diag), so callers branch on that first."""
+    shares the query block (``column_words``' diag), so the kernels run a separate copy of their
+    column loop there."""
     offs_c = c0 + tl.arange(0, BLOCK_COL)
     c_pos = tl.load(ColPos + col_row + offs_c, mask=offs_c < n_cols, other=0)
     return tl.where(c_pos[None, :] <= q_pos[:, None], x, fill)
+
+
+@triton.jit
+def _forward_columns(q, q_pos, m_i, l_i, acc, qk_scale, Cols, ColPos, Words, k_base, v_base, col_row, word_row,
+                     n_cols, stride_kn, stride_vn, offs_d, BLOCK_COL: tl.constexpr, INT64: tl.constexpr,
+                     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
+    """The forward's column part: fold the live columns of slots [0, n_cols) into (m, l, acc)."""
+    for c0 in range(0, n_cols, BLOCK_COL):
+        k, v, live = _column_tile(Cols, Words, k_base, v_base, col_row, word_row, c0, n_cols,
+                                  stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST)
+        s = tl.where(live[None, :], tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), float("-inf"))
+        if CAUSAL:
+            s = _causal_columns(s, float("-inf"), ColPos, col_row, c0, n_cols, q_pos, BLOCK_COL)
+        m_i, l_i, acc = _online_softmax_step(s, qk_scale, v, m_i, l_i, acc, DOT_PRECISION)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -214,15 +230,17 @@ def _vs_attn_fwd_kernel(
 
     # Vertical part: gathered columns not covered by a selected slash block of this query block,
     # up to the last one that is not after all of its queries.
+    # Two copies of the loop, so that neither branches inside (diag: never for a valid index).
     n_cols = tl.load(ColLimit + plan_row)
-    diag = tl.load(Diag + plan_row) != 0
-    for c0 in range(0, n_cols, BLOCK_COL):
-        k, v, live = _column_tile(Cols, Words, k_base, v_base, bh * MAX_V, plan_row * N_WORDS, c0, n_cols,
-                                  stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST)
-        s = tl.where(live[None, :], tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), float("-inf"))
-        if diag:
-            s = _causal_columns(s, float("-inf"), ColPos, bh * MAX_V, c0, n_cols, q_pos, BLOCK_COL)
-        m_i, l_i, acc = _online_softmax_step(s, qk_scale, v, m_i, l_i, acc, DOT_PRECISION)
+    col_row, word_row = bh * MAX_V, plan_row * N_WORDS
+    if tl.load(Diag + plan_row) != 0:
+        m_i, l_i, acc = _forward_columns(q, q_pos, m_i, l_i, acc, qk_scale, Cols, ColPos, Words, k_base, v_base,
+                                         col_row, word_row, n_cols, stride_kn, stride_vn, offs_d,
+                                         BLOCK_COL, INT64, UPCAST, DOT_PRECISION, True)
+    else:
+        m_i, l_i, acc = _forward_columns(q, q_pos, m_i, l_i, acc, qk_scale, Cols, ColPos, Words, k_base, v_base,
+                                         col_row, word_row, n_cols, stride_kn, stride_vn, offs_d,
+                                         BLOCK_COL, INT64, UPCAST, DOT_PRECISION, False)
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
