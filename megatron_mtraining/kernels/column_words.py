@@ -49,27 +49,34 @@ def column_words_reference(col_pos: torch.Tensor, q_block_ids: torch.Tensor, sla
 
 @triton.jit
 def _column_words_kernel(ColPos, QBlk, Bitmap, Words, Diag, MAX_V, NQB, NB, N_WORDS,
-                         BLOCK: tl.constexpr, WORDS_PER_ITER: tl.constexpr, INT64: tl.constexpr):
+                         BLOCK: tl.constexpr, WORDS_PER_ITER: tl.constexpr, QUERY_BLOCKS: tl.constexpr,
+                         INT64: tl.constexpr):
     pid_q = tl.program_id(0)
     bh = tl.program_id(1)
     if INT64:
         bh = tl.cast(bh, tl.int64)
-    q_blk = tl.load(QBlk + pid_q)
     bit = tl.arange(0, 64)
     one = tl.full([WORDS_PER_ITER, 64], 1, tl.int64)
-    diag = tl.zeros([WORDS_PER_ITER, 64], tl.int32)
-    out = Words + (bh * NQB + pid_q) * N_WORDS
-    # Several words per iteration: the gathers of one iteration are in flight together.
+    diag = tl.zeros([QUERY_BLOCKS], tl.int32)
+    # Each program serves QUERY_BLOCKS query blocks, so each chunk of column positions is read
+    # once for all of them, and WORDS_PER_ITER words at a time, so the gathers overlap.
     for w0 in range(0, N_WORDS, WORDS_PER_ITER):
         word = w0 + tl.arange(0, WORDS_PER_ITER)
         slot = word[:, None] * 64 + bit[None, :]
         pos = tl.load(ColPos + bh * MAX_V + slot, mask=slot < MAX_V, other=NB * BLOCK)
-        delta = q_blk - (pos // BLOCK).to(tl.int32)
-        covered = tl.load(Bitmap + bh * NB + delta, mask=delta >= 0, other=1)
-        live = (delta >= 0) & (covered == 0)
-        tl.store(out + word, tl.sum(tl.where(live, one << bit[None, :].to(tl.int64), 0), 1), mask=word < N_WORDS)
-        diag = tl.maximum(diag, (live & (delta == 0)).to(tl.int32))
-    tl.store(Diag + bh * NQB + pid_q, tl.max(tl.max(diag, 1), 0).to(tl.int8))
+        c_blk = (pos // BLOCK).to(tl.int32)
+        for qi in range(0, QUERY_BLOCKS):
+            i = pid_q * QUERY_BLOCKS + qi
+            if i < NQB:
+                delta = tl.load(QBlk + i) - c_blk
+                covered = tl.load(Bitmap + bh * NB + delta, mask=delta >= 0, other=1)
+                live = (delta >= 0) & (covered == 0)
+                tl.store(Words + (bh * NQB + i) * N_WORDS + word,
+                         tl.sum(tl.where(live, one << bit[None, :].to(tl.int64), 0), 1), mask=word < N_WORDS)
+                in_block = tl.max(tl.max((live & (delta == 0)).to(tl.int32), 1), 0)
+                diag = tl.maximum(diag, tl.where(tl.arange(0, QUERY_BLOCKS) == qi, in_block, 0))
+    rows = pid_q * QUERY_BLOCKS + tl.arange(0, QUERY_BLOCKS)
+    tl.store(Diag + bh * NQB + rows, diag.to(tl.int8), mask=rows < NQB)
 
 
 def column_words_triton(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_bitmap: torch.Tensor,
@@ -84,9 +91,11 @@ def column_words_triton(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_
         diag.zero_()
         return words, diag
     int64 = max(words.numel(), col_pos.numel(), slash_bitmap.numel()) >= 2 ** 31
-    _column_words_kernel[(nqb, b * hq)](
+    query_blocks = 8
+    _column_words_kernel[(triton.cdiv(nqb, query_blocks), b * hq)](
         col_pos.contiguous(), q_block_ids, slash_bitmap.contiguous(), words, diag, max_v, nqb, nb, n_words,
-        BLOCK=block_size, WORDS_PER_ITER=min(16, triton.next_power_of_2(n_words)), INT64=int64, num_warps=4)
+        BLOCK=block_size, WORDS_PER_ITER=min(16, triton.next_power_of_2(n_words)), QUERY_BLOCKS=query_blocks,
+        INT64=int64, num_warps=4)
     return words, diag
 
 

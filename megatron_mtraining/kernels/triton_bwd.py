@@ -31,13 +31,14 @@ def _probs_t(k, q, lse2, qk_scale, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _grads_t(p_t, v, q, do, di, DOT_PRECISION: tl.constexpr):
-    """(dv, dk) contributions of one tile from its masked probabilities (dk without softmax scale)."""
-    dv = tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+def _grads_t(dk, dv, p_t, v, q, do, di, DOT_PRECISION: tl.constexpr):
+    """Add one tile's (dk, dv) contributions (dk without softmax scale) from its masked
+    probabilities; the products accumulate in place."""
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - di[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PRECISION)
-    return dv, dk
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -201,9 +202,7 @@ def _dkdv_kernel(
                 # diagonal) made this kernel twice as slow on an H200, and a branch around the mask
                 # alone 9% slower (more spills; NOTES, sessions 5 and 6).
                 p_t = tl.where(k_pos[:, None] <= q_pos[None, :], _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
-                dv_t, dk_t = _grads_t(p_t, v, q, do, di, DOT_PRECISION)
-                dv += dv_t
-                dk += dk_t
+                dk, dv = _grads_t(dk, dv, p_t, v, q, do, di, DOT_PRECISION)
     g_head = _head_offset(b, kvh, stride_gb, stride_gh, INT64)
     dk_ptrs = _tile_ptrs(DK + g_head, k_rows, stride_gn, offs_d, INT64)
     dv_ptrs = _tile_ptrs(DV + g_head, k_rows, stride_gn, offs_d, INT64)
@@ -212,25 +211,28 @@ def _dkdv_kernel(
 
 
 @triton.jit
-def _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, Q, DO, Lse, Delta, QBlk, b, h, offs_m,
-                      offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_on,
+def _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, any_diag, Q, DO, Lse, Delta, QBlk, b, h,
+                      offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_on,
                       stride_lb, stride_lh, N_WORDS, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                       INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      CAUSAL: tl.constexpr):
+                      UNSWITCHED: tl.constexpr):
     """Add the gradients of one column tile over query blocks [i_start, i_end) into (dk, dv)."""
     for i in range(i_start, i_end):
         live = ((tl.load(words + i * N_WORDS) >> bit) & 1) != 0  # this block's live columns
+        q_blk = tl.load(QBlk + i)
         for sub in tl.static_range(0, BLOCK, BLOCK_M):
             q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + sub + offs_m, offs_d,
                                                stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
                                                stride_on, stride_lb, stride_lh, INT64, UPCAST)
-            p_t = tl.where(live[:, None], _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
-            if CAUSAL:
-                q_pos = tl.load(QBlk + i) * BLOCK + sub + offs_m
-                p_t = tl.where(c_pos[:, None] <= q_pos[None, :], p_t, 0.0)
-            dv_t, dk_t = _grads_t(p_t, v, q, do, di, DOT_PRECISION)
-            dv += dv_t
-            dk += dk_t
+            q_pos = q_blk * BLOCK + sub + offs_m
+            if UNSWITCHED:  # a copy of the loop per value of any_diag (A/B: sweep letter u)
+                p_t = tl.where(live[:, None], _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
+                if any_diag:
+                    p_t = tl.where(c_pos[:, None] <= q_pos[None, :], p_t, 0.0)
+            else:
+                keep = live[:, None] & ((c_pos[:, None] <= q_pos[None, :]) | (not any_diag))
+                p_t = tl.where(keep, _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
+            dk, dv = _grads_t(dk, dv, p_t, v, q, do, di, DOT_PRECISION)
     return dk, dv
 
 
@@ -246,7 +248,7 @@ def _dkdv_col_kernel(
     qk_scale, sm_scale,
     HQ, GROUP, NQB, MAX_V, MAX_V_PAD, N_WORDS, SPLITS, BH,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, UNSWITCHED: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -263,10 +265,9 @@ def _dkdv_col_kernel(
     col = tl.load(Cols + bh * MAX_V + offs_c, mask=c_ok, other=0)
     c_pos = tl.load(ColPos + bh * MAX_V + offs_c, mask=c_ok, other=0)
     bit = (tl.arange(0, BLOCK_COL) + (pid_c * BLOCK_COL) % 64).to(tl.int64)
-    k = tl.load(_tile_ptrs(K + _head_offset(b, kvh, stride_kb, stride_kh, INT64), col, stride_kn, offs_d, INT64),
-                mask=c_ok[:, None], other=0.0)
-    v = tl.load(_tile_ptrs(V + _head_offset(b, kvh, stride_vb, stride_vh, INT64), col, stride_vn, offs_d, INT64),
-                mask=c_ok[:, None], other=0.0)
+    # Empty slots read row 0 and are never live: their partials are exact zeros.
+    k = tl.load(_tile_ptrs(K + _head_offset(b, kvh, stride_kb, stride_kh, INT64), col, stride_kn, offs_d, INT64))
+    v = tl.load(_tile_ptrs(V + _head_offset(b, kvh, stride_vb, stride_vh, INT64), col, stride_vn, offs_d, INT64))
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -280,16 +281,25 @@ def _dkdv_col_kernel(
     words = Words + bh * NQB * N_WORDS + (pid_c * BLOCK_COL) // 64  # this tile's word, per query block
     # Two copies of the loop, so that neither branches inside: with a live column inside some
     # query block of this head (never for a valid index), every tile gets the token-level test.
-    if tl.load(HeadDiag + pid_bh) != 0:
-        dk, dv = _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, Q, DO, Lse, Delta, QBlk, b, h,
-                                   offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
-                                   stride_on, stride_lb, stride_lh, N_WORDS, BLOCK, BLOCK_M, INT64, UPCAST,
-                                   DOT_PRECISION, True)
+    # A live column inside some query block of this head (never for a valid index) needs the
+    # token-level test; folded into the mask without a branch (a branch, or two copies of the
+    # loop, made ptxas serialise the loop's wgmma instructions).
+    any_diag = tl.load(HeadDiag + pid_bh) != 0
+    if UNSWITCHED and any_diag:
+        dk, dv = _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, True, Q, DO, Lse, Delta,
+                                   QBlk, b, h, offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob,
+                                   stride_oh, stride_on, stride_lb, stride_lh, N_WORDS, BLOCK, BLOCK_M, INT64,
+                                   UPCAST, DOT_PRECISION, True)
+    elif UNSWITCHED:
+        dk, dv = _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, False, Q, DO, Lse, Delta,
+                                   QBlk, b, h, offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob,
+                                   stride_oh, stride_on, stride_lb, stride_lh, N_WORDS, BLOCK, BLOCK_M, INT64,
+                                   UPCAST, DOT_PRECISION, True)
     else:
-        dk, dv = _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, Q, DO, Lse, Delta, QBlk, b, h,
-                                   offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
-                                   stride_on, stride_lb, stride_lh, N_WORDS, BLOCK, BLOCK_M, INT64, UPCAST,
-                                   DOT_PRECISION, False)
+        dk, dv = _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, any_diag, Q, DO, Lse, Delta,
+                                   QBlk, b, h, offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob,
+                                   stride_oh, stride_on, stride_lb, stride_lh, N_WORDS, BLOCK, BLOCK_M, INT64,
+                                   UPCAST, DOT_PRECISION, False)
     # Partials [splits * b * hq, MAX_V_PAD, HEAD_DIM] can pass 2^31 elements too; one store, so int64.
     part = (pid_s * BH + pid_bh).to(tl.int64) * MAX_V_PAD * HEAD_DIM
     tl.store(_tile_ptrs(DKP + part, offs_c, HEAD_DIM, offs_d, True), dk * sm_scale)
@@ -357,7 +367,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
         plan.q_block_ids, plan.col_count, cols, col_pos, words, diag.amax(-1).contiguous(), q_first,
         *strides, qk_scale, softmax_scale,
         hq, group, nqb, max_v, max_v_pad, n_words, splits, b * hq,
-        BLOCK=B, BLOCK_M=block_m, BLOCK_COL=block_col, HEAD_DIM=d, **launch)
+        BLOCK=B, BLOCK_M=block_m, BLOCK_COL=block_col, HEAD_DIM=d, UNSWITCHED=cfg["COLUMN_UNSWITCHED"], **launch)
     # Fixed-order reduction over splits, then one scatter per GQA position: within one
     # index_add_ every real target row is distinct (padding slots add exact zeros), so the
     # result does not depend on the order of the adds.
