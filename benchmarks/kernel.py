@@ -459,7 +459,7 @@ def parse_args(argv=None):
 # m: the causal mask on every slash tile of the forward and dQ (not only the diagonal block's);
 # c: 4x the column-gradient programs (shorter ones). (Session 5 also tried running a GQA group's
 # query heads as adjacent programs: no gain, removed; benchmarks/NOTES.md.)
-LAUNCH_OPTIONS = {"m": ("MASK_EVERY_TILE", True), "c": ("COLUMN_PROGRAMS", 4096), "u": ("COLUMN_UNSWITCHED", True)}
+LAUNCH_OPTIONS = {"m": ("MASK_EVERY_TILE", True), "c": ("COLUMN_PROGRAMS", 4096)}
 
 
 def parse_launch(text: str) -> Dict[str, dict]:

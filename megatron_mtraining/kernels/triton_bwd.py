@@ -214,8 +214,7 @@ def _dkdv_kernel(
 def _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, any_diag, Q, DO, Lse, Delta, QBlk, b, h,
                       offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_on,
                       stride_lb, stride_lh, N_WORDS, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                      INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                      UNSWITCHED: tl.constexpr):
+                      INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Add the gradients of one column tile over query blocks [i_start, i_end) into (dk, dv)."""
     for i in range(i_start, i_end):
         live = ((tl.load(words + i * N_WORDS) >> bit) & 1) != 0  # this block's live columns
@@ -225,13 +224,8 @@ def _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, any_diag,
                                                stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
                                                stride_on, stride_lb, stride_lh, INT64, UPCAST)
             q_pos = q_blk * BLOCK + sub + offs_m
-            if UNSWITCHED:  # a copy of the loop per value of any_diag (A/B: sweep letter u)
-                p_t = tl.where(live[:, None], _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
-                if any_diag:
-                    p_t = tl.where(c_pos[:, None] <= q_pos[None, :], p_t, 0.0)
-            else:
-                keep = live[:, None] & ((c_pos[:, None] <= q_pos[None, :]) | (not any_diag))
-                p_t = tl.where(keep, _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
+            keep = live[:, None] & ((c_pos[:, None] <= q_pos[None, :]) | (not any_diag))
+            p_t = tl.where(keep, _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
             dk, dv = _grads_t(dk, dv, p_t, v, q, do, di, DOT_PRECISION)
     return dk, dv
 
@@ -248,7 +242,7 @@ def _dkdv_col_kernel(
     qk_scale, sm_scale,
     HQ, GROUP, NQB, MAX_V, MAX_V_PAD, N_WORDS, SPLITS, BH,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, UNSWITCHED: tl.constexpr,
+    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -279,27 +273,14 @@ def _dkdv_col_kernel(
     i_start = q_first + pid_s * per_split
     i_end = tl.minimum(i_start + per_split, NQB)  # empty tiles (q_first = NQB) write zero partials
     words = Words + bh * NQB * N_WORDS + (pid_c * BLOCK_COL) // 64  # this tile's word, per query block
-    # Two copies of the loop, so that neither branches inside: with a live column inside some
-    # query block of this head (never for a valid index), every tile gets the token-level test.
     # A live column inside some query block of this head (never for a valid index) needs the
     # token-level test; folded into the mask without a branch (a branch, or two copies of the
     # loop, made ptxas serialise the loop's wgmma instructions).
     any_diag = tl.load(HeadDiag + pid_bh) != 0
-    if UNSWITCHED and any_diag:
-        dk, dv = _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, True, Q, DO, Lse, Delta,
-                                   QBlk, b, h, offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob,
-                                   stride_oh, stride_on, stride_lb, stride_lh, N_WORDS, BLOCK, BLOCK_M, INT64,
-                                   UPCAST, DOT_PRECISION, True)
-    elif UNSWITCHED:
-        dk, dv = _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, False, Q, DO, Lse, Delta,
-                                   QBlk, b, h, offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob,
-                                   stride_oh, stride_on, stride_lb, stride_lh, N_WORDS, BLOCK, BLOCK_M, INT64,
-                                   UPCAST, DOT_PRECISION, True)
-    else:
-        dk, dv = _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, any_diag, Q, DO, Lse, Delta,
-                                   QBlk, b, h, offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob,
-                                   stride_oh, stride_on, stride_lb, stride_lh, N_WORDS, BLOCK, BLOCK_M, INT64,
-                                   UPCAST, DOT_PRECISION, False)
+    dk, dv = _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, any_diag, Q, DO, Lse, Delta,
+                               QBlk, b, h, offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob,
+                               stride_oh, stride_on, stride_lb, stride_lh, N_WORDS, BLOCK, BLOCK_M, INT64,
+                               UPCAST, DOT_PRECISION)
     # Partials [splits * b * hq, MAX_V_PAD, HEAD_DIM] can pass 2^31 elements too; one store, so int64.
     part = (pid_s * BH + pid_bh).to(tl.int64) * MAX_V_PAD * HEAD_DIM
     tl.store(_tile_ptrs(DKP + part, offs_c, HEAD_DIM, offs_d, True), dk * sm_scale)
@@ -367,7 +348,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
         plan.q_block_ids, plan.col_count, cols, col_pos, words, diag.amax(-1).contiguous(), q_first,
         *strides, qk_scale, softmax_scale,
         hq, group, nqb, max_v, max_v_pad, n_words, splits, b * hq,
-        BLOCK=B, BLOCK_M=block_m, BLOCK_COL=block_col, HEAD_DIM=d, UNSWITCHED=cfg["COLUMN_UNSWITCHED"], **launch)
+        BLOCK=B, BLOCK_M=block_m, BLOCK_COL=block_col, HEAD_DIM=d, **launch)
     # Fixed-order reduction over splits, then one scatter per GQA position: within one
     # index_add_ every real target row is distinct (padding slots add exact zeros), so the
     # result does not depend on the order of the adds.

@@ -81,8 +81,7 @@ def tile_config(block: int, dtype: torch.dtype, family: str = "fwd") -> dict:
                num_warps=8 if tile >= 128 else 4,
                num_stages=1 if (tile >= 128 or dtype == torch.float32) else 2,
                MASK_EVERY_TILE=False,
-               COLUMN_PROGRAMS=1024,  # backward's column-gradient kernel: programs to aim for
-               COLUMN_UNSWITCHED=False)  # A/B of the column-gradient loop's causal test
+               COLUMN_PROGRAMS=1024)  # backward's column-gradient kernel: programs to aim for
     cfg.update(LAUNCH_OVERRIDES.get(family, {}))
     return cfg
 
@@ -92,7 +91,6 @@ def forward_launch_config(block: int, dtype: torch.dtype) -> dict:
     or a launch setting (the compiled kernel refuses unknown keywords; the interpreter does not)."""
     cfg = tile_config(block, dtype)
     cfg.pop("COLUMN_PROGRAMS")  # the backward's column-gradient kernel
-    cfg.pop("COLUMN_UNSWITCHED")
     return cfg
 
 
