@@ -448,7 +448,7 @@ def parse_args(argv=None):
     p.add_argument("--skip", default="", help="comma-separated: dense, flex, breakdown, check")
     p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU: tests the script itself")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernel_<device>.json)")
-    p.add_argument("--launch", default="", help="launch settings instead of the defaults, e.g. fwd:4x3,bwd:8x2h "
+    p.add_argument("--launch", default="", help="launch settings instead of the defaults, e.g. fwd:4x3,bwd:8x2m "
                    "(num_warps x num_stages per kernel family, then option letters: LAUNCH_OPTIONS)")
     p.add_argument("--sweep", default="", help="compare launch settings instead of the full benchmark: "
                    "comma-separated WxS[options] candidates (see --launch), tried for fwd then for bwd (our kernels only)")
@@ -464,7 +464,7 @@ LAUNCH_OPTIONS = {"m": ("MASK_EVERY_TILE", True), "c": ("COLUMN_PROGRAMS", 4096)
 
 def parse_launch(text: str) -> Dict[str, dict]:
     """'fwd:4x3,bwd:8x2m' -> {'fwd': {'num_warps': 4, 'num_stages': 3}, 'bwd': {..., 'MASK_EVERY_TILE': True}}.
-    Trailing letters switch kernel options (``LAUNCH_OPTIONS``), e.g. 4x2hm."""
+    Trailing letters switch kernel options (``LAUNCH_OPTIONS``), e.g. 4x2mc."""
     out: Dict[str, dict] = {}
     for item in filter(None, text.split(",")):
         try:
@@ -474,7 +474,7 @@ def parse_launch(text: str) -> Dict[str, dict]:
             warps, stages = (int(x) for x in setting.lower()[:len(setting) - len(letters)].split("x"))
         except (ValueError, KeyError):
             raise SystemExit(f"kernel.py: bad --launch item {item!r}; expected FAMILY:WARPSxSTAGES[options], "
-                             f"e.g. fwd:4x3 or fwd:4x2h (options: {LAUNCH_OPTIONS})")
+                             f"e.g. fwd:4x3 or fwd:4x2m (options: {LAUNCH_OPTIONS})")
         if family not in ("fwd", "bwd") or warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 8:
             raise SystemExit(f"kernel.py: bad --launch item {item!r}: family fwd/bwd, warps a power of 2 <= 16, "
                              "stages 1-8")

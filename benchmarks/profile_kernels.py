@@ -24,12 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernel import Config, forward_and_backward, index_and_inputs, parse_launch  # noqa: E402
 
 from megatron_mtraining import sparse_attention  # noqa: E402
-from megatron_mtraining.kernels import triton_bwd, triton_delta, triton_fwd  # noqa: E402
+from megatron_mtraining.kernels import column_words, triton_bwd, triton_delta, triton_fwd  # noqa: E402
 
 
 def compiled_variants():
     """(kernel name, registers, spills, shared bytes) of every compiled variant of our kernels."""
-    for module in (triton_fwd, triton_bwd, triton_delta):
+    for module in (triton_fwd, triton_bwd, triton_delta, column_words):
         for name in dir(module):
             fn = getattr(module, name)
             caches = getattr(fn, "device_caches", None)

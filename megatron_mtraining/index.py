@@ -118,9 +118,13 @@ class VSIndex:
                        self.n_vertical.to(device), self.block_size)
 
     def slash_bitmap(self, num_blocks: int) -> torch.Tensor:
-        """int8 [b, hq, num_blocks]: 1 where the block offset is selected."""
-        valid = torch.arange(self.slash.shape[-1], device=self.device) < self.n_slash[..., None]
-        target = torch.where(valid, self.slash.long().clamp(0, num_blocks - 1), num_blocks)
+        """int8 [b, hq, num_blocks]: 1 where the block offset is selected. Offsets outside
+        [0, num_blocks) select nothing, as in the per-step conversion (a negative one would put a
+        key block after its query block; ``validate`` rejects both, but does not run on GPUs)."""
+        slash = self.slash.long()
+        valid = ((torch.arange(self.slash.shape[-1], device=self.device) < self.n_slash[..., None])
+                 & (slash >= 0) & (slash < num_blocks))
+        target = torch.where(valid, slash, num_blocks)
         bitmap = torch.zeros(*self.slash.shape[:2], num_blocks + 1, dtype=torch.int8, device=self.device)
         bitmap.scatter_(2, target, 1)
         return bitmap[..., :num_blocks].contiguous()

@@ -5,7 +5,7 @@
 # Logs and reports under $OUT (KEEP_REPORT=1 keeps the .ncu-rep); PROFILE_LAUNCH as kernel.py
 # --launch; TESTS="" skips the tests.
 set -uo pipefail
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the script changes directory
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh .venv > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
@@ -19,7 +19,7 @@ fi
 SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
           --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
 timeout ${PROFILE_TIMEOUT:-240} ncu --clock-control none --profile-from-start off $SECTIONS \
-    -k 'regex:_(vs_attn_fwd|dq|dkdv|dkdv_col|delta)_kernel' --export "$OUT/profile" --force-overwrite \
+    -k 'regex:_(vs_attn_fwd|dq|dkdv|dkdv_col|delta|column_words)_kernel' --export "$OUT/profile" --force-overwrite \
     $PY benchmarks/profile_kernels.py --seq-len ${PROFILE_LEN:-65536} --launch "${PROFILE_LAUNCH:-}" \
     > "$OUT/profile.log" 2> "$OUT/ncu.err"
 echo "ncu rc=$?"; grep -E "^compiled" "$OUT/profile.log"

@@ -91,3 +91,11 @@ def test_covers_matches_the_dense_mask():
         idx = VSIndex.random(2, 3, n, 16, max_slash=4, max_vertical=12, generator=g)
         mask = dense_mask(idx, n)  # [b, h, n, n] bool, causal
         assert torch.equal(idx.covers(rows, cols, n), mask[..., rows, cols])
+
+
+def test_slash_bitmap_ignores_offsets_outside_the_blocks():
+    """Like the per-step conversion: an offset below 0 or past the last block selects nothing
+    (``validate`` rejects both, but an index built on a GPU is not validated)."""
+    index = VSIndex(torch.tensor([[[-1, 0, 2, 9]]], dtype=torch.int32), torch.tensor([[4]], dtype=torch.int32),
+                    torch.zeros(1, 1, 0, dtype=torch.int32), torch.tensor([[0]], dtype=torch.int32), block_size=16)
+    assert index.slash_bitmap(5).tolist() == [[[1, 0, 1, 0, 0]]]

@@ -38,19 +38,32 @@ def without_diagonal(n, B, g):
     when no check ran, through the column words' token-level causal path."""
     idx = VSIndex.random(1, 4, n, B, max_slash=4, max_vertical=30, generator=g)
     idx.slash[..., :] = torch.arange(1, idx.slash.shape[-1] + 1, dtype=torch.int32)
+    idx.slash[0, 0, 0] = -1  # a negative offset selects nothing (no future block, no coverage)
+    idx.n_slash[0, 0] = max(int(idx.n_slash[0, 0]), 2)
     return idx
+
+
+def many_columns(n, B, g):
+    """More than 64 columns per head with B = 16: several column words per query block, and
+    16-column tiles at every offset inside a word (the GPU's 64-column tiles only see offset 0)."""
+    cols = [sorted(torch.randperm(n, generator=g)[:140].tolist()) for _ in range(4)]
+    return VSIndex.from_lists([[[0, 1, 4]] * 4], [cols], block_size=B)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("layout, world, kind", [("striped", 3, "random"), ("zigzag", 2, "random"),
                                                  ("striped", 1, "without_diagonal"),
-                                                 ("striped", 2, "without_diagonal")])
+                                                 ("striped", 2, "without_diagonal"),
+                                                 ("striped", 1, "many_columns"),
+                                                 ("zigzag", 2, "many_columns")])
 def test_chunked_steps_equal_full_attention(backend, layout, world, kind):
     B, nb, d = 16, 12, 32
     n = nb * B
     g = torch.Generator().manual_seed(world)
     if kind == "random":
         index = VSIndex.random(1, 4, n, B, max_slash=5, max_vertical=30, generator=g)
+    elif kind == "many_columns":
+        index = many_columns(n, B, g)
     else:
         index = without_diagonal(n, B, g)
     index = index.to(DEVICE)

@@ -12,7 +12,7 @@ once per step, for all kernels of the step, and a column tile reads one word.
                                      block, so the token-level causal test is needed there
 
 ``diag`` is 0 for every valid index (offset 0, the diagonal, is mandatory and covers the block's
-own columns); it keeps the kernels exact for an index that lacks it.
+own columns); it keeps the kernels exact for an index that lacks offset 0.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def _column_words_kernel(ColPos, QBlk, Bitmap, Words, Diag, MAX_V, NQB, NB, N_WO
 
 def column_words_triton(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_bitmap: torch.Tensor,
                         block_size: int):
-    """The same as ``column_words_reference``, one program per (query block, batch x head)."""
+    """The same as ``column_words_reference``; one program per (8 query blocks, batch x head)."""
     b, hq, max_v = col_pos.shape
     nqb, nb = q_block_ids.numel(), slash_bitmap.shape[-1]
     n_words = column_word_count(max_v)

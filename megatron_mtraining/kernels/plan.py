@@ -155,7 +155,7 @@ class StepPlan:
     cols: torch.Tensor
     col_pos: torch.Tensor = None    # int64 [b, hq, max_v] (``column_positions``)
     col_limit: torch.Tensor = None  # int32 [b, hq, nqb] (``column_limits``)
-    _column_words: tuple = dataclasses.field(default=None, repr=False)
+    _column_words: tuple = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.col_pos is None:

@@ -244,6 +244,7 @@ def _dkdv_col_kernel(
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
     INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    tl.static_assert(64 % BLOCK_COL == 0, "a column tile must lie within one 64-bit word")
     pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -259,7 +260,7 @@ def _dkdv_col_kernel(
     col = tl.load(Cols + bh * MAX_V + offs_c, mask=c_ok, other=0)
     c_pos = tl.load(ColPos + bh * MAX_V + offs_c, mask=c_ok, other=0)
     bit = (tl.arange(0, BLOCK_COL) + (pid_c * BLOCK_COL) % 64).to(tl.int64)
-    # Empty slots read row 0 and are never live: their partials are exact zeros.
+    # Empty slots read row 0 and are never live (their partials are zeroed at the store).
     k = tl.load(_tile_ptrs(K + _head_offset(b, kvh, stride_kb, stride_kh, INT64), col, stride_kn, offs_d, INT64))
     v = tl.load(_tile_ptrs(V + _head_offset(b, kvh, stride_vb, stride_vh, INT64), col, stride_vn, offs_d, INT64))
     if UPCAST:
@@ -283,8 +284,10 @@ def _dkdv_col_kernel(
                                UPCAST, DOT_PRECISION)
     # Partials [splits * b * hq, MAX_V_PAD, HEAD_DIM] can pass 2^31 elements too; one store, so int64.
     part = (pid_s * BH + pid_bh).to(tl.int64) * MAX_V_PAD * HEAD_DIM
-    tl.store(_tile_ptrs(DKP + part, offs_c, HEAD_DIM, offs_d, True), dk * sm_scale)
-    tl.store(_tile_ptrs(DVP + part, offs_c, HEAD_DIM, offs_d, True), dv)
+    # Empty slots (they gathered row 0) store exact zeros, whatever row 0 holds: they are scattered
+    # onto row 0 afterwards.
+    tl.store(_tile_ptrs(DKP + part, offs_c, HEAD_DIM, offs_d, True), tl.where(c_ok[:, None], dk * sm_scale, 0.0))
+    tl.store(_tile_ptrs(DVP + part, offs_c, HEAD_DIM, offs_d, True), tl.where(c_ok[:, None], dv, 0.0))
 
 
 def _column_splits(nqb: int, programs_per_split: int, target: int) -> int:

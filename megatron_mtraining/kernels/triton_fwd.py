@@ -133,8 +133,11 @@ def _column_tile(Cols, Words, k_base, v_base, col_row, word_row, c0, n_cols, str
                  BLOCK_COL: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr):
     """Gather one tile of the plan's columns: K, V and which columns are live for the query block
     (one word of the step's column words, instead of a gather chain per column)."""
+    tl.static_assert(64 % BLOCK_COL == 0, "a column tile must lie within one 64-bit word")
     offs_c = c0 + tl.arange(0, BLOCK_COL)
-    col = tl.load(Cols + col_row + offs_c, mask=offs_c < n_cols, other=0)  # past the limit: row 0, not live
+    # Past the limit: row 0, never live (its p is 0; only a non-finite row 0 would leak, as any
+    # gathered non-live column would).
+    col = tl.load(Cols + col_row + offs_c, mask=offs_c < n_cols, other=0)
     word = tl.load(Words + word_row + c0 // 64)
     live = ((word >> (tl.arange(0, BLOCK_COL) + c0 % 64).to(tl.int64)) & 1) != 0
     k = tl.load(_tile_ptrs(k_base, col, stride_kn, offs_d, INT64))
