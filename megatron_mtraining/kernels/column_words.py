@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_fwd import _wide, int64_offsets
+
 WORD_BITS = 64
 
 
@@ -52,9 +54,7 @@ def _column_words_kernel(ColPos, QBlk, Bitmap, Words, Diag, MAX_V, NQB, NB, N_WO
                          BLOCK: tl.constexpr, WORDS_PER_ITER: tl.constexpr, QUERY_BLOCKS: tl.constexpr,
                          INT64: tl.constexpr):
     pid_q = tl.program_id(0)
-    bh = tl.program_id(1)
-    if INT64:
-        bh = tl.cast(bh, tl.int64)
+    bh = _wide(tl.program_id(1), INT64)  # times the rows' lengths
     bit = tl.arange(0, 64)
     one = tl.full([WORDS_PER_ITER, 64], 1, tl.int64)
     diag = tl.zeros([QUERY_BLOCKS], tl.int32)
@@ -90,12 +90,12 @@ def column_words_triton(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_
     if words.numel() == 0:
         diag.zero_()
         return words, diag
-    int64 = max(words.numel(), col_pos.numel(), slash_bitmap.numel()) >= 2 ** 31
+    col_pos, slash_bitmap = col_pos.contiguous(), slash_bitmap.contiguous()
     query_blocks = 8
     _column_words_kernel[(triton.cdiv(nqb, query_blocks), b * hq)](
-        col_pos.contiguous(), q_block_ids, slash_bitmap.contiguous(), words, diag, max_v, nqb, nb, n_words,
+        col_pos, q_block_ids, slash_bitmap, words, diag, max_v, nqb, nb, n_words,
         BLOCK=block_size, WORDS_PER_ITER=min(16, triton.next_power_of_2(n_words)), QUERY_BLOCKS=query_blocks,
-        INT64=int64, num_warps=4)
+        INT64=int64_offsets(col_pos, slash_bitmap, words), num_warps=4)
     return words, diag
 
 

@@ -18,9 +18,9 @@ import triton
 import triton.language as tl
 
 from . import triton_fwd
-from .column_words import column_word_count
 from .plan import first_query_blocks
-from .triton_fwd import LOG2E, _causal_columns, _column_tile, _head_offset, _tile_ptrs, _wide, kernel_flags
+from .triton_fwd import (LOG2E, _causal_columns, _column_tile, _head_offset, _tile_ptrs, _wide, _word_bits,
+                         kernel_flags)
 
 
 @triton.jit
@@ -211,13 +211,14 @@ def _dkdv_kernel(
 
 
 @triton.jit
-def _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, any_diag, Q, DO, Lse, Delta, QBlk, b, h,
+def _column_gradients(dk, dv, k, v, c_pos, first_bit, words, i_start, i_end, any_diag, Q, DO, Lse, Delta, QBlk, b, h,
                       offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_on,
                       stride_lb, stride_lh, N_WORDS, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                      INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                      BLOCK_COL: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr):
     """Add the gradients of one column tile over query blocks [i_start, i_end) into (dk, dv)."""
     for i in range(i_start, i_end):
-        live = ((tl.load(words + i * N_WORDS) >> bit) & 1) != 0  # this block's live columns
+        live = _word_bits(tl.load(words + i * N_WORDS), first_bit, BLOCK_COL)  # this block's live columns
         q_blk = tl.load(QBlk + i)
         for sub in tl.static_range(0, BLOCK, BLOCK_M):
             q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + sub + offs_m, offs_d,
@@ -259,7 +260,6 @@ def _dkdv_col_kernel(
     c_ok = offs_c < n_cols
     col = tl.load(Cols + bh * MAX_V + offs_c, mask=c_ok, other=0)
     c_pos = tl.load(ColPos + bh * MAX_V + offs_c, mask=c_ok, other=0)
-    bit = (tl.arange(0, BLOCK_COL) + (pid_c * BLOCK_COL) % 64).to(tl.int64)
     # Empty slots read row 0 and are never live (their partials are zeroed at the store).
     k = tl.load(_tile_ptrs(K + _head_offset(b, kvh, stride_kb, stride_kh, INT64), col, stride_kn, offs_d, INT64))
     v = tl.load(_tile_ptrs(V + _head_offset(b, kvh, stride_vb, stride_vh, INT64), col, stride_vn, offs_d, INT64))
@@ -278,10 +278,10 @@ def _dkdv_col_kernel(
     # token-level test; folded into the mask without a branch (a branch, or two copies of the
     # loop, made ptxas serialise the loop's wgmma instructions).
     any_diag = tl.load(HeadDiag + pid_bh) != 0
-    dk, dv = _column_gradients(dk, dv, k, v, c_pos, bit, words, i_start, i_end, any_diag, Q, DO, Lse, Delta,
-                               QBlk, b, h, offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob,
-                               stride_oh, stride_on, stride_lb, stride_lh, N_WORDS, BLOCK, BLOCK_M, INT64,
-                               UPCAST, DOT_PRECISION)
+    dk, dv = _column_gradients(dk, dv, k, v, c_pos, (pid_c * BLOCK_COL) % 64, words, i_start, i_end, any_diag,
+                               Q, DO, Lse, Delta, QBlk, b, h, offs_m, offs_d, qk_scale, stride_qb, stride_qh,
+                               stride_qn, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, N_WORDS, BLOCK,
+                               BLOCK_M, BLOCK_COL, INT64, UPCAST, DOT_PRECISION)
     # Partials [splits * b * hq, MAX_V_PAD, HEAD_DIM] can pass 2^31 elements too; one store, so int64.
     part = (pid_s * BH + pid_bh).to(tl.int64) * MAX_V_PAD * HEAD_DIM
     # Empty slots (they gathered row 0) store exact zeros, whatever row 0 holds: they are scattered
@@ -320,8 +320,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
                lse.stride(0), lse.stride(1))
-    cols, col_pos, words, diag = triton_fwd.column_arguments(plan)
-    n_words = column_word_count(max_v)
+    cols, col_pos, words, diag, n_words = triton_fwd.column_arguments(plan)
 
     _dq_kernel[(nq // block_m, b * hq)](
         q, k, v, do, lse, delta, dq,

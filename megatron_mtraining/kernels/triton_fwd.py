@@ -21,8 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .column_words import column_word_count
-
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
 
@@ -65,12 +63,14 @@ def plan_tensors(plan) -> tuple:
 
 
 def column_arguments(plan) -> tuple:
-    """(cols, col_pos, words, diag) for the kernels' column part. With no column capacity the
-    kernels never read them, but Triton wants storage behind every pointer."""
+    """(cols, col_pos, words, diag, words per query block) for the kernels' column part. With no
+    column capacity the kernels never read the tensors, but Triton wants storage behind every
+    pointer."""
     words, diag = plan.column_words
+    n_words = words.shape[-1]
     if plan.cols.shape[-1] == 0:
-        return plan.col_count, plan.col_count, diag, diag
-    return plan.cols, plan.col_pos, words, diag
+        return plan.col_count, plan.col_count, diag, diag, n_words
+    return plan.cols, plan.col_pos, words, diag, n_words
 
 
 def tile_config(block: int, dtype: torch.dtype, family: str = "fwd") -> dict:
@@ -129,6 +129,12 @@ def _tile_ptrs(base, rows, stride, offs_d, INT64: tl.constexpr):
 
 
 @triton.jit
+def _word_bits(word, first, COUNT: tl.constexpr):
+    """Bits ``first .. first + COUNT - 1`` of a 64-bit column word, as booleans."""
+    return ((word >> (tl.arange(0, COUNT) + first).to(tl.int64)) & 1) != 0
+
+
+@triton.jit
 def _column_tile(Cols, Words, k_base, v_base, col_row, word_row, c0, n_cols, stride_kn, stride_vn, offs_d,
                  BLOCK_COL: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr):
     """Gather one tile of the plan's columns: K, V and which columns are live for the query block
@@ -138,8 +144,7 @@ def _column_tile(Cols, Words, k_base, v_base, col_row, word_row, c0, n_cols, str
     # Past the limit: row 0, never live (its p is 0; only a non-finite row 0 would leak, as any
     # gathered non-live column would).
     col = tl.load(Cols + col_row + offs_c, mask=offs_c < n_cols, other=0)
-    word = tl.load(Words + word_row + c0 // 64)
-    live = ((word >> (tl.arange(0, BLOCK_COL) + c0 % 64).to(tl.int64)) & 1) != 0
+    live = _word_bits(tl.load(Words + word_row + c0 // 64), c0 % 64, BLOCK_COL)
     k = tl.load(_tile_ptrs(k_base, col, stride_kn, offs_d, INT64))
     v = tl.load(_tile_ptrs(v_base, col, stride_vn, offs_d, INT64))
     if UPCAST:
@@ -281,7 +286,7 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
     B = plan.block_size
     nqb = nq // B
     max_v = plan.cols.shape[-1]
-    cols, col_pos, words, diag = column_arguments(plan)
+    cols, col_pos, words, diag, n_words = column_arguments(plan)
     cfg = forward_launch_config(B, q.dtype)
     grid = (nq // cfg["BLOCK_M"], b * hq)
     _vs_attn_fwd_kernel[grid](
@@ -294,7 +299,7 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         softmax_scale * LOG2E,
-        hq, hq // k.shape[1], nqb, plan.kv_blocks.shape[-1], max_v, column_word_count(max_v),
+        hq, hq // k.shape[1], nqb, plan.kv_blocks.shape[-1], max_v, n_words,
         BLOCK=B, HEAD_DIM=d, ACCUMULATE=accumulate, INT64=int64_offsets(q, k, v, out, lse, *plan_tensors(plan)),
         **kernel_flags(q.dtype), **cfg,
     )
