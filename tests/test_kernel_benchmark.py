@@ -97,3 +97,14 @@ def test_forward_launch_keywords_are_kernel_arguments(letters):
             assert set(cfg) - {"num_warps", "num_stages"} <= set(triton_fwd._vs_attn_fwd_kernel.arg_names)
     finally:
         triton_fwd.LAUNCH_OVERRIDES.clear()
+
+
+def test_column_tiles_wider_than_a_word_are_refused(monkeypatch):
+    """A column tile reads one 64-bit column word: a launch override past 64 columns is an error."""
+    import torch
+
+    from megatron_mtraining.kernels import triton_fwd
+
+    monkeypatch.setitem(triton_fwd.LAUNCH_OVERRIDES, "fwd", {"BLOCK_COL": 128})
+    with pytest.raises(ValueError, match="must divide 64"):
+        triton_fwd.tile_config(128, torch.bfloat16)

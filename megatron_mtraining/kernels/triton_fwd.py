@@ -83,6 +83,9 @@ def tile_config(block: int, dtype: torch.dtype, family: str = "fwd") -> dict:
                MASK_EVERY_TILE=False,
                COLUMN_PROGRAMS=1024)  # backward's column-gradient kernel: programs to aim for
     cfg.update(LAUNCH_OVERRIDES.get(family, {}))
+    if 64 % cfg["BLOCK_COL"]:
+        raise ValueError(f"tile_config: BLOCK_COL {cfg['BLOCK_COL']} must divide 64 (a column tile reads one "
+                         "64-bit column word)")
     return cfg
 
 
