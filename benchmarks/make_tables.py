@@ -45,7 +45,9 @@ def num(x, digits: int = 2) -> str:
 
 def pair(a, b, digits: int = 2, suffix: str = "") -> str:
     """'a / b' with a dash for anything missing (an item that failed or was skipped)."""
-    return f"{num(a, digits)}{suffix} / {num(b, digits)}{suffix}"
+    def cell(x):
+        return num(x, digits) + (suffix if isinstance(x, (int, float)) else "")
+    return f"{cell(a)} / {cell(b)}"
 
 
 def tokens(n: int) -> str:
@@ -145,31 +147,47 @@ def ring_note(name: str, section: Dict) -> str:
     return ""
 
 
-def ring_scaling(results: List[Result]) -> str:
-    """Strong-scaling efficiency T_1 / (T_W * W) where runs of one device at one S with W = 1 exist."""
-    times: Dict[Tuple, float] = {}
-    for _, data in results:
+def short_commit(data: Dict) -> str:
+    return str(data.get("meta", {}).get("commit", "unknown"))[:7]
+
+
+def same_setup_times(results: List[Result]) -> Dict[Tuple, Tuple[float, str]]:
+    """fwd+bwd ms of every (device, commit, S, variant, W) measured on plain links (a run under
+    the emulated slow link is another setup), with the file it came from."""
+    times: Dict[Tuple, Tuple[float, str]] = {}
+    for path, data in results:
+        if data.get("config", {}).get("slow_link_gbps"):
+            continue
         device = data.get("meta", {}).get("device", "?")
         for run in data.get("runs", []):
             for name, section in run.get("variants", {}).items():
                 if isinstance(section.get("fwdbwd_ms"), (int, float)):
-                    times[(device, run["seq_len"], name, run["world_size"])] = section["fwdbwd_ms"]
+                    key = (device, short_commit(data), run["seq_len"], name, run["world_size"])
+                    times[key] = (section["fwdbwd_ms"], path)
+    return times
+
+
+def ring_scaling(results: List[Result]) -> str:
+    """Strong-scaling efficiency T_1 / (T_W * W), pairing only runs of one device and one commit
+    (a T_1 from other kernels would measure the kernels, not the ring)."""
+    times = same_setup_times(results)
     rows = []
-    for (device, seq_len, name, world), ms in sorted(times.items()):
-        single = times.get((device, seq_len, name, 1))
+    for (device, commit, seq_len, name, world), (ms, _) in sorted(times.items()):
+        single = times.get((device, commit, seq_len, name, 1))
         if world > 1 and single:
-            rows.append([device, tokens(seq_len), RING_LABELS.get(name, name), str(world),
-                         num(single), num(ms), num(single / (ms * world), 2)])
+            rows.append([device, commit, tokens(seq_len), RING_LABELS.get(name, name), str(world),
+                         num(single[0]), num(ms), num(single[0] / (ms * world), 2)])
     if not rows:
         return ""
-    return ("Strong scaling (same S, W GPUs against one): efficiency = T_1 / (T_W · W).\n\n"
-            + table(["device", "S", "variant", "W", "T_1 ms", "T_W ms", "efficiency"], rows))
+    return ("Strong scaling (same S, W GPUs against one, both measured at the same commit): "
+            "efficiency = T_1 / (T_W · W).\n\n"
+            + table(["device", "commit", "S", "variant", "W", "T_1 ms", "T_W ms", "efficiency"], rows))
 
 
 @renderer("ring")
 def render_ring(results: List[Result]) -> str:
     header = ["device", "GPUs", "S", "density", "variant", "fwd+bwd ms", "fwd ms", "speedup fwd+bwd / fwd",
-              "imbalance worker / step", "compute ratio", "note"]
+              "imbalance worker / step", "compute ratio", "commit", "note"]
     rows = []
     for _, data in results:
         device = data.get("meta", {}).get("device", "?")
@@ -191,7 +209,7 @@ def render_ring(results: List[Result]) -> str:
                     num(section.get("fwdbwd_ms"), 1), num(section.get("fwd_ms"), 1),
                     pair(speed.get("vs_best_dense"), speed.get("vs_best_dense_fwd"), 2, "x") if speed else "—",
                     pair(imbalance.get("worker_imbalance"), imbalance.get("step_imbalance")) if imbalance else "—",
-                    num(imbalance.get("computation_ratio")), ring_note(name, section) + link,
+                    num(imbalance.get("computation_ratio")), short_commit(data), ring_note(name, section) + link,
                 ])
     cfg = results[0][1].get("config", {})
     text = [
@@ -255,7 +273,9 @@ def render_approx(results: List[Result]) -> str:
                          "density"], overhead_rows)]
     plots = [data["plot"] for _, data in results if data.get("plot")]
     if plots:
-        parts.append("Recall against density per head: " + ", ".join(f"`{p}`" for p in plots) + ".")
+        # The JSON records where the device wrote the plot; it is committed beside the JSON.
+        parts.append("Recall against density per head: "
+                     + ", ".join(f"`benchmarks/results/{os.path.basename(p)}`" for p in plots) + ".")
     parts.append(source_line(results))
     return "\n\n".join(parts)
 
@@ -372,19 +392,14 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
                     "what the layouts' work balance allows on this index: analysis_ring_balance.json")
             for key, value in striped.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {}).items():
                 values[key] = (value, path, "sparse striped ring, 512K, 4 GPUs")
-    # Strong scaling of the sparse striped ring at 512K: T(1 GPU) / (4 x T(4 GPUs)).
-    striped_512k = {}
-    for path, data in results.get("ring", []):
-        if data.get("config", {}).get("slow_link_gbps"):
-            continue
-        for run in data.get("runs", []):
-            ms = run["variants"].get("sparse_striped", {}).get("fwdbwd_ms")
-            if run["seq_len"] == 524288 and ms:
-                striped_512k[run["world_size"]] = (ms, path)
-    if 1 in striped_512k and 4 in striped_512k:
-        (t1, p1), (t4, p4) = striped_512k[1], striped_512k[4]
-        values["ring_strong_scaling_4gpu"] = (t1 / (4 * t4), p4, f"T1 {t1:.0f} ms ({os.path.basename(p1)}), "
-                                              f"T4 {t4:.0f} ms")
+    # Strong scaling of the sparse striped ring at 512K: T(1 GPU) / (4 x T(4 GPUs)), one commit.
+    times = same_setup_times(results.get("ring", []))
+    for (device, commit, seq_len, name, world), (t4, p4) in sorted(times.items()):
+        single = times.get((device, commit, seq_len, name, 1))
+        if (seq_len, name, world) == (524288, "sparse_striped", 4) and single:
+            t1, p1 = single
+            values["ring_strong_scaling_4gpu"] = (t1 / (4 * t4), p4, f"T1 {t1:.0f} ms ({os.path.basename(p1)}), "
+                                                  f"T4 {t4:.0f} ms, commit {commit}")
     for path, data in results.get("ring", []):
         if not data.get("config", {}).get("slow_link_gbps"):
             continue

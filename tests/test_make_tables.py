@@ -29,3 +29,42 @@ def test_quality_variant_renders_beside_the_default():
     assert "the dense model under MTraining's index: top-p 0.9, last_q 128, min_vertical 0" in text
     coverage = [line for line in text.splitlines() if line.startswith("| needle coverage by the index at 32K")]
     assert len(coverage) == 2 and coverage[1].split("|")[3].strip() == "0.50 / 0.00 / 0.25 / 1.00"
+
+
+def _ring_result(commit, world, striped_ms, slow_link=None, dense_ms=None):
+    variants = {"sparse_striped": {"fwdbwd_ms": striped_ms}}
+    if dense_ms is not None:
+        variants["dense_zigzag"] = {"fwdbwd_ms": dense_ms}
+    config = {"slow_link_gbps": slow_link, "inner_size": 2} if slow_link else {}
+    return {"meta": {"device": "GPU", "commit": commit}, "config": config,
+            "runs": [{"seq_len": 524288, "world_size": world, "variants": variants}]}
+
+
+def test_strong_scaling_pairs_only_plain_runs_of_one_commit():
+    results = [("r/1gpu.json", _ring_result("aaaaaaa", 1, 800.0, dense_ms=8000.0)),
+               ("r/4gpu.json", _ring_result("aaaaaaa", 4, 210.0, dense_ms=2000.0)),
+               ("r/2gpu_old.json", _ring_result("bbbbbbb", 2, 500.0)),            # other kernels
+               ("r/4gpu_slow.json", _ring_result("aaaaaaa", 4, 1000.0, slow_link=2.0))]  # other link
+    text = make_tables.ring_scaling(results)
+    rows = [line for line in text.splitlines() if line.startswith("| GPU |")]
+    assert [row.rstrip(" |").split(" | ")[3:8] for row in rows] == [
+        ["dense ring, zigzag (ours)", "4", "8000.00", "2000.00", "1.00"],
+        ["sparse ring, striped", "4", "800.00", "210.00", "0.95"]]
+    summary = make_tables.summarise({"ring": results})
+    assert abs(summary["ring_strong_scaling_4gpu"] - 800.0 / (4 * 210.0)) < 1e-9
+    assert "commit aaaaaaa" in summary["details"]["ring_strong_scaling_4gpu"]["note"]
+    # With the 1-GPU run from other kernels there is no scaling figure at all.
+    results[0] = ("r/1gpu.json", _ring_result("ccccccc", 1, 800.0))
+    assert make_tables.ring_scaling(results) == ""
+    assert make_tables.summarise({"ring": results})["ring_strong_scaling_4gpu"] is None
+
+
+def test_approximator_plot_is_named_by_its_committed_path():
+    data = {"meta": {"device": "GPU"}, "quality": [], "plot": "/root/out/approx_gpu_recall.png"}
+    text = make_tables.render_approx([("benchmarks/results/approx_gpu.json", data)])
+    assert "`benchmarks/results/approx_gpu_recall.png`" in text and "/root/out" not in text
+
+
+def test_readme_tables_are_generated_from_the_committed_results():
+    """The README's performance section and summary.json are what make_tables.py writes now."""
+    assert make_tables.main(["--check"]) == 0, "run python benchmarks/make_tables.py and commit the result"
