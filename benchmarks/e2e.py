@@ -2,9 +2,12 @@
 
 Runs ``examples/pretrain_gpt_mtraining.py`` (``megatron.training.pretrain``, mock data) with
 torchrun on every GPU of the machine, context parallel over all of them, twice from the same
-settings: ``--mtraining`` (``vs`` index, top-p 0.9) and ``--mtraining --mtraining-index dense``
-(exact causal attention over the same ring: the dense baseline that works without Transformer
-Engine). Model: Qwen2.5-3B attention and MLP shapes (hidden 2048, FFN 11008, 16 query heads / 2
+settings: ``--mtraining`` (``vs`` index, top-p 0.9) and the dense baseline ``dense``: exact causal
+attention with the dense kernels (cuDNN: SDPA on one GPU, the zigzag ring over CP, as
+Transformer Engine does; ``--mtraining-index dense --mtraining-layout zigzag
+--no-mtraining-deterministic``). ``--runs`` can add ``dense_sparse_kernels``, the dense index
+through MTraining's own kernels on the striped ring (the baseline of the results before session
+7, slower than cuDNN). Model: Qwen2.5-3B attention and MLP shapes (hidden 2048, FFN 11008, 16 query heads / 2
 KV groups, head dim 128, QKV bias, SwiGLU, RMSNorm) with fewer layers and a small vocabulary
 (flags below). Parses Megatron's "elapsed time per iteration" lines, drops the warm-up
 iterations, and writes one JSON with both runs and their ratio.
@@ -102,7 +105,12 @@ def main():
     out = args.out or os.path.join(REPO, "benchmarks", "results", f"e2e_{device_slug(torch.device('cuda'))}_{world}gpu.json")
     log_dir = os.path.dirname(os.path.abspath(out))
     variants = {"mtraining": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "4"],
-                "dense": ["--mtraining", "--mtraining-index", "dense"]}
+                "dense": ["--mtraining", "--mtraining-index", "dense", "--mtraining-layout", "zigzag",
+                          "--no-mtraining-deterministic"],
+                "dense_sparse_kernels": ["--mtraining", "--mtraining-index", "dense"]}
+    unknown = [name for name in args.runs.split(",") if name not in variants]
+    if unknown:
+        raise SystemExit(f"--runs: unknown {unknown}; choose from {sorted(variants)}")
     rows = [run_one(name, variants[name], args, world, log_dir) for name in args.runs.split(",")]
     by_name = {r["name"]: r for r in rows}
     result = {"benchmark": "e2e", "meta": run_metadata(torch.device("cuda")), "world_size": world,

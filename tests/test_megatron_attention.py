@@ -207,6 +207,37 @@ def test_forward_single_device_matches_reference():
     assert rel_err(out, ref.permute(2, 0, 1, 3).reshape(128, 1, 64)) < 1e-5
 
 
+@pytest.mark.parametrize("deterministic,index,dense_kernels", [
+    (False, "dense", True), (True, "dense", False), (False, "vs", False)])
+def test_dense_index_runs_the_dense_kernels_unless_deterministic(monkeypatch, deterministic, index, dense_kernels):
+    """A dense-index layer attends with the dense kernels (SDPA on one device) only when the
+    backward need not be deterministic; either way it computes causal attention exactly."""
+    import megatron_mtraining.integration.attention as mt_attention
+
+    set_mtraining_config(MTrainingConfig(index=index, deterministic=deterministic, top_p=1.0, last_q=64))
+    attn = make_attention()
+    assert attn.uses_dense_kernels(None) is dense_kernels
+    calls = []
+    sparse = mt_attention.sparse_attention
+    monkeypatch.setattr(mt_attention, "sparse_attention", lambda *a, **kw: calls.append(1) or sparse(*a, **kw))
+    q, k, v = (x.requires_grad_() for x in qkv())
+    out = attn(q, k, v, None)
+    assert calls == ([] if dense_kernels else [1])
+    qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
+    qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (qr, kr, vr))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qb, kb.repeat_interleave(2, dim=1), vb.repeat_interleave(2, dim=1), is_causal=True)
+    ref = ref.permute(2, 0, 1, 3).reshape(128, 1, 64)
+    if index == "vs":  # a sparse index: only the path is checked here (its numbers have their own tests)
+        return
+    assert rel_err(out, ref) < 1e-5
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    ref.backward(grad_out.double())
+    for x, xr in zip((q, k, v), (qr, kr, vr)):
+        assert rel_err(x.grad, xr.grad) < 1e-5
+
+
 @pytest.mark.parametrize("index", ["dense", "vs"])
 def test_forward_under_autocast_runs_in_the_autocast_dtype(index):
     """fp32 q/k/v inside an autocast region (what megatron-core's layers hand over) are attended in
@@ -450,9 +481,10 @@ def _check_context_parallel(world_size, settings):
     data = batch(3)
     tokens, position_ids, mask, labels = data
     cases, references = [], []
-    for layout, index, inner in settings:
+    for layout, index, inner, *deterministic in settings:
         cfg = MTrainingConfig(index=index, layout=layout, block_size=CP_BLOCK, top_p=0.5, max_slash=2,
-                              max_vertical=32, min_vertical=0, inner_ring_size=inner)
+                              max_vertical=32, min_vertical=0, inner_ring_size=inner,
+                              deterministic=deterministic[0] if deterministic else True)
         reference = build_gpt(get_gpt_layer_local_spec() if index == "dense" else get_gpt_layer_spec(cfg))
         ref_logits = reference(tokens, position_ids, mask).detach()
         reference(tokens, position_ids, mask, labels=labels).float().mean().backward()
@@ -462,7 +494,7 @@ def _check_context_parallel(world_size, settings):
 
     results = run_distributed(_cp_worker, world_size, cases, data, timeout=240)
     for i, (cfg, _) in enumerate(cases):
-        what = f"CP={world_size} {cfg.layout}/{cfg.index}/inner={cfg.inner_ring_size}"
+        what = f"CP={world_size} {cfg.layout}/{cfg.index}/inner={cfg.inner_ring_size}/det={cfg.deterministic}"
         ref_logits, ref_grads = references[i]
         logits = gather_sequence([r[i][0] for r in results], 1, cfg.layout, CP_BLOCK)
         assert rel_err(logits, ref_logits) < 1e-5, what
@@ -472,9 +504,10 @@ def _check_context_parallel(world_size, settings):
 
 
 def test_context_parallel_2_matches_single_device(megatron_cpu):
-    """Both layouts; the last case has one CP rank per "node" (the two-level ring's set-up)."""
+    """Both layouts; the last case has one CP rank per "node" (the two-level ring's set-up); the
+    non-deterministic dense zigzag case runs the dense kernels' ring (``dense_ring_attention``)."""
     _check_context_parallel(2, [("striped", "dense", None), ("zigzag", "dense", None),
-                                ("striped", "vs", None), ("zigzag", "vs", 1)])
+                                ("striped", "vs", None), ("zigzag", "vs", 1), ("zigzag", "dense", None, False)])
 
 
 def test_context_parallel_4_matches_single_device(megatron_cpu):

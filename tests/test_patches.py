@@ -288,6 +288,10 @@ def test_validate_with_real_transformer_config():
     ({"mtp_num_layers": 1}, 256, "striped", "mtp_num_layers"),
     ({"cp_comm_type": "a2a"}, 256, "striped", "Transformer Engine"),
     ({"cp_comm_type": ["p2p", "all_gather"]}, 256, "striped", "Transformer Engine"),
+    ({"hybrid_context_parallel": True}, 256, "striped", "--hybrid-context-parallel"),
+    ({"sft": True}, 256, "striped", "--sft .*THD"),
+    ({"dataloader_inter_document_masking": True}, 256, "striped", "--dataloader-inter-document-masking"),
+    ({"reset_attention_mask": True}, 256, "striped", "--reset-attention-mask"),
 ])
 def test_validate_errors(kw, seq, layout, match):
     with pytest.raises(ValueError, match=match):

@@ -11,7 +11,9 @@ the MTraining config ("striped" or "zigzag"; the batch split and RoPE slicing pa
 there). Each forward first builds the layer's vertical-slash index from q and k with its
 ``indexer`` submodule (``indexer.py``: the per-layer pre-attention step), then runs
 ``sparse_ring_attention`` over the context-parallel group, or ``sparse_attention`` when
-CP == 1. Context parallelism needs neither Transformer Engine nor apex.
+CP == 1. A layer with a dense index and ``deterministic=False`` runs the dense kernels instead
+where they can (``uses_dense_kernels``). Context parallelism needs neither Transformer Engine
+nor apex.
 
 The MTraining settings are module-level (``set_mtraining_config``) so that layer specs stay
 plain data; each ``MTrainingAttention`` reads them once, when it is built.
@@ -37,7 +39,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ..attention import sparse_attention
 from ..config import MTrainingConfig
 from ..index import VSIndex
-from ..ring import instrument, sparse_ring_attention
+from ..ring import dense_ring_attention, instrument, sparse_ring_attention
 from . import telemetry
 from .indexer import MTrainingAttentionSubmodules
 
@@ -291,6 +293,28 @@ class MTrainingAttention(MegatronModule):
         self._recompute_dtype = None
         return dtype
 
+    def uses_dense_kernels(self, group) -> bool:
+        """Whether this layer attends with dense kernels (cuDNN or flash on GPUs): when its index
+        is dense (``--mtraining-index dense``, or one of ``--mtraining-dense-layers``), they
+        compute the same causal attention faster than the sparse kernels walking every block,
+        which makes the dense run a fair baseline. Only where a dense kernel can express every
+        step: one device, or the zigzag ring (the striped ring's steps are block-causal, so it
+        keeps the sparse kernels with the all-blocks index). Their backward is not guaranteed
+        deterministic, so ``deterministic=True`` (the default) keeps the sparse kernels too."""
+        cfg = self.mtraining_config
+        return (self.indexer.mtraining_config.index == "dense" and not cfg.deterministic
+                and (group is None or cfg.layout == "zigzag"))
+
+    def _attend_dense(self, q: Tensor, k: Tensor, v: Tensor, group) -> Tensor:
+        """Exact causal attention with the dense kernels; [b, heads, s, hn] in and out."""
+        if group is None:
+            groups = q.shape[1] // k.shape[1]
+            k, v = (x.repeat_interleave(groups, dim=1) if groups > 1 else x for x in (k, v))
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                    scale=self.softmax_scale)
+        return dense_ring_attention(q, k, v, group=group, layout="zigzag", inner_size=self.ring_inner_size(group),
+                                    softmax_scale=self.softmax_scale)
+
     def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         sq, b, np_, hn = query.shape
         group = self.cp_group()
@@ -312,7 +336,9 @@ class MTrainingAttention(MegatronModule):
         self.last_index = index
         with timed("attention_fwd", cuda), (instrument.suspended() if tele is not None and not counted
                                             else contextlib.nullcontext()):
-            if group is None:
+            if self.uses_dense_kernels(group):
+                out = self._attend_dense(q, k, v, group)
+            elif group is None:
                 out = sparse_attention(q, k, v, index, softmax_scale=self.softmax_scale)
             else:
                 cfg = self.mtraining_config

@@ -5,8 +5,9 @@ so that they cannot drift apart. From the parsed Megatron arguments it
 
 1. builds ``MTrainingConfig.from_args(args)`` and the hook options (dense layers, log interval),
    and runs the start-up validation (``patches.validate_megatron_config``: sequence length,
-   attention dropout, hierarchical CP, MTP with CP, Transformer Engine CP options) on the
-   parsed arguments, whose names match megatron-core's ``TransformerConfig`` fields,
+   attention dropout, hierarchical or hybrid CP, packed or per-document masking, MTP with CP,
+   Transformer Engine CP options) on the parsed arguments, whose names match megatron-core's
+   ``TransformerConfig`` fields,
 2. calls ``patches.install(config)`` (striped batch split, RoPE slicing),
 3. turns on the training telemetry when ``--mtraining-log-interval`` > 0,
 

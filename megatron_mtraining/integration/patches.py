@@ -300,7 +300,21 @@ def validate_megatron_config(transformer_config, mtraining_config: MTrainingConf
                             f"({layout} layout, block_size {block}, CP {cp_size})")
     dropout = getattr(transformer_config, "attention_dropout", 0.0)
     if dropout:
-        problems.append(f"attention_dropout must be 0 (MTraining sparse attention has no dropout), got {dropout}")
+        problems.append(f"attention_dropout must be 0 (--attention-dropout 0: MTraining sparse attention has no "
+                        f"dropout; Megatron's default is 0.1), got {dropout}")
+    # Parsed Megatron arguments only (a TransformerConfig has none of these): each one changes
+    # which tokens a query may see, or how the sequence is split over the CP ranks.
+    for field, flag, why in (
+            ("hybrid_context_parallel", "--hybrid-context-parallel", "it splits each batch over CP ranks "
+             "its own way; MTraining's ring needs the striped or zigzag split"),
+            ("sft", "--sft", "supervised fine-tuning packs sequences (THD format), which MTraining "
+             "attention does not take"),
+            ("dataloader_inter_document_masking", "--dataloader-inter-document-masking",
+             "MTraining attention is causal over the whole sequence"),
+            ("reset_attention_mask", "--reset-attention-mask", "MTraining attention is causal over the whole "
+             "sequence and builds no per-document mask")):
+        if getattr(transformer_config, field, False):
+            problems.append(f"{flag} ({field}) is not supported: {why}")
     hcp = getattr(transformer_config, "hierarchical_context_parallel_sizes", None)
     if hcp:
         problems.append(f"hierarchical context parallelism (hierarchical_context_parallel_sizes={hcp}) is not "
