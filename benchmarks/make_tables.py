@@ -288,7 +288,7 @@ def e2e_label(run: Dict) -> str:
     if "--mtraining-index" in run.get("flags", []) and "dense" in run["flags"]:
         if "--no-mtraining-deterministic" in run["flags"]:
             return "dense, cuDNN (SDPA, or the zigzag ring over CP)"
-        return "dense index through the sparse kernels (striped ring)"
+        return "dense index through the sparse kernels"
     return run["name"]
 
 
@@ -302,7 +302,8 @@ def render_e2e(results: List[Result]) -> str:
                          e2e_label(run), num(run.get("mean_iteration_ms"), 0),
                          num(run.get("tokens_per_s"), 0), "" if run["returncode"] == 0 else f"rc {run['returncode']}"])
     m = results[0][1]["model"]
-    speedups = ", ".join(f"{num(d.get('e2e_speedup'))}x ({d['world_size']} GPUs, {tokens(d['seq_length'])})"
+    speedups = ", ".join(f"{num(d.get('e2e_speedup'))}x ({d['world_size']} GPU{'s' if d['world_size'] > 1 else ''}, "
+                         f"{tokens(d['seq_length'])})"
                          for _, d in results if d.get("e2e_speedup"))
     return "\n\n".join([
         f"**End-to-end Megatron training** (`benchmarks/e2e.py`: `examples/pretrain_gpt_mtraining.py` on "
@@ -430,11 +431,13 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
         world, value, path = overheads[0]
         values["approximator_overhead"] = (value, path, f"128K tokens per GPU on {world} GPUs")
     for path, data in results.get("e2e", []):
+        dense = next((run for run in data.get("runs", []) if run["name"] == "dense"), None)
+        against = f"against: {e2e_label(dense)}" if dense else ""
         if data.get("e2e_speedup") and data["seq_length"] == 524288 and data["world_size"] == 4:
-            values["e2e_speedup_512k_4gpu"] = (data["e2e_speedup"], path, "")
+            values["e2e_speedup_512k_4gpu"] = (data["e2e_speedup"], path, against)
         elif data.get("e2e_speedup"):
             values[f"e2e_speedup_{tokens(data['seq_length']).lower()}_{data['world_size']}gpu"] = (
-                data["e2e_speedup"], path, "not the target's shape (512K over 4 GPUs)")
+                data["e2e_speedup"], path, f"not the target's shape (512K over 4 GPUs); {against}")
     sources = {path for value, path, _ in values.values() if path}
     metas = [d.get("meta", {}) for kind in results for path, d in results[kind] if path in sources]
     latest = max(metas, key=lambda m: m.get("time_utc", ""), default={})

@@ -1,19 +1,15 @@
 #!/usr/bin/env bash
-# One device call for the single-device kernels: set up, run the whole test suite on the GPU,
-# then benchmarks (BENCHES) and optionally make demo (DEMO=1). Logs and results go to $OUT (device tool) or ./gpu_out.
-set -uo pipefail
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
+# One single-GPU device call: set up, run the whole test suite on the GPU, then benchmarks
+# (BENCHES, default "kernel": benchmarks/<name>.py each, to <name>_<device>.json) and optionally
+# make demo (DEMO=1). Logs and results under $OUT (gpu_common.sh).
+# shellcheck source=SCRIPTDIR/gpu_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-bash scripts/setup_env.sh .venv > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-tail -1 "$OUT/setup.log"
-.venv/bin/python -m pytest -q -p no:cacheprovider tests --durations=10 > "$OUT/tests.log" 2>&1
+setup_venv || exit 1
+"$PY" -m pytest -q -p no:cacheprovider tests --durations=10 > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; tail -4 "$OUT/tests.log"
-# BENCHES: which benchmark scripts to run after the tests (default: the kernel benchmark).
 for bench in ${BENCHES:-kernel}; do
-  GIT_COMMIT=${GIT_COMMIT:-unknown} timeout 400 .venv/bin/python benchmarks/$bench.py \
-    --out "$OUT/${bench}_nvidia-h200.json" > "$OUT/${bench}_bench.log" 2>&1
+  timeout 400 "$PY" "benchmarks/$bench.py" --out "$OUT/${bench}_$DEVICE_SLUG.json" > "$OUT/${bench}_bench.log" 2>&1
   echo "$bench bench rc=$?"; tail -8 "$OUT/${bench}_bench.log"
 done
 if [ "${DEMO:-0}" = 1 ]; then

@@ -1,18 +1,15 @@
 #!/usr/bin/env bash
 # One single-GPU device call: compare launch settings of our kernels (benchmarks/kernel.py
 # --sweep), then run the full kernel benchmark with the fastest forward and backward settings.
-# SWEEP (num_warps x num_stages candidates), SWEEP_LENS; results under $OUT.
-set -uo pipefail
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 GIT_COMMIT=${GIT_COMMIT:-unknown}
-cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh .venv > "$OUT/setup.log" 2>&1; tail -1 "$OUT/setup.log"
-PY=.venv/bin/python
-SLUG=$($PY -c "import sys, torch; sys.path.insert(0, 'benchmarks'); from common import device_slug; print(device_slug(torch.device('cuda')))")
-timeout ${SWEEP_TIMEOUT:-240} $PY benchmarks/kernel.py --seq-lens ${SWEEP_LENS:-131072} --sweep ${SWEEP:-4x2,4x3,8x2,8x3} \
-    --reps 5 --out "$OUT/kernelsweep_$SLUG.json" > "$OUT/sweep.log" 2>&1
+# SWEEP (num_warps x num_stages candidates), SWEEP_LENS, SWEEP_TIMEOUT, KERNEL_TIMEOUT; logs and
+# results (kernelsweep_<device>.json, kernel_<device>.json) under $OUT (gpu_common.sh).
+# shellcheck source=SCRIPTDIR/gpu_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
+setup_venv || exit 1
+timeout "${SWEEP_TIMEOUT:-240}" "$PY" benchmarks/kernel.py --seq-lens "${SWEEP_LENS:-131072}" --sweep "${SWEEP:-4x2,4x3,8x2,8x3}" \
+    --reps 5 --out "$OUT/kernelsweep_$DEVICE_SLUG.json" > "$OUT/sweep.log" 2>&1
 echo "sweep rc=$?"; grep -E "^(fwd|bwd) " "$OUT/sweep.log"
-LAUNCH=$($PY - "$OUT/kernelsweep_$SLUG.json" <<'PYEOF'
+LAUNCH=$("$PY" - "$OUT/kernelsweep_$DEVICE_SLUG.json" <<'PYEOF'
 import json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
 best = {}
@@ -24,6 +21,6 @@ print(",".join(f"{f}:{s}" for f, s in best.items()))
 PYEOF
 )
 echo "fastest launch settings: ${LAUNCH:-none}"
-timeout ${KERNEL_TIMEOUT:-300} $PY benchmarks/kernel.py --launch "$LAUNCH" --out "$OUT/kernel_$SLUG.json" \
+timeout "${KERNEL_TIMEOUT:-300}" "$PY" benchmarks/kernel.py --launch "$LAUNCH" --out "$OUT/kernel_$DEVICE_SLUG.json" \
     > "$OUT/kernel.log" 2>&1
 echo "kernel rc=$?"; tail -8 "$OUT/kernel.log"

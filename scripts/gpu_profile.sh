@@ -3,24 +3,21 @@
 # Nsight Compute on one forward+backward of the canonical problem (benchmarks/profile_kernels.py,
 # PROFILE_LEN tokens, default 64K): speed of light, occupancy, warp stalls, memory, per kernel.
 # Logs and reports under $OUT (KEEP_REPORT=1 keeps the .ncu-rep); PROFILE_LAUNCH as kernel.py
-# --launch; TESTS="" skips the tests.
-set -uo pipefail
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the script changes directory
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh .venv > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
-tail -1 "$OUT/setup.log"
-PY=.venv/bin/python
-if [ -n "${TESTS-tests/test_gpu.py tests/test_convert.py tests/test_sparse_attention.py}" ]; then
-  timeout ${TESTS_TIMEOUT:-300} $PY -m pytest -q -p no:cacheprovider -x \
-      ${TESTS-tests/test_gpu.py tests/test_convert.py tests/test_sparse_attention.py} > "$OUT/tests.log" 2>&1
+# --launch; TESTS="" skips the tests; TESTS_TIMEOUT, PROFILE_TIMEOUT.
+# shellcheck source=SCRIPTDIR/gpu_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
+setup_venv || exit 1
+TESTS=${TESTS-tests/test_gpu.py tests/test_convert.py tests/test_sparse_attention.py}
+if [ -n "$TESTS" ]; then
+  # shellcheck disable=SC2086  # TESTS is a list of paths
+  timeout "${TESTS_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider -x $TESTS > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; tail -3 "$OUT/tests.log"
 fi
-SECTIONS="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
-          --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis"
-timeout ${PROFILE_TIMEOUT:-240} ncu --clock-control none --profile-from-start off $SECTIONS \
+SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
+          --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis)
+timeout "${PROFILE_TIMEOUT:-240}" ncu --clock-control none --profile-from-start off "${SECTIONS[@]}" \
     -k 'regex:_(vs_attn_fwd|dq|dkdv|dkdv_col|delta|column_words)_kernel' --export "$OUT/profile" --force-overwrite \
-    $PY benchmarks/profile_kernels.py --seq-len ${PROFILE_LEN:-65536} --launch "${PROFILE_LAUNCH:-}" \
+    "$PY" benchmarks/profile_kernels.py --seq-len "${PROFILE_LEN:-65536}" --launch "${PROFILE_LAUNCH:-}" \
     > "$OUT/profile.log" 2> "$OUT/ncu.err"
 echo "ncu rc=$?"; grep -E "^compiled" "$OUT/profile.log"
 ncu --import "$OUT/profile.ncu-rep" --page details > "$OUT/ncu.txt" 2>> "$OUT/ncu.err"
@@ -28,7 +25,7 @@ ncu --import "$OUT/profile.ncu-rep" --page raw --csv > "$OUT/raw.csv" 2>> "$OUT/
 [ "${KEEP_REPORT:-0}" = 1 ] || rm -f "$OUT/profile.ncu-rep"  # the text pages hold what we read
 # Short table: per kernel, duration, SM / tensor / memory throughput, occupancy, top stalls.
 grep -E "^  _|Duration|Compute \(SM\) Throughput|Memory Throughput|L2 Cache Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Executed Ipc A|Theoretical Occupancy" "$OUT/ncu.txt" | head -80
-$PY - "$OUT/raw.csv" <<'PYEOF'
+"$PY" - "$OUT/raw.csv" <<'PYEOF'
 import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 if len(rows) < 3:

@@ -2,15 +2,13 @@
 # The quality benchmark (issue 7), one device call on 2 GPUs (or RUNS=dense, RUNS=mtraining: two
 # calls on one GPU). The dense and the MTraining
 # trainings run side by side, one per GPU, from the same seed and data; then the merge writes
-# quality.json and the plots to $OUT. QUALITY_FLAGS overrides the schedule / model flags.
-set -uo pipefail
-OUT=${OUT:-gpu_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)  # absolute: the script changes folders
-export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-[ -x .venv/bin/python ] || bash scripts/setup_env.sh .venv > "$OUT/setup_quality.log" 2>&1 \
-  || { tail -20 "$OUT/setup_quality.log"; exit 1; }
-PY=$PWD/.venv/bin/python
-export GIT_COMMIT=${GIT_COMMIT:-unknown}
+# quality.json and the plots to $OUT (gpu_common.sh). QUALITY_FLAGS overrides the schedule / model
+# flags; QUALITY_TIMEOUT bounds each training.
+# shellcheck source=SCRIPTDIR/gpu_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
+# An existing .venv is kept (REUSE_VENV=0 redoes the set-up): on a warm machine, RUNS=dense then
+# RUNS=mtraining set up once.
+REUSE_VENV=${REUSE_VENV:-1} setup_venv setup_quality.log || exit 1
 # Defaults (the quality.py docstring says why): fact needles (one token per key-value pair, so
 # one attention head retrieves it, no induction plateau), vocabulary 2048 (21 keys x 21 values),
 # RoPE base 1e6, a 128 -> 1K -> 4K -> 32K curriculum, answer tokens weighted 20x in the training
@@ -27,29 +25,32 @@ if [ -n "${MT_VARIANT:-}" ]; then
   # ~150 s with data and evaluation on an H200): tighter guards (a later flag wins).
   FLAGS="$FLAGS --max-train-seconds 200"; QUALITY_TIMEOUT=${QUALITY_TIMEOUT:-260}
 fi
-NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 train() {  # train RUN OUTPUT_NAME EXTRA_FLAGS...: one training on this job's GPU
   local run=$1 name=$2; shift 2
-  timeout ${QUALITY_TIMEOUT:-520} $PY benchmarks/quality.py --run $run --out "$OUT/quality_$name.json" $FLAGS "$@" \
+  # shellcheck disable=SC2086  # FLAGS is a list of flags
+  timeout "${QUALITY_TIMEOUT:-520}" "$PY" benchmarks/quality.py --run "$run" --out "$OUT/quality_$name.json" $FLAGS "$@" \
       > "$OUT/quality_$name.log" 2>&1
 }
 for run in $RUNS; do
-  gpu=$([ $run = dense ] || [ "$NGPU" -lt 2 ] && echo 0 || echo 1)
+  gpu=$([ "$run" = dense ] || [ "$NGPU" -lt 2 ] && echo 0 || echo 1)
   (
     export CUDA_VISIBLE_DEVICES=$gpu
-    train $run $run
-    if [ $run = mtraining ] && [ -n "${MT_VARIANT:-}" ]; then train mtraining "mtraining_$VARIANT_NAME" $MT_VARIANT; fi
+    train "$run" "$run"
+    # shellcheck disable=SC2086  # MT_VARIANT is a list of flags
+    if [ "$run" = mtraining ] && [ -n "${MT_VARIANT:-}" ]; then train mtraining "mtraining_$VARIANT_NAME" $MT_VARIANT; fi
   ) &
   [ "$NGPU" -lt 2 ] && wait  # one GPU: one run after the other, so each has the GPU its time guard assumes
 done
 wait
-for log in "$OUT"/quality_*.log; do echo "$(basename $log):"; grep -E "answer|phase" "$log" | tail -3; tail -2 "$log"; done
-cd "$OUT"
+for log in "$OUT"/quality_*.log; do echo "$(basename "$log"):"; grep -E "answer|phase" "$log" | tail -3; tail -2 "$log"; done
+cd "$OUT" || exit 1
 merge() { [ -f quality_dense.json ] && [ -f "quality_$1.json" ] \
-  && $PY "$OLDPWD/benchmarks/quality.py" --merge quality_dense.json "quality_$1.json" --out "$2"; }
+  && "$PY" "$REPO/benchmarks/quality.py" --merge quality_dense.json "quality_$1.json" --out "$2"; }
 merge mtraining quality.json && rm -f quality_mtraining.json
 merge "mtraining_$VARIANT_NAME" "quality_$VARIANT_NAME.json" && rm -f "quality_mtraining_$VARIANT_NAME.json"
 [ -f quality.json ] && rm -f quality_dense.json
 # The device tool returns at most 8 files: logs and plots travel packed.
-tar czf quality_logs.tgz quality_*.log $(ls setup_quality.log *.png 2>/dev/null) && rm -f quality_*.log *.png
+shopt -s nullglob  # the set-up log and the plots may be missing
+tar czf quality_logs.tgz -- quality_*.log setup_quality*.log *.png && rm -f -- quality_*.log *.png
 ls

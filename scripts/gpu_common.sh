@@ -1,0 +1,47 @@
+# shellcheck shell=bash
+# Sourced (not run) by every scripts/gpu_*.sh, before anything else: the set-up those GPU jobs share.
+#   source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
+# It cd's to the repository root and sets:
+#   OUT         absolute, created; default <repo>/gpu_out, a relative OUT is taken from the
+#               directory the job was started in (the device tool sets an absolute one)
+#   GIT_COMMIT  exported for the benchmarks' metadata; default the checkout's short HEAD, else
+#               "unknown" (device copies may carry no .git)
+#   PYTHONUNBUFFERED=1, so the logs under $OUT fill as the job runs
+# and defines setup_venv [LOG]: scripts/setup_env.sh .venv (log $OUT/LOG, default setup.log), then
+#   PY          the venv's python (absolute)
+#   DEVICE_SLUG the GPU's name as the benchmarks spell it in file names ("nvidia-h200"), else "gpu"
+# REUSE_VENV=1 skips setup_env.sh when .venv exists (a warm device machine keeps it between calls;
+# only a csrc/ change then needs a fresh set-up).
+
+# -u and pipefail, but no -e: a failed stage must not stop the stages after it (each prints its
+# rc). Errors here return, never exit: the caller decides (`|| exit 1`).
+set -uo pipefail
+
+(return 0 2>/dev/null) || { echo "gpu_common.sh is sourced by scripts/gpu_*.sh, not run" >&2; exit 1; }
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd) || return 1
+case ${OUT:=$REPO/gpu_out} in /*) ;; *) OUT=$PWD/$OUT ;; esac  # before the cd: relative to the caller
+if ! mkdir -p "$OUT" || ! OUT=$(cd "$OUT" && pwd); then echo "cannot create OUT=$OUT" >&2; return 1; fi
+cd "$REPO" || return 1
+
+if [ -z "${GIT_COMMIT:-}" ]; then
+  # Only this checkout's own .git: a copy inside another repository must not take its HEAD.
+  { [ -e .git ] && GIT_COMMIT=$(git rev-parse --short HEAD 2>/dev/null); } || GIT_COMMIT=unknown
+fi
+export OUT GIT_COMMIT PYTHONUNBUFFERED=1
+
+setup_venv() {
+  local log=$OUT/${1:-setup.log}
+  if [ "${REUSE_VENV:-0}" = 1 ] && [ -x .venv/bin/python ]; then
+    echo "[setup] reusing .venv (REUSE_VENV=1)"
+  elif bash scripts/setup_env.sh .venv > "$log" 2>&1; then
+    tail -1 "$log"
+  else
+    echo "set-up failed (scripts/setup_env.sh, full log in $log):" >&2
+    tail -20 "$log" >&2
+    return 1
+  fi
+  PY=$REPO/.venv/bin/python
+  DEVICE_SLUG=$("$PY" -c "import sys, torch; sys.path.insert(0, 'benchmarks'); from common import device_slug; print(device_slug(torch.device('cuda')))" 2>/dev/null)
+  [ -n "$DEVICE_SLUG" ] || DEVICE_SLUG=gpu  # no CUDA device, or torch missing: still a valid file name
+}
