@@ -192,7 +192,10 @@ def render_ring(results: List[Result]) -> str:
     for _, data in results:
         device = data.get("meta", {}).get("device", "?")
         gbps = data.get("config", {}).get("slow_link_gbps")
-        link = f"; emulated {gbps:g} GB/s between nodes" if gbps else ""
+        link = f"emulated {gbps:g} GB/s between nodes" if gbps else ""
+        # The index conversion ran in PyTorch where the compiled extension was not built.
+        conversion = "" if data.get("meta", {}).get("extension", "built with CUDA") == "built with CUDA" \
+            else "conversion in PyTorch"
         for run in data.get("runs", []):
             density = run.get("index", {}).get("density_mean")
             for name, section in run.get("variants", {}).items():
@@ -209,14 +212,17 @@ def render_ring(results: List[Result]) -> str:
                     num(section.get("fwdbwd_ms"), 1), num(section.get("fwd_ms"), 1),
                     pair(speed.get("vs_best_dense"), speed.get("vs_best_dense_fwd"), 2, "x") if speed else "—",
                     pair(imbalance.get("worker_imbalance"), imbalance.get("step_imbalance")) if imbalance else "—",
-                    num(imbalance.get("computation_ratio")), short_commit(data), ring_note(name, section) + link,
+                    num(imbalance.get("computation_ratio")), short_commit(data),
+                    "; ".join(x for x in (ring_note(name, section), link,
+                                          conversion if name.startswith("sparse") else "") if x),
                 ])
     cfg = results[0][1].get("config", {})
     text = [
         f"**Ring attention, one layer over W GPUs.** {cfg.get('heads')} query / {cfg.get('kv_heads')} KV "
         f"heads, head dim {cfg.get('head_dim')}, {cfg.get('dtype')}, causal, batch {cfg.get('batch')}, block "
         f"{cfg.get('block_size')}, synthetic `{cfg.get('index_kind', 'fixed')}` index (same on every rank); "
-        f"S/W tokens per GPU. Time: max over ranks of each rank's median of {cfg.get('reps')} runs "
+        f"S/W tokens per GPU. Time: max over ranks of each rank's median of "
+        f"{' or '.join(str(r) for r in sorted({d.get('config', {}).get('reps') for _, d in results} - {None}))} runs "
         "(CUDA events, barrier before each). Speedup: the faster dense baseline (dense zigzag ring, "
         "PyTorch context parallel) over the variant. Imbalance (paper's appendix, forward+backward "
         "per step, one instrumented run): worker = max/mean over ranks, step = max/mean over steps, "
@@ -255,12 +261,12 @@ def render_approx(results: List[Result]) -> str:
         for o in data.get("overhead", []):
             overhead_rows.append([device, "1", tokens(o["seq_len"]), num(o["approximator_ms"]),
                                   num(o["sparse_attention_fwdbwd_ms"]), num(o["overhead"], 3),
-                                  num(o["index_density"], 3)])
+                                  num(o["index_density"], 3), short_commit(data)])
         ring = data.get("ring")  # approx.py --ring: the distributed approximator over W GPUs
         if ring:
             overhead_rows.append([device, str(ring["world_size"]), f"{tokens(ring['tokens_per_gpu'])}/GPU",
                                   num(ring["approximator_ms"]), num(ring["sparse_ring_attention_fwdbwd_ms"]),
-                                  num(ring["overhead"], 3), num(ring["index_density"], 3)])
+                                  num(ring["overhead"], 3), num(ring["index_density"], 3), short_commit(data)])
     parts = ["**Index approximator.** Synthetic post-RoPE q/k with a vertical-slash structure "
              "(`megatron_mtraining.synthetic`, 8/2 heads, d 64): recall = share of the true dense "
              "attention mass the approximated index covers, averaged over heads and seeds.",
@@ -270,7 +276,7 @@ def render_approx(results: List[Result]) -> str:
                   "sparse attention forward+backward of the same layer with its index (on W GPUs: the "
                   "distributed approximator against `sparse_ring_attention`, slowest rank).",
                   table(["device", "GPUs", "S", "approximator ms", "sparse attention fwd+bwd ms", "overhead",
-                         "density"], overhead_rows)]
+                         "density", "commit"], overhead_rows)]
     plots = [data["plot"] for _, data in results if data.get("plot")]
     if plots:
         # The JSON records where the device wrote the plot; it is committed beside the JSON.
@@ -379,7 +385,13 @@ TARGETS = {  # key: (comparison, target)
     "step_imbalance": ("<=", 1.15), "computation_ratio": (">=", 0.85), "ring_strong_scaling_4gpu": (">=", 0.9),
     "hierarchical_speedup_slow_link": (">=", 1.3), "approximator_overhead": ("<=", 0.05),
     "e2e_speedup_512k_4gpu": (">=", 4),
+    # Training quality (quality.json: the default settings; its variants are ablations).
+    "final_loss_gap": ("abs <=", 0.02), "retrieval_accuracy_gap": ("<=", 2.0), "mean_density": ("<=", 0.10),
 }
+
+
+def target_met(value: float, op: str, target: float) -> bool:
+    return {">=": value >= target, "<=": value <= target, "abs <=": abs(value) <= target}[op]
 
 
 def summarise(results: Dict[str, List[Result]]) -> Dict:
@@ -438,6 +450,14 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
         elif data.get("e2e_speedup"):
             values[f"e2e_speedup_{tokens(data['seq_length']).lower()}_{data['world_size']}gpu"] = (
                 data["e2e_speedup"], path, f"not the target's shape (512K over 4 GPUs); {against}")
+    for path, data in results.get("quality", []):
+        if os.path.basename(path) == "quality.json":
+            summary_q = data.get("summary", {})
+            for key, note in (("final_loss_gap", "held-out LM loss, MTraining - dense"),
+                              ("retrieval_accuracy_gap", "points, dense - MTraining (dense inference)"),
+                              ("mean_density", "MTraining's index at the longest trained context")):
+                if isinstance(summary_q.get(key), (int, float)):
+                    values[key] = (summary_q[key], path, note)
     sources = {path for value, path, _ in values.values() if path}
     metas = [d.get("meta", {}) for kind in results for path, d in results[kind] if path in sources]
     latest = max(metas, key=lambda m: m.get("time_utc", ""), default={})
@@ -453,7 +473,7 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
         if key in TARGETS:
             op, target = TARGETS[key]
             entry["target"] = f"{op} {target}"
-            entry["met"] = None if value is None else (value >= target if op == ">=" else value <= target)
+            entry["met"] = None if value is None else target_met(value, op, target)
         details[key] = entry
     summary["details"] = details
     return summary

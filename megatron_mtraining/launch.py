@@ -241,6 +241,18 @@ def run(argv: Sequence[str]) -> Any:
         launcher.teardown()
 
 
+def _help() -> str:
+    """The usage line and the --mtraining flags the launcher adds to the script's parser."""
+    import argparse
+
+    from .integration.args import add_mtraining_args
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_mtraining.launch SCRIPT.py", add_help=False,
+                                     usage=argparse.SUPPRESS)
+    add_mtraining_args(parser)
+    return _USAGE + "\n\nThe script keeps its own arguments; the launcher adds these:\n" + parser.format_help()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     if argv is None:
         argv = sys.argv[1:]
@@ -256,6 +268,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         saved_level = plugin_logger.level
         if plugin_logger.getEffectiveLevel() > logging.INFO:
             plugin_logger.setLevel(logging.INFO)
+    if argv and argv[0] in ("-h", "--help"):
+        print(_help())
+        return
     try:
         run(argv)
     except LaunchError as err:

@@ -31,6 +31,11 @@ PATCHED_FILES = ("megatron/training/arguments.py", "megatron/training/training.p
 
 
 def _download_wheel(dest: Path) -> Path:
+    """The megatron-core 0.19.2 wheel: the copy carried in ./.whl/ for the GPU machines when there
+    is one (no network needed), else from PyPI (skipped when PyPI is out of reach)."""
+    carried = sorted((REPO / ".whl").glob("megatron_core-0.19.2-*.whl"))
+    if carried:
+        return carried[0]
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-cache-dir", "--no-deps",
            "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
            "--platform", "manylinux_2_28_x86_64", "-d", str(dest), WHEEL_SPEC]

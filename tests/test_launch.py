@@ -232,3 +232,10 @@ def test_megatron_training_missing(monkeypatch, script, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "megatron.training is not importable" in err and "PYTHONPATH" in err
+
+
+def test_help_lists_the_mtraining_flags_and_exits_cleanly(capsys):
+    launch.main(["--help"])  # returns: no SystemExit, no training script needed
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m megatron_mtraining.launch SCRIPT.py")
+    assert "--mtraining-top-p" in out and "--no-mtraining-deterministic" in out
