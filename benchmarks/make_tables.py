@@ -416,7 +416,8 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
             if striped.get("fwdbwd_ms") and zigzag.get("fwdbwd_ms"):
                 values["ring_speedup_vs_sparse_zigzag_512k_4gpu"] = (
                     zigzag["fwdbwd_ms"] / striped["fwdbwd_ms"], path,
-                    "what the layouts' work balance allows on this index: analysis_ring_balance.json")
+                    "the layouts' work balance bounds it at 1.03 on NVLink (analysis_ring_balance.json); 1.3 "
+                    "needs a step-synchronous ring of 32 ranks (analysis_ring_balance_w32.json)")
             for key, value in striped.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {}).items():
                 values[key] = (value, path, "sparse striped ring, 512K, 4 GPUs")
     # Strong scaling of the sparse striped ring at 512K: T(1 GPU) / (4 x T(4 GPUs)), one commit.
