@@ -238,6 +238,20 @@ def test_dense_index_runs_the_dense_kernels_unless_deterministic(monkeypatch, de
         assert rel_err(x.grad, xr.grad) < 1e-5
 
 
+def test_dense_layers_run_the_dense_kernels_unless_deterministic():
+    """--mtraining-dense-layers: the first layers take the dense kernels too (the decision reads
+    the layer's own settings, so a custom indexer without a config does not matter)."""
+    for deterministic in (False, True):
+        set_mtraining_config(MTrainingConfig(index="vs", deterministic=deterministic), dense_layers=1)
+        first, second = (MTrainingAttention(config=transformer_config(), layer_number=n,
+                                            attn_mask_type=AttnMaskType.causal, attention_type="self",
+                                            pg_collection=pg_collection_stub()) for n in (1, 2))
+        first.indexer = second.indexer = torch.nn.Identity()  # a custom indexer that keeps no config
+        assert first.uses_dense_kernels(None) is (not deterministic)
+        assert not second.uses_dense_kernels(None)
+    set_mtraining_config(MTrainingConfig(), dense_layers=0)
+
+
 @pytest.mark.parametrize("index", ["dense", "vs"])
 def test_forward_under_autocast_runs_in_the_autocast_dtype(index):
     """fp32 q/k/v inside an autocast region (what megatron-core's layers hand over) are attended in

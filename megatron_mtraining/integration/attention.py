@@ -302,7 +302,9 @@ class MTrainingAttention(MegatronModule):
         keeps the sparse kernels with the all-blocks index). Their backward is not guaranteed
         deterministic, so ``deterministic=True`` (the default) keeps the sparse kernels too."""
         cfg = self.mtraining_config
-        return (self.indexer.mtraining_config.index == "dense" and not cfg.deterministic
+        # Decided from this layer's own settings, not the indexer's: a custom indexer (spec
+        # ``indexer=``) need not keep a config.
+        return ((self.dense or cfg.index == "dense") and not cfg.deterministic
                 and (group is None or cfg.layout == "zigzag"))
 
     def _attend_dense(self, q: Tensor, k: Tensor, v: Tensor, group) -> Tensor:
