@@ -156,9 +156,10 @@ def same_setup_times(results: List[Result]) -> Dict[Tuple, Tuple[float, str]]:
     the emulated slow link is another setup), with the file it came from."""
     times: Dict[Tuple, Tuple[float, str]] = {}
     for path, data in results:
-        if data.get("config", {}).get("slow_link_gbps"):
-            continue
-        device = data.get("meta", {}).get("device", "?")
+        meta = data.get("meta", {})
+        if data.get("config", {}).get("slow_link_gbps") or meta.get("dirty") or short_commit(data) == "unknown":
+            continue  # another link, or code that no commit names
+        device = meta.get("device", "?")
         for run in data.get("runs", []):
             for name, section in run.get("variants", {}).items():
                 if isinstance(section.get("fwdbwd_ms"), (int, float)):
@@ -222,7 +223,7 @@ def render_ring(results: List[Result]) -> str:
         f"heads, head dim {cfg.get('head_dim')}, {cfg.get('dtype')}, causal, batch {cfg.get('batch')}, block "
         f"{cfg.get('block_size')}, synthetic `{cfg.get('index_kind', 'fixed')}` index (same on every rank); "
         f"S/W tokens per GPU. Time: max over ranks of each rank's median of "
-        f"{' or '.join(str(r) for r in sorted({d.get('config', {}).get('reps') for _, d in results} - {None}))} runs "
+        f"{' or '.join(str(r) for r in sorted({d.get('config', {}).get('reps') for _, d in results} - {None})) or '?'} runs "
         "(CUDA events, barrier before each). Speedup: the faster dense baseline (dense zigzag ring, "
         "PyTorch context parallel) over the variant. Imbalance (paper's appendix, forward+backward "
         "per step, one instrumented run): worker = max/mean over ranks, step = max/mean over steps, "
@@ -286,16 +287,31 @@ def render_approx(results: List[Result]) -> str:
     return "\n\n".join(parts)
 
 
-def e2e_label(run: Dict) -> str:
-    """What attention an e2e run used, from its flags: the dense baseline ran MTraining's sparse
-    kernels over the all-blocks index until session 7, the dense kernels (cuDNN) since."""
+OLD_E2E_BASELINE = "dense index through the sparse kernels"
+
+
+def e2e_label(run: Dict, world_size: int) -> str:
+    """What attention an e2e run used, from its flags and GPU count (``MTrainingAttention.
+    uses_dense_kernels``): the dense baseline ran MTraining's sparse kernels over the all-blocks
+    index until session 7, the dense kernels since (SDPA, which picks cuDNN for bf16 on an H200,
+    or the cuDNN zigzag ring)."""
+    flags = run.get("flags", [])
     if run["name"] == "mtraining":
         return "MTraining (vs, top-p 0.9)"
-    if "--mtraining-index" in run.get("flags", []) and "dense" in run["flags"]:
-        if "--no-mtraining-deterministic" in run["flags"]:
-            return "dense, cuDNN (SDPA, or the zigzag ring over CP)"
-        return "dense index through the sparse kernels"
+    if "--mtraining-index" in flags and "dense" in flags:
+        if "--no-mtraining-deterministic" not in flags:
+            return OLD_E2E_BASELINE
+        if world_size == 1:
+            return "dense, SDPA (cuDNN)"
+        if "zigzag" in flags:
+            return "dense, cuDNN zigzag ring"
+        return OLD_E2E_BASELINE  # the striped ring keeps the sparse kernels
     return run["name"]
+
+
+def e2e_baseline(data: Dict) -> str:
+    dense = next((run for run in data.get("runs", []) if run["name"] == "dense"), None)
+    return e2e_label(dense, data["world_size"]) if dense else "?"
 
 
 @renderer("e2e")
@@ -305,21 +321,23 @@ def render_e2e(results: List[Result]) -> str:
         device = data.get("meta", {}).get("device", "?")
         for run in data.get("runs", []):
             rows.append([device, str(data["world_size"]), tokens(data["seq_length"]),
-                         e2e_label(run), num(run.get("mean_iteration_ms"), 0),
+                         e2e_label(run, data["world_size"]), num(run.get("mean_iteration_ms"), 0),
                          num(run.get("tokens_per_s"), 0), "" if run["returncode"] == 0 else f"rc {run['returncode']}"])
     m = results[0][1]["model"]
-    speedups = ", ".join(f"{num(d.get('e2e_speedup'))}x ({d['world_size']} GPU{'s' if d['world_size'] > 1 else ''}, "
-                         f"{tokens(d['seq_length'])})"
+    speedups = "; ".join(f"{num(d.get('e2e_speedup'))}x ({d['world_size']} GPU{'s' if d['world_size'] > 1 else ''}, "
+                         f"{tokens(d['seq_length'])}; baseline: {e2e_baseline(d)})"
                          for _, d in results if d.get("e2e_speedup"))
+    caveat = ""
+    if any(e2e_baseline(d) == OLD_E2E_BASELINE for _, d in results if d.get("e2e_speedup")):
+        caveat = (" The dense index through the sparse kernels is slower than cuDNN (its attention took ~1.3 s per "
+                  "layer against 0.92 s for the cuDNN zigzag ring at 256K over 2 GPUs, `benchmarks/NOTES.md`), so "
+                  "ratios against it overstate the gain over a cuDNN-based dense run.")
     return "\n\n".join([
         f"**End-to-end Megatron training** (`benchmarks/e2e.py`: `examples/pretrain_gpt_mtraining.py` on "
         f"`megatron.training.pretrain`, megatron-core 0.19.2, mock data, bf16, CP over all GPUs). Model: "
         f"{m['shape_of']}: {m['num_layers']} layers, hidden {m['hidden']}, FFN {m['ffn']}, {m['heads']}/"
         f"{m['kv_groups']} heads, head dim {m['head_dim']}, vocabulary {m['vocab']}. Mean over the iterations "
-        f"after the warm-up. MTraining over the dense baseline: {speedups}. The dense baseline through the "
-        f"sparse kernels is slower than cuDNN (its attention took ~1.3 s per layer against 0.92 s for the "
-        f"cuDNN zigzag ring at 256K over 2 GPUs, `benchmarks/NOTES.md`), so ratios against it overstate the "
-        f"gain over a cuDNN-based dense run.",
+        f"after the warm-up. MTraining's tokens/s over the dense run's: {speedups}.{caveat}",
         table(["device", "GPUs", "S", "attention", "iteration ms", "tokens/s", "note"], rows),
         source_line(results)])
 
@@ -444,8 +462,7 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
         world, value, path = overheads[0]
         values["approximator_overhead"] = (value, path, f"128K tokens per GPU on {world} GPUs")
     for path, data in results.get("e2e", []):
-        dense = next((run for run in data.get("runs", []) if run["name"] == "dense"), None)
-        against = f"against: {e2e_label(dense)}" if dense else ""
+        against = f"against: {e2e_baseline(data)}"
         if data.get("e2e_speedup") and data["seq_length"] == 524288 and data["world_size"] == 4:
             values["e2e_speedup_512k_4gpu"] = (data["e2e_speedup"], path, against)
         elif data.get("e2e_speedup"):

@@ -32,9 +32,10 @@ class MTrainingConfig:
     layout: token layout across context-parallel ranks, "striped" (balanced) or "zigzag".
     inner_ring_size: ranks per inner (intra-node) ring; None runs one flat ring.
     index: index builder, "vs" (approximated), "dense" (all blocks) or "fixed".
-    deterministic: backward without atomics, bit-identical from run to run. Every backward of
-        this version is deterministic (split reductions, no atomics); the switch is reserved
-        for faster atomic variants.
+    deterministic: backward without atomics, bit-identical from run to run. The sparse kernels'
+        backward always is (split reductions, no atomics). False lets layers with a dense index
+        (``index="dense"``, or the dense layers) run the dense kernels (cuDNN / flash), whose
+        backward is not deterministic; see ``MTrainingAttention.uses_dense_kernels``.
     """
 
     block_size: int = 64

@@ -256,6 +256,9 @@ def _help() -> str:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     if argv is None:
         argv = sys.argv[1:]
+    if argv and argv[0] in ("-h", "--help"):
+        print(_help())
+        return
     # Show the plugin's INFO logs (every replaced / restored attribute) without touching the
     # root logger, which Megatron configures itself.
     plugin_logger = logging.getLogger("megatron_mtraining")
@@ -268,9 +271,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         saved_level = plugin_logger.level
         if plugin_logger.getEffectiveLevel() > logging.INFO:
             plugin_logger.setLevel(logging.INFO)
-    if argv and argv[0] in ("-h", "--help"):
-        print(_help())
-        return
     try:
         run(argv)
     except LaunchError as err:

@@ -31,5 +31,6 @@ if [ "${E2E:-1}" != 0 ]; then
 fi
 # The device tool returns at most 8 files: JSON results stay, logs are packed.
 cd "$OUT" || exit 1
-tar czf "logs${E2E_ONLY:+_e2e}.tgz" -- *.log && rm -f -- *.log
+suffix=""; [ "${E2E_ONLY:-0}" = 1 ] && suffix=_e2e
+tar czf "logs$suffix.tgz" -- *.log && rm -f -- *.log
 ls

@@ -68,3 +68,24 @@ def test_approximator_plot_is_named_by_its_committed_path():
 def test_readme_tables_are_generated_from_the_committed_results():
     """The README's performance section and summary.json are what make_tables.py writes now."""
     assert make_tables.main(["--check"]) == 0, "run python benchmarks/make_tables.py and commit the result"
+
+
+def _e2e_result(world, dense_flags):
+    runs = [{"name": "mtraining", "flags": ["--mtraining"], "returncode": 0, "tokens_per_s": 3.0},
+            {"name": "dense", "flags": dense_flags, "returncode": 0, "tokens_per_s": 1.0}]
+    return {"meta": {"device": "GPU", "commit": "aaaaaaa"}, "world_size": world, "seq_length": 131072,
+            "e2e_speedup": 3.0, "runs": runs,
+            "model": {"shape_of": "m", "num_layers": 1, "hidden": 1, "ffn": 1, "heads": 1, "kv_groups": 1,
+                      "head_dim": 1, "vocab": 1}}
+
+
+def test_e2e_rows_name_the_dense_baseline_that_ran():
+    new = ["--mtraining", "--mtraining-index", "dense", "--mtraining-layout", "zigzag", "--no-mtraining-deterministic"]
+    old = ["--mtraining", "--mtraining-index", "dense"]
+    text = make_tables.render_e2e([("a.json", _e2e_result(1, new)), ("b.json", _e2e_result(4, new))])
+    assert "dense, SDPA (cuDNN)" in text and "dense, cuDNN zigzag ring" in text and "overstate" not in text
+    text = make_tables.render_e2e([("a.json", _e2e_result(4, old))])
+    assert "baseline: dense index through the sparse kernels" in text and "overstate" in text
+    # The striped ring keeps the sparse kernels whatever the determinism flag.
+    striped = ["--mtraining", "--mtraining-index", "dense", "--no-mtraining-deterministic"]
+    assert make_tables.e2e_label(_e2e_result(4, striped)["runs"][1], 4) == make_tables.OLD_E2E_BASELINE

@@ -215,8 +215,10 @@ def test_dense_index_runs_the_dense_kernels_unless_deterministic(monkeypatch, de
     import megatron_mtraining.integration.attention as mt_attention
 
     set_mtraining_config(MTrainingConfig(index=index, deterministic=deterministic, top_p=1.0, last_q=64))
-    attn = make_attention()
-    assert attn.uses_dense_kernels(None) is dense_kernels
+    scale = 0.37  # not 1/sqrt(d): the scale must reach whichever kernels run
+    attn = MTrainingAttention(config=transformer_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                              attention_type="self", softmax_scale=scale, pg_collection=pg_collection_stub())
+    assert attn.uses_dense_kernels(None, qkv()[0]) is dense_kernels
     calls = []
     sparse = mt_attention.sparse_attention
     monkeypatch.setattr(mt_attention, "sparse_attention", lambda *a, **kw: calls.append(1) or sparse(*a, **kw))
@@ -226,7 +228,7 @@ def test_dense_index_runs_the_dense_kernels_unless_deterministic(monkeypatch, de
     qr, kr, vr = (x.detach().double().requires_grad_() for x in (q, k, v))
     qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (qr, kr, vr))
     ref = torch.nn.functional.scaled_dot_product_attention(
-        qb, kb.repeat_interleave(2, dim=1), vb.repeat_interleave(2, dim=1), is_causal=True)
+        qb, kb.repeat_interleave(2, dim=1), vb.repeat_interleave(2, dim=1), is_causal=True, scale=scale)
     ref = ref.permute(2, 0, 1, 3).reshape(128, 1, 64)
     if index == "vs":  # a sparse index: only the path is checked here (its numbers have their own tests)
         return
@@ -247,9 +249,26 @@ def test_dense_layers_run_the_dense_kernels_unless_deterministic():
                                             attn_mask_type=AttnMaskType.causal, attention_type="self",
                                             pg_collection=pg_collection_stub()) for n in (1, 2))
         first.indexer = second.indexer = torch.nn.Identity()  # a custom indexer that keeps no config
-        assert first.uses_dense_kernels(None) is (not deterministic)
-        assert not second.uses_dense_kernels(None)
+        q = qkv()[0]
+        assert first.uses_dense_kernels(None, q) is (not deterministic)
+        assert not second.uses_dense_kernels(None, q)
     set_mtraining_config(MTrainingConfig(), dense_layers=0)
+
+
+@pytest.mark.parametrize("layout", ["striped", "zigzag"])
+def test_dense_kernels_over_cp_only_on_the_zigzag_ring(layout):
+    """Over CP the dense kernels need the zigzag ring (striped steps are block-causal) and, on
+    CUDA, fp16/bf16 inputs (the fp32 dense step would materialise its scores)."""
+    set_mtraining_config(MTrainingConfig(index="dense", deterministic=False, layout=layout))
+    attn = make_attention()
+    group = object()  # any CP group: the decision does not talk to it
+    q = qkv()[0]
+    assert attn.uses_dense_kernels(group, q) is (layout == "zigzag")
+    fp32_cuda = types.SimpleNamespace(is_cuda=True, dtype=torch.float32)
+    bf16_cuda = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    assert not attn.uses_dense_kernels(group, fp32_cuda)
+    assert attn.uses_dense_kernels(group, bf16_cuda) is (layout == "zigzag")
+    assert attn.uses_dense_kernels(None, fp32_cuda)  # one device: SDPA takes fp32
 
 
 @pytest.mark.parametrize("index", ["dense", "vs"])
@@ -451,15 +470,21 @@ CP_BLOCK = 64
 def _cp_worker(rank, world_size, cases, data):
     """One CP rank: for each ``(cfg, state_dict)``, the GPTModel on this rank's tokens in
     ``cfg.layout`` order. Returns per case the local logits and the loss gradients summed over
-    the CP group. (One spawn for all cases: starting workers dominates the runtime.)"""
+    the CP group, and how many attention calls took the dense ring. (One spawn for all cases:
+    starting workers dominates the runtime.)"""
+    import megatron_mtraining.integration.attention as mt_attention
     from megatron_mtraining.integration import patches
     from megatron_mtraining.layout import shard_sequence
 
+    dense_ring_calls = []
+    dense_ring = mt_attention.dense_ring_attention
+    mt_attention.dense_ring_attention = lambda *a, **kw: dense_ring_calls.append(1) or dense_ring(*a, **kw)
     shims = apply_cpu_shims()
     parallel_state.initialize_model_parallel(context_parallel_size=world_size)
     try:
         results = []
         for cfg, state_dict in cases:
+            dense_ring_calls.clear()
             patches.install(cfg)  # RoPE tables sliced in cfg.layout (a new config replaces the old)
             torch.manual_seed(1234)
             model = GPTModel(config=transformer_config(context_parallel_size=world_size),
@@ -476,9 +501,10 @@ def _cp_worker(rank, world_size, cases, data):
             for name, p in model.named_parameters():
                 dist.all_reduce(p.grad, group=parallel_state.get_context_parallel_group())
                 grads[name] = p.grad
-            results.append((logits.detach(), grads))
+            results.append((logits.detach(), grads, len(dense_ring_calls)))
         return results
     finally:
+        mt_attention.dense_ring_attention = dense_ring
         parallel_state.destroy_model_parallel()
         patches.uninstall()
         shims.remove()
@@ -512,16 +538,20 @@ def _check_context_parallel(world_size, settings):
         ref_logits, ref_grads = references[i]
         logits = gather_sequence([r[i][0] for r in results], 1, cfg.layout, CP_BLOCK)
         assert rel_err(logits, ref_logits) < 1e-5, what
+        dense_ring_expected = cfg.index == "dense" and cfg.layout == "zigzag" and not cfg.deterministic
+        assert all((r[i][2] > 0) is dense_ring_expected for r in results), what
         for name, ref_grad in ref_grads.items():
             for r in results:
                 assert rel_err(r[i][1][name], ref_grad) < 1e-5, (what, name)
 
 
 def test_context_parallel_2_matches_single_device(megatron_cpu):
-    """Both layouts; the last case has one CP rank per "node" (the two-level ring's set-up); the
-    non-deterministic dense zigzag case runs the dense kernels' ring (``dense_ring_attention``)."""
+    """Both layouts; cases with inner ring size 1 have one CP rank per "node" (the two-level
+    ring's set-up); the non-deterministic dense zigzag cases run the dense kernels' ring
+    (``dense_ring_attention``), flat and two-level. (CP = 4 would need 512 tokens for zigzag.)"""
     _check_context_parallel(2, [("striped", "dense", None), ("zigzag", "dense", None),
-                                ("striped", "vs", None), ("zigzag", "vs", 1), ("zigzag", "dense", None, False)])
+                                ("striped", "vs", None), ("zigzag", "vs", 1), ("zigzag", "dense", None, False),
+                                ("zigzag", "dense", 1, False)])
 
 
 def test_context_parallel_4_matches_single_device(megatron_cpu):

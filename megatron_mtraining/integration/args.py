@@ -60,7 +60,9 @@ def add_mtraining_args(parser):
                        help="Backward without atomics, bit-identical from run to run "
                        f"(default: {d['deterministic']}).")
     group.add_argument("--no-mtraining-deterministic", action="store_false", dest="mtraining_deterministic",
-                       default=d["deterministic"], help="Allow a non-deterministic (atomic) backward.")
+                       default=d["deterministic"],
+                       help="Let layers with a dense index (--mtraining-index dense, --mtraining-dense-layers) "
+                       "run the dense kernels (cuDNN / flash), whose backward is not deterministic.")
     return parser
 
 

@@ -293,19 +293,23 @@ class MTrainingAttention(MegatronModule):
         self._recompute_dtype = None
         return dtype
 
-    def uses_dense_kernels(self, group) -> bool:
-        """Whether this layer attends with dense kernels (cuDNN or flash on GPUs): when its index
-        is dense (``--mtraining-index dense``, or one of ``--mtraining-dense-layers``), they
-        compute the same causal attention faster than the sparse kernels walking every block,
-        which makes the dense run a fair baseline. Only where a dense kernel can express every
-        step: one device, or the zigzag ring (the striped ring's steps are block-causal, so it
-        keeps the sparse kernels with the all-blocks index). Their backward is not guaranteed
-        deterministic, so ``deterministic=True`` (the default) keeps the sparse kernels too."""
+    def uses_dense_kernels(self, group, q: Tensor) -> bool:
+        """Whether this layer attends with dense kernels (cuDNN or flash on GPUs): when it is
+        dense (``--mtraining-index dense``, or one of ``--mtraining-dense-layers``), they compute
+        the same causal attention faster than the sparse kernels walking every block, which makes
+        the dense run a fair baseline. Only where a dense kernel can express every step: one
+        device (SDPA), or the zigzag ring with fp16/bf16 ``q`` on CUDA (``dense_ring_attention``:
+        its fp32 steps would materialise the scores; the striped ring's steps are block-causal).
+        Elsewhere the sparse kernels run the all-blocks index. Their backward is not guaranteed
+        deterministic, so ``deterministic=True`` (the default) keeps the sparse kernels too.
+        Decided from this layer's own settings, not the indexer's (a custom indexer keeps none)."""
         cfg = self.mtraining_config
-        # Decided from this layer's own settings, not the indexer's: a custom indexer (spec
-        # ``indexer=``) need not keep a config.
-        return ((self.dense or cfg.index == "dense") and not cfg.deterministic
-                and (group is None or cfg.layout == "zigzag"))
+        if not (self.dense or cfg.index == "dense") or cfg.deterministic:
+            return False
+        if group is None:
+            return True
+        fused_dtype = not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)
+        return cfg.layout == "zigzag" and fused_dtype  # the CPU's PyTorch steps: tests and demos
 
     def _attend_dense(self, q: Tensor, k: Tensor, v: Tensor, group) -> Tensor:
         """Exact causal attention with the dense kernels; [b, heads, s, hn] in and out."""
@@ -338,7 +342,7 @@ class MTrainingAttention(MegatronModule):
         self.last_index = index
         with timed("attention_fwd", cuda), (instrument.suspended() if tele is not None and not counted
                                             else contextlib.nullcontext()):
-            if self.uses_dense_kernels(group):
+            if self.uses_dense_kernels(group, q):
                 out = self._attend_dense(q, k, v, group)
             elif group is None:
                 out = sparse_attention(q, k, v, index, softmax_scale=self.softmax_scale)
