@@ -218,12 +218,12 @@ def render_ring(results: List[Result]) -> str:
                                           conversion if name.startswith("sparse") else "") if x),
                 ])
     cfg = results[0][1].get("config", {})
+    reps = " or ".join(str(r) for r in sorted({d.get("config", {}).get("reps") for _, d in results} - {None})) or "?"
     text = [
         f"**Ring attention, one layer over W GPUs.** {cfg.get('heads')} query / {cfg.get('kv_heads')} KV "
         f"heads, head dim {cfg.get('head_dim')}, {cfg.get('dtype')}, causal, batch {cfg.get('batch')}, block "
         f"{cfg.get('block_size')}, synthetic `{cfg.get('index_kind', 'fixed')}` index (same on every rank); "
-        f"S/W tokens per GPU. Time: max over ranks of each rank's median of "
-        f"{' or '.join(str(r) for r in sorted({d.get('config', {}).get('reps') for _, d in results} - {None})) or '?'} runs "
+        f"S/W tokens per GPU. Time: max over ranks of each rank's median of {reps} runs "
         "(CUDA events, barrier before each). Speedup: the faster dense baseline (dense zigzag ring, "
         "PyTorch context parallel) over the variant. Imbalance (paper's appendix, forward+backward "
         "per step, one instrumented run): worker = max/mean over ranks, step = max/mean over steps, "

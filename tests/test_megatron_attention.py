@@ -182,10 +182,10 @@ def test_module_config_is_read_at_construction():
         set_mtraining_config(cfg, dense_layers=-1)
 
 
-def make_attention(**config_overrides):
-    return MTrainingAttention(config=transformer_config(**config_overrides), layer_number=1,
+def make_attention(layer_number=1, softmax_scale=None, **config_overrides):
+    return MTrainingAttention(config=transformer_config(**config_overrides), layer_number=layer_number,
                               attn_mask_type=AttnMaskType.causal, attention_type="self",
-                              pg_collection=pg_collection_stub())
+                              softmax_scale=softmax_scale, pg_collection=pg_collection_stub())
 
 
 def qkv(s=128, b=1, np_=4, ng=2, hn=16):
@@ -216,8 +216,7 @@ def test_dense_index_runs_the_dense_kernels_unless_deterministic(monkeypatch, de
 
     set_mtraining_config(MTrainingConfig(index=index, deterministic=deterministic, top_p=1.0, last_q=64))
     scale = 0.37  # not 1/sqrt(d): the scale must reach whichever kernels run
-    attn = MTrainingAttention(config=transformer_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
-                              attention_type="self", softmax_scale=scale, pg_collection=pg_collection_stub())
+    attn = make_attention(softmax_scale=scale)
     assert attn.uses_dense_kernels(None, qkv()[0]) is dense_kernels
     calls = []
     sparse = mt_attention.sparse_attention
@@ -245,9 +244,7 @@ def test_dense_layers_run_the_dense_kernels_unless_deterministic():
     the layer's own settings, so a custom indexer without a config does not matter)."""
     for deterministic in (False, True):
         set_mtraining_config(MTrainingConfig(index="vs", deterministic=deterministic), dense_layers=1)
-        first, second = (MTrainingAttention(config=transformer_config(), layer_number=n,
-                                            attn_mask_type=AttnMaskType.causal, attention_type="self",
-                                            pg_collection=pg_collection_stub()) for n in (1, 2))
+        first, second = (make_attention(layer_number=n) for n in (1, 2))
         first.indexer = second.indexer = torch.nn.Identity()  # a custom indexer that keeps no config
         q = qkv()[0]
         assert first.uses_dense_kernels(None, q) is (not deterministic)

@@ -39,6 +39,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ..attention import sparse_attention
 from ..config import MTrainingConfig
 from ..index import VSIndex
+from ..kernels.dense import expand_kv
 from ..ring import dense_ring_attention, instrument, sparse_ring_attention
 from . import telemetry
 from .indexer import MTrainingAttentionSubmodules
@@ -315,9 +316,8 @@ class MTrainingAttention(MegatronModule):
         """Exact causal attention with the dense kernels; [b, heads, s, hn] in and out."""
         if group is None:
             groups = q.shape[1] // k.shape[1]
-            k, v = (x.repeat_interleave(groups, dim=1) if groups > 1 else x for x in (k, v))
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                    scale=self.softmax_scale)
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, expand_kv(k, groups), expand_kv(v, groups), is_causal=True, scale=self.softmax_scale)
         return dense_ring_attention(q, k, v, group=group, layout="zigzag", inner_size=self.ring_inner_size(group),
                                     softmax_scale=self.softmax_scale)
 

@@ -51,9 +51,10 @@ def _check(q, k, v, causal):
     assert not causal or q.shape[2] == k.shape[2], "causal needs nq == nk (top-left mask)"
 
 
-def _expand_kv(x, group):
-    """[b, hkv, n, d] -> [b, hq, n, d]. The fused aten ops are called with equal head counts: their
-    forwards took unequal ones on torch 2.11 (H200), but their GQA backwards were not checked."""
+def expand_kv(x, group):
+    """GQA K/V for every query head: [b, hkv, n, d] -> [b, hq, n, d]. The fused aten ops are called
+    with equal head counts: their forwards took unequal ones on torch 2.11 (H200), but their GQA
+    backwards were not checked (``MTrainingAttention``'s SDPA path expands for the same reason)."""
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
@@ -105,7 +106,7 @@ def _scores(q, k, causal, scale):
 
 def _torch_forward(q, k, v, causal, scale):
     group = q.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, group), _expand_kv(v, group)
+    k, v = expand_kv(k, group), expand_kv(v, group)
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1))
@@ -114,7 +115,7 @@ def _torch_forward(q, k, v, causal, scale):
 
 def _torch_backward(do, q, k, v, out, lse, causal, scale):
     group = q.shape[1] // k.shape[1]
-    ke, ve = _expand_kv(k, group).float(), _expand_kv(v, group).float()
+    ke, ve = expand_kv(k, group).float(), expand_kv(v, group).float()
     do, qf = do.float(), q.float()
     # P from the GIVEN lse (the merged one in a ring), as the fused kernels do.
     p = torch.exp(_scores(q, ke, causal, scale) - lse.float().unsqueeze(-1))
@@ -136,7 +137,7 @@ def _torch_backward(do, q, k, v, out, lse, causal, scale):
 #     Tensor value, Tensor out, Tensor logsumexp, Tensor philox_seed, Tensor philox_offset,
 #     Tensor attn_bias, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k,
 #     float dropout_p, bool is_causal, *, float? scale=None) -> (Tensor, Tensor, Tensor)
-# K/V are expanded for GQA (see _expand_kv). The lse is [b, h, n, 1] (torch 2.11; some versions
+# K/V are expanded for GQA (see expand_kv). The lse is [b, h, n, 1] (torch 2.11; some versions
 # [b, h, n]); the backward reads it with that layout, so it gets a contiguous [b, h, n, 1].
 # max_q / max_k are the sequence lengths the backward graph is built for.
 
@@ -144,13 +145,13 @@ def _torch_backward(do, q, k, v, out, lse, causal, scale):
 def _cudnn_forward(q, k, v, causal, scale):
     group = q.shape[1] // k.shape[1]
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, _expand_kv(k, group), _expand_kv(v, group), None, True, 0.0, causal, False, scale=scale)[:2]
+        q, expand_kv(k, group), expand_kv(v, group), None, True, 0.0, causal, False, scale=scale)[:2]
     return out, lse.reshape(q.shape[:3])
 
 
 def _cudnn_backward(do, q, k, v, out, lse, causal, scale):
     group = q.shape[1] // k.shape[1]
-    ke, ve = _expand_kv(k, group), _expand_kv(v, group)
+    ke, ve = expand_kv(k, group), expand_kv(v, group)
     # Dropout is off, so the philox seed/offset are never read; the op still wants tensors.
     seed = torch.empty((), dtype=torch.int64, device=q.device)
     lse4 = lse.float().reshape(*q.shape[:3], 1).contiguous()
@@ -169,19 +170,19 @@ def _cudnn_backward(do, q, k, v, out, lse, causal, scale):
 #     SymInt max_k, float dropout_p, bool is_causal, Tensor philox_seed, Tensor philox_offset,
 #     *, float? scale=None) -> (grad_query, grad_key, grad_value)
 # cum_seq_q/k = None selects the dense (non-varlen) kernels. The flash lse is [b, h, nq] fp32.
-# K/V are expanded for GQA here too (see _expand_kv).
+# K/V are expanded for GQA here too (see expand_kv).
 
 
 def _flash_forward(q, k, v, causal, scale):
     group = q.shape[1] // k.shape[1]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, _expand_kv(k, group), _expand_kv(v, group), 0.0, causal, False, scale=scale)[:2]
+        q, expand_kv(k, group), expand_kv(v, group), 0.0, causal, False, scale=scale)[:2]
     return out, lse[..., : q.shape[2]].reshape(q.shape[:3])
 
 
 def _flash_backward(do, q, k, v, out, lse, causal, scale):
     group = q.shape[1] // k.shape[1]
-    ke, ve = _expand_kv(k, group), _expand_kv(v, group)
+    ke, ve = expand_kv(k, group), expand_kv(v, group)
     # Dropout is off, so the rng state is never read; shapes/dtypes as the forward returns them.
     rng_state = torch.empty(2, dtype=torch.uint64, device=q.device)
     unused = torch.empty((), dtype=torch.uint64, device=q.device)
