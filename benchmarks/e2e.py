@@ -99,11 +99,6 @@ def main():
     p.add_argument("--runs", default="mtraining,dense")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    world = torch.cuda.device_count()
-    if world < 1:
-        raise SystemExit("benchmarks/e2e.py needs GPUs (megatron.training is CUDA-only)")
-    out = args.out or os.path.join(REPO, "benchmarks", "results", f"e2e_{device_slug(torch.device('cuda'))}_{world}gpu.json")
-    log_dir = os.path.dirname(os.path.abspath(out))
     variants = {"mtraining": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "4"],
                 "dense": ["--mtraining", "--mtraining-index", "dense", "--mtraining-layout", "zigzag",
                           "--no-mtraining-deterministic"],
@@ -111,6 +106,11 @@ def main():
     unknown = [name for name in args.runs.split(",") if name not in variants]
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {sorted(variants)}")
+    world = torch.cuda.device_count()
+    if world < 1:
+        raise SystemExit("benchmarks/e2e.py needs GPUs (megatron.training is CUDA-only)")
+    out = args.out or os.path.join(REPO, "benchmarks", "results", f"e2e_{device_slug(torch.device('cuda'))}_{world}gpu.json")
+    log_dir = os.path.dirname(os.path.abspath(out))
     rows = [run_one(name, variants[name], args, world, log_dir) for name in args.runs.split(",")]
     by_name = {r["name"]: r for r in rows}
     result = {"benchmark": "e2e", "meta": run_metadata(torch.device("cuda")), "world_size": world,

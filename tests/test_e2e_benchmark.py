@@ -15,3 +15,10 @@ def test_needs_gpus():
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "e2e.py")], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "needs GPUs" in proc.stderr
+
+
+def test_unknown_run_is_refused_before_anything_starts():
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "e2e.py"), "--runs", "mtraining,cudnn"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "--runs: unknown ['cudnn']" in proc.stderr and "dense_sparse_kernels" in proc.stderr
