@@ -298,3 +298,95 @@ def write_json(path: str, result) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(json_ready(result), f, indent=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed documents: exact active-pair counts and the fixed index at a density of document pairs
+# ----------------------------------------------------------------------------------------------
+
+# The benchmark mix at 128K (ProLong-like: long documents carry most of the work); x4 for 512K.
+DOCUMENT_MIX_128K = (49152, 32768, 16384, 12288, 8192, 4096, 4096, 2048, 1024, 1024)
+
+
+def document_mix(seq_len: int, block_size: int = 64) -> List[int]:
+    """The mix scaled to ``seq_len`` (a multiple of 128K), or, for smaller sequences (smoke runs),
+    shrunk and rounded to blocks; the last document takes what rounding leaves."""
+    scale = seq_len / sum(DOCUMENT_MIX_128K)
+    lengths = [max(1, int(round(x * scale))) for x in DOCUMENT_MIX_128K]
+    lengths[0] += seq_len - sum(lengths)
+    return lengths
+
+
+def cu_seqlens_of(lengths: Sequence[int], device=None) -> torch.Tensor:
+    ends = [0]
+    for length in lengths:
+        ends.append(ends[-1] + int(length))
+    return torch.tensor(ends, dtype=torch.int32, device=device)
+
+
+def document_causal_pairs(lengths: Sequence[int]) -> float:
+    """Pairs of dense document-causal attention per head: sum of L (L + 1) / 2."""
+    return float(sum(L * (L + 1) / 2 for L in lengths))
+
+
+def packed_active_pairs(index: VSIndex, cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """float64 ``[b, h]``: exact (query, key) pairs the function of DESIGN.md section 1 keeps with
+    documents, counted per block from tokens-per-(block, document) without any S x S tensor:
+    a slash offset ``delta`` keeps sum over blocks and documents of cnt[qb, d] * cnt[qb - delta, d]
+    (the diagonal: cnt (cnt + 1) / 2), and a column in block ``cb`` of document ``d`` adds the
+    tokens of ``d`` in later query blocks whose offset to ``cb`` is not selected."""
+    B, nb = index.block_size, seq_len // index.block_size
+    device = index.device
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    pos = torch.arange(seq_len, device=device)
+    doc = torch.searchsorted(cu, pos, right=True) - 1
+    docs = cu.numel() - 1
+    cnt = torch.zeros(nb, docs, dtype=torch.float64, device=device)
+    cnt.index_put_((pos // B, doc), torch.ones(seq_len, dtype=torch.float64, device=device), accumulate=True)
+    gram = cnt @ cnt.T                                   # [qb, kb]: same-document pairs of two blocks
+    blocks = torch.arange(nb, device=device)
+    offsets = blocks[:, None] - blocks[None, :]          # qb - kb
+    below = offsets > 0
+    per_offset = torch.zeros(nb, dtype=torch.float64, device=device).index_add_(0, offsets[below], gram[below])
+    per_offset[0] = (cnt * (cnt + 1) / 2).sum()
+    bitmap = index.slash_bitmap(nb).to(torch.float64)   # [b, h, nb]
+    slash_pairs = bitmap @ per_offset
+    # Columns: uncovered[cb, qb] = 1 where qb > cb and qb - cb is not a selected offset.
+    delta = -offsets  # [cb, qb] -> qb - cb
+    result = slash_pairs.clone()
+    for bi in range(index.batch):
+        for h in range(index.heads):
+            uncovered = (delta > 0) & (bitmap[bi, h][delta.clamp(0, nb - 1)] == 0)
+            reach = uncovered.to(torch.float64) @ cnt      # [cb, d]: tokens of d a column of cb reaches
+            n = int(index.n_vertical[bi, h])
+            cols = index.vertical[bi, h, :n].long()
+            result[bi, h] += reach[cols // B, doc[cols]].sum()
+    return result
+
+
+def fixed_packed_index(batch: int, heads: int, seq_len: int, cu_seqlens: torch.Tensor, block_size: int = 64,
+                       density: float = 0.05, device=None, seed: int = 0):
+    """``fixed_vs_index`` whose mean active pairs are ``density`` of the DOCUMENT-causal pairs,
+    by bisection on its density argument. Returns (index, pairs [b, h], document-causal pairs)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    doc_pairs = document_causal_pairs(lengths)
+
+    def build(full_density):
+        index = fixed_vs_index(batch, heads, seq_len, block_size, full_density, device, seed)
+        pairs = packed_active_pairs(index, cu_seqlens, seq_len)
+        return index, pairs, float(pairs.mean()) / doc_pairs
+
+    lo, hi = 1e-4, max(density, 1e-3)
+    while build(hi)[2] < density and hi < 1.0:
+        lo, hi = hi, min(1.0, hi * 2)
+    best = build(hi)
+    for _ in range(7):
+        mid = (lo + hi) / 2
+        candidate = build(mid)
+        if abs(candidate[2] - density) < abs(best[2] - density):
+            best = candidate
+        if candidate[2] < density:
+            lo = mid
+        else:
+            hi = mid
+    return best[0], best[1], doc_pairs

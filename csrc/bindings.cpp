@@ -29,7 +29,8 @@ void check_tensor(const at::Tensor& t, const char* name, int64_t dim, const at::
 std::vector<at::Tensor> convert_step(const at::Tensor& slash, const at::Tensor& n_slash,
                                      const at::Tensor& vertical, const at::Tensor& n_vertical,
                                      const at::Tensor& q_block_ids, const at::Tensor& k_block_ids,
-                                     int64_t num_blocks, int64_t block_size) {
+                                     int64_t num_blocks, int64_t block_size,
+                                     const std::optional<at::Tensor>& key_block_floor) {
   const auto device = slash.device();
   check_tensor(slash, "slash", 3, device);
   check_tensor(n_slash, "n_slash", 2, device);
@@ -43,15 +44,20 @@ std::vector<at::Tensor> convert_step(const at::Tensor& slash, const at::Tensor& 
               shape_str(n_slash), ", vertical ", shape_str(vertical), ", n_vertical ", shape_str(n_vertical));
   TORCH_CHECK(num_blocks >= 1, "convert_step: num_blocks must be >= 1, got ", std::to_string(num_blocks));
   TORCH_CHECK(block_size >= 1, "convert_step: block_size must be >= 1, got ", std::to_string(block_size));
+  if (key_block_floor) {
+    check_tensor(*key_block_floor, "key_block_floor", 1, device);
+    TORCH_CHECK(key_block_floor->numel() == num_blocks, "convert_step: key_block_floor must have num_blocks = ",
+                std::to_string(num_blocks), " entries, got ", std::to_string(key_block_floor->numel()));
+  }
 
   if (device.is_cpu()) {
     return convert_step_cpu(slash, n_slash, vertical, n_vertical, q_block_ids, k_block_ids, num_blocks,
-                            block_size);
+                            block_size, key_block_floor);
   }
   if (device.is_cuda()) {
 #ifdef WITH_CUDA
     return convert_step_cuda(slash, n_slash, vertical, n_vertical, q_block_ids, k_block_ids, num_blocks,
-                             block_size);
+                             block_size, key_block_floor);
 #else
     TORCH_CHECK(false, "convert_step: megatron_mtraining._C was built without CUDA, so it cannot take "
                        "CUDA tensors; rebuild with a CUDA toolkit and a CUDA build of torch, or use "
@@ -77,6 +83,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("convert_step", &mtraining::convert_step, "Per-step VSIndex conversion; see kernels/plan.py",
         pybind11::arg("slash"), pybind11::arg("n_slash"), pybind11::arg("vertical"),
         pybind11::arg("n_vertical"), pybind11::arg("q_block_ids"), pybind11::arg("k_block_ids"),
-        pybind11::arg("num_blocks"), pybind11::arg("block_size"));
+        pybind11::arg("num_blocks"), pybind11::arg("block_size"),
+        pybind11::arg("key_block_floor") = pybind11::none());
   m.def("has_cuda", &mtraining::has_cuda, "True iff built with the CUDA kernels");
 }

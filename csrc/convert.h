@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #ifdef __CUDACC__
@@ -23,27 +24,35 @@ MT_HOST_DEVICE inline int64_t clamp_count(int32_t n, int64_t cap) {
   return n < 0 ? 0 : (n > cap ? cap : n);
 }
 
+// Packed documents: `floor[qb]` (global query block -> first global key block sharing a document
+// with one of its queries; nullptr without documents). Pairs below it are in earlier documents.
+MT_HOST_DEVICE inline bool before_floor(const int32_t* floor, int64_t qb, int64_t kb) {
+  return floor != nullptr && kb < floor[qb];
+}
+
 // Local key blocks read by the query block with global id `q_block`: q_block - delta for each
 // slash offset, largest delta first (ascending key order, the diagonal last).
 MT_HOST_DEVICE inline int32_t kv_row(const int32_t* slash, int64_t n, int32_t q_block,
-                                     const int32_t* inv_k, int64_t num_blocks, int32_t* out) {
+                                     const int32_t* inv_k, int64_t num_blocks, const int32_t* floor,
+                                     int32_t* out) {
   int32_t count = 0;
   for (int64_t t = n - 1; t >= 0; --t) {
     if (slash[t] < 0) continue;  // a key block after the query block: never attended (plan.py)
     const int64_t kb = static_cast<int64_t>(q_block) - slash[t];  // int64: no overflow on odd offsets
-    if (kb >= 0 && kb < num_blocks && inv_k[kb] >= 0) out[count++] = inv_k[kb];
+    if (kb >= 0 && kb < num_blocks && inv_k[kb] >= 0 && !before_floor(floor, q_block, kb)) out[count++] = inv_k[kb];
   }
   return count;
 }
 
 // Local query blocks reading the key block with global id `k_block`: k_block + delta, smallest first.
 MT_HOST_DEVICE inline int32_t q_row(const int32_t* slash, int64_t n, int32_t k_block,
-                                    const int32_t* inv_q, int64_t num_blocks, int32_t* out) {
+                                    const int32_t* inv_q, int64_t num_blocks, const int32_t* floor,
+                                    int32_t* out) {
   int32_t count = 0;
   for (int64_t t = 0; t < n; ++t) {
     if (slash[t] < 0) continue;
     const int64_t qb = static_cast<int64_t>(k_block) + slash[t];
-    if (qb >= 0 && qb < num_blocks && inv_q[qb] >= 0) out[count++] = inv_q[qb];
+    if (qb >= 0 && qb < num_blocks && inv_q[qb] >= 0 && !before_floor(floor, qb, k_block)) out[count++] = inv_q[qb];
   }
   return count;
 }
@@ -68,17 +77,19 @@ MT_HOST_DEVICE inline int32_t col_row(const int32_t* vertical, int64_t n, const 
 }
 
 // Both return {kv_count, kv_blocks, q_count, q_blocks, col_count, cols}; inputs are checked
-// by the dispatcher in bindings.cpp.
+// by the dispatcher in bindings.cpp. `key_block_floor`: int32 [num_blocks] for packed documents.
 std::vector<at::Tensor> convert_step_cpu(const at::Tensor& slash, const at::Tensor& n_slash,
                                          const at::Tensor& vertical, const at::Tensor& n_vertical,
                                          const at::Tensor& q_block_ids, const at::Tensor& k_block_ids,
-                                         int64_t num_blocks, int64_t block_size);
+                                         int64_t num_blocks, int64_t block_size,
+                                         const std::optional<at::Tensor>& key_block_floor);
 
 #ifdef WITH_CUDA
 std::vector<at::Tensor> convert_step_cuda(const at::Tensor& slash, const at::Tensor& n_slash,
                                           const at::Tensor& vertical, const at::Tensor& n_vertical,
                                           const at::Tensor& q_block_ids, const at::Tensor& k_block_ids,
-                                          int64_t num_blocks, int64_t block_size);
+                                          int64_t num_blocks, int64_t block_size,
+                                          const std::optional<at::Tensor>& key_block_floor);
 #endif
 
 }  // namespace mtraining

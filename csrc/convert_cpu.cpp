@@ -27,7 +27,8 @@ std::vector<int32_t> inverse_map(const at::Tensor& ids, int64_t num_blocks, cons
 std::vector<at::Tensor> convert_step_cpu(const at::Tensor& slash, const at::Tensor& n_slash,
                                          const at::Tensor& vertical, const at::Tensor& n_vertical,
                                          const at::Tensor& q_block_ids, const at::Tensor& k_block_ids,
-                                         int64_t num_blocks, int64_t block_size) {
+                                         int64_t num_blocks, int64_t block_size,
+                                         const std::optional<at::Tensor>& key_block_floor) {
   const int64_t b = slash.size(0), h = slash.size(1), max_s = slash.size(2), max_v = vertical.size(2);
   const int64_t nqb = q_block_ids.numel(), nkb = k_block_ids.numel();
   const auto inv_q = inverse_map(q_block_ids, num_blocks, "q_block_ids");
@@ -44,6 +45,7 @@ std::vector<at::Tensor> convert_step_cpu(const at::Tensor& slash, const at::Tens
   int32_t *kvc = kv_count.data_ptr<int32_t>(), *kvb = kv_blocks.data_ptr<int32_t>();
   int32_t *qc = q_count.data_ptr<int32_t>(), *qbl = q_blocks.data_ptr<int32_t>();
   int32_t *cc = col_count.data_ptr<int32_t>(), *cl = cols.data_ptr<int32_t>();
+  const int32_t* floor = key_block_floor ? key_block_floor->data_ptr<int32_t>() : nullptr;
 
   // Each (batch, head) writes only its own output rows, so heads run in parallel.
   at::parallel_for(0, b * h, 1, [&](int64_t begin, int64_t end) {
@@ -52,11 +54,11 @@ std::vector<at::Tensor> convert_step_cpu(const at::Tensor& slash, const at::Tens
       const int64_t n_s = clamp_count(ns[bh], max_s);
       for (int64_t i = 0; i < nqb; ++i) {
         const int64_t row = bh * nqb + i;
-        kvc[row] = kv_row(srow, n_s, qid[i], inv_k.data(), num_blocks, kvb + row * max_s);
+        kvc[row] = kv_row(srow, n_s, qid[i], inv_k.data(), num_blocks, floor, kvb + row * max_s);
       }
       for (int64_t j = 0; j < nkb; ++j) {
         const int64_t row = bh * nkb + j;
-        qc[row] = q_row(srow, n_s, kid[j], inv_q.data(), num_blocks, qbl + row * max_s);
+        qc[row] = q_row(srow, n_s, kid[j], inv_q.data(), num_blocks, floor, qbl + row * max_s);
       }
       cc[bh] = col_row(v + bh * max_v, clamp_count(nv[bh], max_v), inv_k.data(), num_blocks,
                        block_size, cl + bh * max_v);

@@ -30,25 +30,27 @@ __global__ void inverse_map_kernel(const int32_t* __restrict__ ids, int64_t n, i
 // Row (bh, i) of kv_blocks: thread per local query block.
 __global__ void kv_kernel(const int32_t* __restrict__ slash, const int32_t* __restrict__ n_slash,
                           int64_t max_s, const int32_t* __restrict__ q_ids, int64_t nqb,
-                          const int32_t* __restrict__ inv_k, int64_t num_blocks, int64_t rows,
+                          const int32_t* __restrict__ inv_k, int64_t num_blocks,
+                          const int32_t* __restrict__ floor, int64_t rows,
                           int32_t* __restrict__ count, int32_t* __restrict__ blocks) {
   const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (row >= rows) return;
   const int64_t bh = row / nqb, i = row % nqb;
   count[row] = kv_row(slash + bh * max_s, clamp_count(n_slash[bh], max_s), q_ids[i], inv_k,
-                      num_blocks, blocks + row * max_s);
+                      num_blocks, floor, blocks + row * max_s);
 }
 
 // Row (bh, j) of q_blocks: thread per local key block.
 __global__ void q_kernel(const int32_t* __restrict__ slash, const int32_t* __restrict__ n_slash,
                          int64_t max_s, const int32_t* __restrict__ k_ids, int64_t nkb,
-                         const int32_t* __restrict__ inv_q, int64_t num_blocks, int64_t rows,
+                         const int32_t* __restrict__ inv_q, int64_t num_blocks,
+                         const int32_t* __restrict__ floor, int64_t rows,
                          int32_t* __restrict__ count, int32_t* __restrict__ blocks) {
   const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (row >= rows) return;
   const int64_t bh = row / nkb, j = row % nkb;
   count[row] = q_row(slash + bh * max_s, clamp_count(n_slash[bh], max_s), k_ids[j], inv_q,
-                     num_blocks, blocks + row * max_s);
+                     num_blocks, floor, blocks + row * max_s);
 }
 
 // Row bh of cols: a block of kThreads per (batch, head). A row holds up to max_vertical columns
@@ -98,7 +100,8 @@ at::Tensor inverse_map(const at::Tensor& ids, int64_t num_blocks, cudaStream_t s
 std::vector<at::Tensor> convert_step_cuda(const at::Tensor& slash, const at::Tensor& n_slash,
                                           const at::Tensor& vertical, const at::Tensor& n_vertical,
                                           const at::Tensor& q_block_ids, const at::Tensor& k_block_ids,
-                                          int64_t num_blocks, int64_t block_size) {
+                                          int64_t num_blocks, int64_t block_size,
+                                          const std::optional<at::Tensor>& key_block_floor) {
   const c10::cuda::CUDAGuard guard(slash.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t b = slash.size(0), h = slash.size(1), max_s = slash.size(2), max_v = vertical.size(2);
@@ -110,19 +113,20 @@ std::vector<at::Tensor> convert_step_cuda(const at::Tensor& slash, const at::Ten
   auto col_count = at::zeros({b, h}, opts), cols = at::zeros({b, h, max_v}, opts);
   const auto inv_q = inverse_map(q_block_ids, num_blocks, stream);
   const auto inv_k = inverse_map(k_block_ids, num_blocks, stream);
+  const int32_t* floor = key_block_floor ? key_block_floor->data_ptr<int32_t>() : nullptr;
 
   // A grid of zero blocks is an invalid launch, so empty outputs skip their kernel.
   if (bh * nqb > 0) {
     kv_kernel<<<num_launch_blocks(bh * nqb), kThreads, 0, stream>>>(
         slash.data_ptr<int32_t>(), n_slash.data_ptr<int32_t>(), max_s, q_block_ids.data_ptr<int32_t>(),
-        nqb, inv_k.data_ptr<int32_t>(), num_blocks, bh * nqb, kv_count.data_ptr<int32_t>(),
+        nqb, inv_k.data_ptr<int32_t>(), num_blocks, floor, bh * nqb, kv_count.data_ptr<int32_t>(),
         kv_blocks.data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (bh * nkb > 0) {
     q_kernel<<<num_launch_blocks(bh * nkb), kThreads, 0, stream>>>(
         slash.data_ptr<int32_t>(), n_slash.data_ptr<int32_t>(), max_s, k_block_ids.data_ptr<int32_t>(),
-        nkb, inv_q.data_ptr<int32_t>(), num_blocks, bh * nkb, q_count.data_ptr<int32_t>(),
+        nkb, inv_q.data_ptr<int32_t>(), num_blocks, floor, bh * nkb, q_count.data_ptr<int32_t>(),
         q_blocks.data_ptr<int32_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from .documents import as_documents
 from .index import VSIndex
 from .kernels.plan import single_device_plan
 from .kernels.step import backward_delta, resolve_backend, single_step_backward, step_forward
@@ -77,12 +78,15 @@ class _SparseAttention(torch.autograd.Function):
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex,
                      softmax_scale: Optional[float] = None, backend: str = "auto",
-                     return_lse: bool = False):
+                     return_lse: bool = False, cu_seqlens: Optional[torch.Tensor] = None):
     """Vertical-slash sparse causal attention on one device (DESIGN.md section 1).
 
     q ``[b, hq, n, d]``, k/v ``[b, hkv, n, d]`` (GQA when ``hkv < hq``), ``index`` a
     ``VSIndex`` for batch ``b`` and ``hq`` heads on the same device. Differentiable in q, k, v.
     ``backend``: "auto" (Triton on CUDA, PyTorch on CPU), "triton" or "torch".
+    ``cu_seqlens``: packed documents, int32 ``[0, e1, ..., n]`` shared by the batch; attention
+    stays within each document (``documents.py``; values are checked here on CPU tensors only, as
+    checking a GPU tensor would synchronise: see ``documents.validate_cu_seqlens``).
     Returns the output ``[b, hq, n, d]`` in q's dtype (and the fp32 lse with ``return_lse``).
     """
     backend = resolve_backend(backend, q.device)
@@ -91,6 +95,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: V
         index.validate(q.shape[2])
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    plan = single_device_plan(index, q.shape[2])
+    documents = as_documents(cu_seqlens, q.shape[2], index.block_size, q.device)
+    plan = single_device_plan(index, q.shape[2], documents=documents)
     out, lse = _SparseAttention.apply(q, k, v, plan, float(softmax_scale), backend)
     return (out, lse) if return_lse else out

@@ -18,18 +18,26 @@ def index_sets(index):
     return out
 
 
-def dense_mask(index, n, q_positions=None, k_positions=None):
+def dense_mask(index, n, q_positions=None, k_positions=None, cu_seqlens=None):
+    """bool [b, h, nq, nk]; ``cu_seqlens`` (a list or tensor of document ends) keeps pairs of one
+    document only."""
     q_positions = list(range(n)) if q_positions is None else [int(x) for x in q_positions]
     k_positions = list(range(n)) if k_positions is None else [int(x) for x in k_positions]
     B = index.block_size
     sets = index_sets(index)
+    ends = None if cu_seqlens is None else [int(x) for x in cu_seqlens]
+
+    def doc(p):
+        return 0 if ends is None else sum(1 for e in ends[1:] if e <= p)
+
     mask = torch.zeros(index.batch, index.heads, len(q_positions), len(k_positions), dtype=torch.bool)
     for b in range(index.batch):
         for h in range(index.heads):
             slash, vertical = sets[b][h]
             for i, qp in enumerate(q_positions):
                 for j, kp in enumerate(k_positions):
-                    mask[b, h, i, j] = kp <= qp and ((qp // B - kp // B) in slash or kp in vertical)
+                    mask[b, h, i, j] = kp <= qp and doc(kp) == doc(qp) and \
+                        ((qp // B - kp // B) in slash or kp in vertical)
     return mask
 
 

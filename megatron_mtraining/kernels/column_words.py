@@ -13,6 +13,10 @@ once per step, for all kernels of the step, and a column tile reads one word.
 
 ``diag`` is 0 for every valid index (offset 0, the diagonal, is mandatory and covers the block's
 own columns); it keeps the kernels exact for an index that lacks offset 0.
+
+Packed documents: a slot is live only if its column is not before the document of the block's
+first query, and ``diag`` is also 1 where a live column precedes the document of the block's
+last query (the block straddles a boundary: the token-level test then checks documents too).
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ def column_word_count(max_v: int) -> int:
 
 
 def column_words_reference(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_bitmap: torch.Tensor,
-                           block_size: int):
+                           block_size: int, documents=None):
     """PyTorch definition: (words, diag) from the plan's column positions (empty slots hold a
-    position after every query), the query chunk's global block ids and the slash bitmap."""
+    position after every query), the query chunk's global block ids, the slash bitmap and the
+    optional ``documents.Documents``."""
     b, hq, max_v = col_pos.shape
     nqb, nb = q_block_ids.numel(), slash_bitmap.shape[-1]
     n_words = column_word_count(max_v)
@@ -42,17 +47,22 @@ def column_words_reference(col_pos: torch.Tensor, q_block_ids: torch.Tensor, sla
     covered = torch.gather(slash_bitmap.long()[:, :, None, :].expand(b, hq, nqb, nb), -1,
                            delta.clamp(0, nb - 1)) != 0
     live = (delta >= 0) & ~covered
+    needs_token_test = delta == 0
+    if documents is not None:
+        q_blk = q_block_ids.long().view(1, 1, nqb, 1)
+        live &= pos[:, :, None, :] >= documents.block_first_start.long()[q_blk]
+        needs_token_test = needs_token_test | (pos[:, :, None, :] < documents.block_last_start.long()[q_blk])
     bits = torch.ones((), dtype=torch.long, device=col_pos.device) << torch.arange(WORD_BITS, device=col_pos.device)
     # Distinct powers of two never carry, so the sum is the bitwise or (bit 63 wraps to the sign).
     words = (live.long().view(b, hq, nqb, n_words, WORD_BITS) * bits).sum(-1)
-    diag = (live & (delta == 0)).any(-1).to(torch.int8)
+    diag = (live & needs_token_test).any(-1).to(torch.int8)
     return words.contiguous(), diag.contiguous()
 
 
 @triton.jit
-def _column_words_kernel(ColPos, QBlk, Bitmap, Words, Diag, MAX_V, NQB, NB, N_WORDS,
+def _column_words_kernel(ColPos, QBlk, Bitmap, FirstDoc, LastDoc, Words, Diag, MAX_V, NQB, NB, N_WORDS,
                          BLOCK: tl.constexpr, WORDS_PER_ITER: tl.constexpr, QUERY_BLOCKS: tl.constexpr,
-                         INT64: tl.constexpr):
+                         INT64: tl.constexpr, DOCS: tl.constexpr):
     pid_q = tl.program_id(0)
     bh = _wide(tl.program_id(1), INT64)  # times the rows' lengths
     bit = tl.arange(0, 64)
@@ -68,19 +78,24 @@ def _column_words_kernel(ColPos, QBlk, Bitmap, Words, Diag, MAX_V, NQB, NB, N_WO
         for qi in range(0, QUERY_BLOCKS):
             i = pid_q * QUERY_BLOCKS + qi
             if i < NQB:
-                delta = tl.load(QBlk + i) - c_blk
+                q_blk = tl.load(QBlk + i)
+                delta = q_blk - c_blk
                 covered = tl.load(Bitmap + bh * NB + delta, mask=delta >= 0, other=1)
                 live = (delta >= 0) & (covered == 0)
+                token_test = delta == 0
+                if DOCS:
+                    live = live & (pos >= tl.load(FirstDoc + q_blk))
+                    token_test = token_test | (pos < tl.load(LastDoc + q_blk))
                 tl.store(Words + (bh * NQB + i) * N_WORDS + word,
                          tl.sum(tl.where(live, one << bit[None, :].to(tl.int64), 0), 1), mask=word < N_WORDS)
-                in_block = tl.max(tl.max((live & (delta == 0)).to(tl.int32), 1), 0)
+                in_block = tl.max(tl.max((live & token_test).to(tl.int32), 1), 0)
                 diag = tl.maximum(diag, tl.where(tl.arange(0, QUERY_BLOCKS) == qi, in_block, 0))
     rows = pid_q * QUERY_BLOCKS + tl.arange(0, QUERY_BLOCKS)
     tl.store(Diag + bh * NQB + rows, diag.to(tl.int8), mask=rows < NQB)
 
 
 def column_words_triton(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_bitmap: torch.Tensor,
-                        block_size: int):
+                        block_size: int, documents=None):
     """The same as ``column_words_reference``; one program per (8 query blocks, batch x head)."""
     b, hq, max_v = col_pos.shape
     nqb, nb = q_block_ids.numel(), slash_bitmap.shape[-1]
@@ -92,14 +107,18 @@ def column_words_triton(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_
         return words, diag
     col_pos, slash_bitmap = col_pos.contiguous(), slash_bitmap.contiguous()
     query_blocks = 8
+    # Without documents the kernel never reads the document pointers; Triton wants storage there.
+    first, last = (documents.block_first_start, documents.block_last_start) if documents is not None \
+        else (q_block_ids, q_block_ids)
     _column_words_kernel[(triton.cdiv(nqb, query_blocks), b * hq)](
-        col_pos, q_block_ids, slash_bitmap, words, diag, max_v, nqb, nb, n_words,
+        col_pos, q_block_ids, slash_bitmap, first, last, words, diag, max_v, nqb, nb, n_words,
         BLOCK=block_size, WORDS_PER_ITER=min(16, triton.next_power_of_2(n_words)), QUERY_BLOCKS=query_blocks,
-        INT64=int64_offsets(col_pos, slash_bitmap, words), num_warps=4)
+        INT64=int64_offsets(col_pos, slash_bitmap, words), DOCS=documents is not None, num_warps=4)
     return words, diag
 
 
-def column_words(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_bitmap: torch.Tensor, block_size: int):
+def column_words(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_bitmap: torch.Tensor, block_size: int,
+                 documents=None):
     """(words, diag) through Triton on a GPU, in PyTorch elsewhere (CPU tests, the interpreter)."""
     fn = column_words_triton if col_pos.is_cuda else column_words_reference
-    return fn(col_pos, q_block_ids.to(torch.int32), slash_bitmap, block_size)
+    return fn(col_pos, q_block_ids.to(torch.int32), slash_bitmap, block_size, documents)

@@ -19,6 +19,11 @@ Two bounds derived in PyTorch keep the kernels off causally dead column work:
 ``StepPlan.col_limit`` (the columns a query block walks) and ``first_query_blocks`` (the query
 blocks a column tile's gradient walks); ``StepPlan.column_words`` says which of the walked
 columns each query block sees (``column_words.py``).
+
+Packed documents (``documents.Documents``) add lower bounds of the same kind: key blocks before
+a query block's first document leave the slash lists in the conversion (``key_block_floor``),
+``StepPlan.col_start`` skips the leading columns of earlier documents, and ``query_block_ends``
+stops a column tile's gradient at the last query block of its columns' documents.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from typing import Optional
 import torch
 
 from .. import _ext
+from ..documents import Documents
 from ..index import VSIndex
 from .column_words import column_words
 
@@ -51,9 +57,14 @@ def _compact(values: torch.Tensor, valid: torch.Tensor):
 
 
 def convert_step_reference(slash, n_slash, vertical, n_vertical, q_block_ids, k_block_ids,
-                           num_blocks: int, block_size: int):
-    """PyTorch definition of the per-step conversion; returns the six tensors in module order."""
+                           num_blocks: int, block_size: int, key_block_floor: Optional[torch.Tensor] = None):
+    """PyTorch definition of the per-step conversion; returns the six tensors in module order.
+    ``key_block_floor`` (packed documents, ``documents.Documents``): int32 ``[num_blocks]``, per
+    global query block the first key block that shares a document with it; earlier blocks drop."""
     B = block_size
+    # Without documents every key block is at or above block 0.
+    floor = key_block_floor.long() if key_block_floor is not None else \
+        torch.zeros(num_blocks, dtype=torch.long, device=slash.device)
     inv_q = _inverse_map(q_block_ids, num_blocks)
     inv_k = _inverse_map(k_block_ids, num_blocks)
     max_s = slash.shape[-1]
@@ -66,12 +77,14 @@ def convert_step_reference(slash, n_slash, vertical, n_vertical, q_block_ids, k_
     rev_slash, rev_valid = slash.flip(-1).long(), s_valid.flip(-1)
     kb = q_block_ids.long()[None, None, :, None] - rev_slash[:, :, None, :]
     ok = rev_valid[:, :, None, :] & (kb >= 0) & (kb < num_blocks)
+    ok &= kb >= floor[q_block_ids.long()][None, None, :, None]
     local_k = inv_k[torch.where(ok, kb, num_blocks)]
     kv_count, kv_blocks = _compact(local_k, ok & (local_k >= 0))
 
     # Key block j is read by query block kb + delta, for each selected delta (smallest first).
     qb = k_block_ids.long()[None, None, :, None] + slash.long()[:, :, None, :]
     ok = s_valid[:, :, None, :] & (qb >= 0) & (qb < num_blocks)
+    ok &= floor[qb.clamp(0, num_blocks - 1)] <= k_block_ids.long()[None, None, :, None]
     local_q = inv_q[torch.where(ok, qb, num_blocks)]
     q_count, q_blocks = _compact(local_q, ok & (local_q >= 0))
 
@@ -86,17 +99,17 @@ def convert_step_reference(slash, n_slash, vertical, n_vertical, q_block_ids, k_
 
 
 def convert_step(slash, n_slash, vertical, n_vertical, q_block_ids, k_block_ids, num_blocks: int,
-                 block_size: int, impl: str = "auto"):
+                 block_size: int, impl: str = "auto", key_block_floor: Optional[torch.Tensor] = None):
     """Per-step conversion through the compiled extension when it has this device, else PyTorch."""
     if impl not in ("auto", "ext", "torch"):
         raise ValueError(f"convert_step: impl must be 'auto', 'ext' or 'torch', got {impl!r}")
     args = (slash, n_slash, vertical, n_vertical, q_block_ids.to(torch.int32), k_block_ids.to(torch.int32))
     if impl != "torch" and _ext.supports(slash.device):
-        return tuple(_ext.module().convert_step(*args, int(num_blocks), int(block_size)))
+        return tuple(_ext.module().convert_step(*args, int(num_blocks), int(block_size), key_block_floor))
     if impl == "ext":
         raise RuntimeError(f"convert_step: the compiled extension is not available for {slash.device} "
                            f"({_ext.status()})")
-    return convert_step_reference(*args, num_blocks, block_size)
+    return convert_step_reference(*args, num_blocks, block_size, key_block_floor)
 
 
 def column_positions(cols: torch.Tensor, col_count: torch.Tensor, k_block_ids: torch.Tensor, num_blocks: int,
@@ -123,6 +136,20 @@ def column_limits(col_pos: torch.Tensor, q_block_ids: torch.Tensor, block_size: 
     return torch.searchsorted(suffix_min, last_query, right=True).to(torch.int32)
 
 
+def column_starts(col_pos: torch.Tensor, q_block_ids: torch.Tensor, documents, block_size: int) -> torch.Tensor:
+    """int32 ``[b, hq, nqb]`` (packed documents): how many leading column slots local query block
+    ``i`` may skip because they hold columns of earlier documents than any of its queries'. With
+    ``prefix_max[j]`` the latest position among slots ``..j``, slots ``..j`` are all before the
+    block's first document iff ``prefix_max[j]`` is; ``prefix_max`` never decreases, so this is a
+    binary search too. Zero without documents."""
+    nqb = q_block_ids.numel()
+    if documents is None or col_pos.shape[-1] == 0:
+        return torch.zeros(*col_pos.shape[:-1], nqb, dtype=torch.int32, device=col_pos.device)
+    prefix_max = col_pos.cummax(-1).values.contiguous()
+    first_doc = documents.doc_start[q_block_ids.long() * block_size].long()
+    return torch.searchsorted(prefix_max, first_doc.expand(*col_pos.shape[:-1], -1).contiguous()).to(torch.int32)
+
+
 def first_query_blocks(plan: "StepPlan", block_col: int) -> torch.Tensor:
     """int32 ``[b * hq, column tiles of block_col]``: per column tile, the first local query block
     that can see one of its columns. Earlier blocks (by the running maximum of their last
@@ -136,6 +163,24 @@ def first_query_blocks(plan: "StepPlan", block_col: int) -> torch.Tensor:
     tile_first = col_pos.view(bh, n_tiles, block_col).amin(-1).contiguous()
     last_query = torch.cummax(plan.q_block_ids.long() * B + B - 1, 0).values
     return torch.searchsorted(last_query, tile_first).to(torch.int32)
+
+
+def query_block_ends(plan: "StepPlan", block_col: int) -> torch.Tensor:
+    """int32 ``[b * hq, column tiles of block_col]`` (packed documents): per column tile, one past
+    the last local query block that shares a document with one of its columns. Later blocks (by
+    the suffix minimum of their first queries' document starts, so any chunk order works) start
+    their documents after the tile's latest column. ``nqb`` without documents."""
+    B, nqb = plan.block_size, plan.q_block_ids.numel()
+    bh, max_v = plan.col_pos.shape[0] * plan.col_pos.shape[1], plan.col_pos.shape[-1]
+    n_tiles = -(-max_v // block_col)
+    if plan.documents is None:
+        return torch.full((bh, n_tiles), nqb, dtype=torch.int32, device=plan.col_pos.device)
+    col_pos = torch.nn.functional.pad(plan.col_pos.reshape(bh, max_v), (0, n_tiles * block_col - max_v), value=-1)
+    slot_ok = col_pos < plan.num_blocks * B  # empty slots hold num_blocks * B: not a column
+    tile_last = torch.where(slot_ok, col_pos, -1).view(bh, n_tiles, block_col).amax(-1).contiguous()
+    first_doc = plan.documents.doc_start[plan.q_block_ids.long() * B].long()
+    suffix_min = first_doc.flip(0).cummin(0).values.flip(0).contiguous()
+    return torch.searchsorted(suffix_min, tile_last, right=True).to(torch.int32)
 
 
 @dataclasses.dataclass
@@ -155,6 +200,8 @@ class StepPlan:
     cols: torch.Tensor
     col_pos: torch.Tensor = None    # int64 [b, hq, max_v] (``column_positions``)
     col_limit: torch.Tensor = None  # int32 [b, hq, nqb] (``column_limits``)
+    documents: Optional[Documents] = None  # packed documents (``documents.Documents``), or None
+    col_start: torch.Tensor = None  # int32 [b, hq, nqb] (``column_starts``)
     _column_words: tuple = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -163,6 +210,8 @@ class StepPlan:
                                             self.block_size)
         if self.col_limit is None:
             self.col_limit = column_limits(self.col_pos, self.q_block_ids, self.block_size)
+        if self.col_start is None:
+            self.col_start = column_starts(self.col_pos, self.q_block_ids, self.documents, self.block_size)
 
     @property
     def block_size(self) -> int:
@@ -173,8 +222,13 @@ class StepPlan:
         """(words, diag) of ``column_words.py``: which column slots each query block sees. Made on
         first use (only the Triton kernels need it) and kept for the step's other kernels."""
         if self._column_words is None:
-            self._column_words = column_words(self.col_pos, self.q_block_ids, self.slash_bitmap, self.block_size)
+            self._column_words = column_words(self.col_pos, self.q_block_ids, self.slash_bitmap, self.block_size,
+                                              self.documents)
         return self._column_words
+
+    @property
+    def cu_seqlens(self) -> Optional[torch.Tensor]:
+        return None if self.documents is None else self.documents.cu_seqlens
 
     def positions(self, block_ids: torch.Tensor) -> torch.Tensor:
         B = self.block_size
@@ -190,20 +244,24 @@ class StepPlan:
 
 
 def build_step_plan(index: VSIndex, q_block_ids: torch.Tensor, k_block_ids: torch.Tensor, num_blocks: int,
-                    slash_bitmap: Optional[torch.Tensor] = None, impl: str = "auto") -> StepPlan:
-    """Convert ``index`` for one step. Pass ``slash_bitmap`` to reuse it across the steps of a ring."""
+                    slash_bitmap: Optional[torch.Tensor] = None, impl: str = "auto",
+                    documents: Optional[Documents] = None) -> StepPlan:
+    """Convert ``index`` for one step. Pass ``slash_bitmap`` to reuse it across the steps of a ring;
+    ``documents`` (``documents.Documents`` of the global sequence) for packed documents."""
     dev = index.device
     q_block_ids = q_block_ids.to(device=dev, dtype=torch.int32)
     k_block_ids = k_block_ids.to(device=dev, dtype=torch.int32)
     if slash_bitmap is None:
         slash_bitmap = index.slash_bitmap(num_blocks)
+    floor = None if documents is None else documents.key_block_floor
     parts = convert_step(index.slash, index.n_slash, index.vertical, index.n_vertical, q_block_ids,
-                         k_block_ids, num_blocks, index.block_size, impl=impl)
-    return StepPlan(index, int(num_blocks), q_block_ids, k_block_ids, slash_bitmap, *parts)
+                         k_block_ids, num_blocks, index.block_size, impl=impl, key_block_floor=floor)
+    return StepPlan(index, int(num_blocks), q_block_ids, k_block_ids, slash_bitmap, *parts, documents=documents)
 
 
-def single_device_plan(index: VSIndex, seq_len: int, impl: str = "auto") -> StepPlan:
+def single_device_plan(index: VSIndex, seq_len: int, impl: str = "auto",
+                       documents: Optional[Documents] = None) -> StepPlan:
     """The plan of the full causal sequence on one device."""
     nb = seq_len // index.block_size
     ids = torch.arange(nb, dtype=torch.int32, device=index.device)
-    return build_step_plan(index, ids, ids, nb, impl=impl)
+    return build_step_plan(index, ids, ids, nb, impl=impl, documents=documents)

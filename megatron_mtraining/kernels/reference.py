@@ -1,8 +1,9 @@
 """Plain-PyTorch vertical-slash attention: the oracle every kernel and ring schedule is tested against.
 
 It computes DESIGN.md section 1 literally: query ``n`` attends key ``m`` iff ``m <= n`` and
-(``n//B - m//B`` is a selected slash offset or ``m`` is a selected column), softmax over the
-active keys only, in fp32 (fp64 if the inputs are fp64).
+(``n//B - m//B`` is a selected slash offset or ``m`` is a selected column), and, for packed
+documents (``cu_seqlens``), both lie in one document; softmax over the active keys only, in fp32
+(fp64 if the inputs are fp64).
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ import torch
 from ..index import VSIndex
 
 
+def document_ids(cu_seqlens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Which document (0, 1, ...) each global position lies in."""
+    return torch.searchsorted(cu_seqlens.to(positions.device, torch.int64), positions, right=True)
+
+
 def vs_mask(index: VSIndex, q_positions: torch.Tensor, k_positions: torch.Tensor,
-            num_blocks: Optional[int] = None) -> torch.Tensor:
-    """bool [b, hq, nq, nk]: which (query, key) pairs are active, for arbitrary global positions."""
+            num_blocks: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """bool [b, hq, nq, nk]: which (query, key) pairs are active, for arbitrary global positions
+    (and, with ``cu_seqlens``, only pairs within one document)."""
     B = index.block_size
     q_positions = q_positions.to(index.device).long()
     k_positions = k_positions.to(index.device).long()
@@ -29,6 +36,9 @@ def vs_mask(index: VSIndex, q_positions: torch.Tensor, k_positions: torch.Tensor
     bitmap = index.slash_bitmap(num_blocks).bool()  # [b, h, nb]
     slash_hit = bitmap[:, :, delta.clamp(0, num_blocks - 1)] & (delta >= 0)
     column_hit = index.column_mask(seq_len)[:, :, k_positions][:, :, None, :]
+    if cu_seqlens is not None:
+        same_doc = document_ids(cu_seqlens, q_positions)[:, None] == document_ids(cu_seqlens, k_positions)[None, :]
+        causal = causal & same_doc
     return causal & (slash_hit | column_hit)
 
 
@@ -36,12 +46,14 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
                         q_positions: Optional[torch.Tensor] = None,
                         k_positions: Optional[torch.Tensor] = None,
                         softmax_scale: Optional[float] = None,
-                        num_blocks: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                        num_blocks: Optional[int] = None,
+                        cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Masked attention of DESIGN.md section 1 in fp32; differentiable through autograd.
 
     q ``[b, hq, nq, d]``, k/v ``[b, hkv, nk, d]``. ``q_positions`` / ``k_positions`` (int,
     ``[nq]`` / ``[nk]``) are the tokens' global positions, so any (query chunk, key chunk)
     pair of any layout can be checked; by default both are ``0..n-1`` (the full sequence).
+    ``cu_seqlens`` (int32 ``[0, e1, ..., N]``, global positions) masks pairs across documents.
     Returns ``(out, lse)``: out fp32 ``[b, hq, nq, d]`` and lse fp32 ``[b, hq, nq]``. Rows
     without an active key give out 0 and lse ``-inf``. Memory is O(nq * nk): a test oracle.
     """
@@ -59,7 +71,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
     kf = k.to(dtype).repeat_interleave(group, dim=1)
     vf = v.to(dtype).repeat_interleave(group, dim=1)
     scores = torch.matmul(q.to(dtype), kf.transpose(-1, -2)) * scale
-    mask = vs_mask(index, q_positions, k_positions, num_blocks).to(q.device)
+    mask = vs_mask(index, q_positions, k_positions, num_blocks, cu_seqlens).to(q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     # Max-shifted softmax that stays finite (also in autograd) for rows with no active key.
     row_max = scores.amax(dim=-1, keepdim=True).detach()

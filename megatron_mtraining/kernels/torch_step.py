@@ -30,7 +30,7 @@ def vs_attention_fwd_torch(q, k, v, plan, out, lse, softmax_scale: float, accumu
     q_pos, k_pos = plan.q_positions, plan.k_positions
     for start in range(0, q.shape[2], QUERY_CHUNK):
         rows = slice(start, start + QUERY_CHUNK)
-        mask = vs_mask(plan.index, q_pos[rows], k_pos, plan.num_blocks)
+        mask = vs_mask(plan.index, q_pos[rows], k_pos, plan.num_blocks, plan.cu_seqlens)
         s = torch.matmul(q[:, :, rows].to(dtype), kf.transpose(-1, -2)) * softmax_scale
         s = s.masked_fill(~mask, float("-inf"))
         m = s.amax(-1, keepdim=True)
@@ -73,7 +73,7 @@ def vs_attention_bwd_torch(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_sc
         rows = slice(start, start + QUERY_CHUNK)
         qc, doc = q[:, :, rows].to(dtype), do[:, :, rows].to(dtype)
         lse_c = lse[:, :, rows].to(dtype)
-        mask = vs_mask(plan.index, q_pos[rows], k_pos, plan.num_blocks)
+        mask = vs_mask(plan.index, q_pos[rows], k_pos, plan.num_blocks, plan.cu_seqlens)
         s = torch.matmul(qc, kf.transpose(-1, -2)) * softmax_scale
         # lse = -inf only for rows with no key at all: their p is 0.
         lse_safe = torch.where(torch.isfinite(lse_c), lse_c, torch.full_like(lse_c, float("inf")))

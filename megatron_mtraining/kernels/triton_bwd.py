@@ -18,9 +18,10 @@ import triton
 import triton.language as tl
 
 from . import triton_fwd
-from .plan import first_query_blocks
-from .triton_fwd import (LOG2E, _causal_columns, _column_tile, _head_offset, _tile_ptrs, _wide, _word_bits,
-                         kernel_flags)
+from .plan import first_query_blocks, query_block_ends
+from .triton_fwd import (LOG2E, _causal_columns, _column_begin, _column_tile, _document_starts, _head_offset,
+                         _needs_token_mask, _query_documents, _tile_ptrs, _token_mask, _token_mask_t, _wide,
+                         _word_bits, document_arguments, kernel_flags)
 
 
 @triton.jit
@@ -59,17 +60,18 @@ def _load_query_side(Q, DO, Lse, Delta, b, h, rows, offs_d,
 
 
 @triton.jit
-def _dq_columns(dq, q, do, lse2, di, q_pos, qk_scale, Cols, ColPos, Words, k_base, v_base, col_row, word_row,
-                n_cols, stride_kn, stride_vn, offs_d, BLOCK_COL: tl.constexpr, INT64: tl.constexpr,
-                UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
-    """dQ's column part: add the live columns of slots [0, n_cols) into ``dq``."""
-    for c0 in range(0, n_cols, BLOCK_COL):
+def _dq_columns(dq, q, do, lse2, di, q_pos, q_doc, qk_scale, Cols, ColPos, Words, k_base, v_base, col_row,
+                word_row, c_begin, n_cols, stride_kn, stride_vn, offs_d, BLOCK_COL: tl.constexpr,
+                INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+                DOCS: tl.constexpr):
+    """dQ's column part: add the live columns of slots [c_begin, n_cols) into ``dq``."""
+    for c0 in range(c_begin, n_cols, BLOCK_COL):
         k, v, live = _column_tile(Cols, Words, k_base, v_base, col_row, word_row, c0, n_cols,
                                   stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p = tl.where(live[None, :], tl.math.exp2(s * qk_scale - lse2[:, None]), 0.0)
         if CAUSAL:
-            p = _causal_columns(p, 0.0, ColPos, col_row, c0, n_cols, q_pos, BLOCK_COL)
+            p = _causal_columns(p, 0.0, ColPos, col_row, c0, n_cols, q_pos, q_doc, BLOCK_COL, DOCS)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - di[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -79,7 +81,7 @@ def _dq_columns(dq, q, do, lse2, di, q_pos, qk_scale, Cols, ColPos, Words, k_bas
 @triton.jit
 def _dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ,
-    QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, ColPos, Words, Diag,
+    QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, ColPos, Words, Diag, DocStart, DocLast, ColStart,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -90,7 +92,7 @@ def _dq_kernel(
     HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
     HEAD_DIM: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MASK_EVERY_TILE: tl.constexpr, DQ_ACCUMULATE: tl.constexpr,
+    MASK_EVERY_TILE: tl.constexpr, DQ_ACCUMULATE: tl.constexpr, DOCS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -104,6 +106,7 @@ def _dq_kernel(
     q_blk = tl.load(QBlk + q_local_blk)
     q_pos = q_blk * BLOCK + (pid_m % (BLOCK // BLOCK_M)) * BLOCK_M + offs_m
     rows = pid_m * BLOCK_M + offs_m
+    q_doc, doc_mask_below = _query_documents(DocStart, DocLast, q_pos, q_blk, DOCS)
     q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, rows, offs_d,
                                        stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_on,
                                        stride_lb, stride_lh, INT64, UPCAST)
@@ -126,9 +129,10 @@ def _dq_kernel(
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             p = tl.math.exp2(s - lse2[:, None])
-            if MASK_EVERY_TILE or k_blk == q_blk:  # earlier key blocks hold no key after a query
+            # As in the forward: the diagonal block, and (DOCS) blocks before the last query's document.
+            if MASK_EVERY_TILE or _needs_token_mask(k_blk, q_blk, doc_mask_below, BLOCK, DOCS):
                 k_pos = k_blk * BLOCK + sub + offs_n
-                p = tl.where(k_pos[None, :] <= q_pos[:, None], p, 0.0)
+                p = tl.where(_token_mask(k_pos, q_pos, q_doc, DOCS), p, 0.0)
             dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
             ds = p * (dp - di[:, None])
             dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
@@ -136,15 +140,16 @@ def _dq_kernel(
     # The columns after the limit are after all of this block's queries. Two copies of the loop,
     # so that neither branches inside (diag: never for a valid index).
     n_cols = tl.load(ColLimit + plan_row)
+    c_begin = _column_begin(ColStart, plan_row, BLOCK_COL, DOCS)
     col_row, word_row = bh * MAX_V, plan_row * N_WORDS
     if tl.load(Diag + plan_row) != 0:
-        dq = _dq_columns(dq, q, do, lse2, di, q_pos, qk_scale, Cols, ColPos, Words, k_base, v_base, col_row,
-                         word_row, n_cols, stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST, DOT_PRECISION,
-                         True)
+        dq = _dq_columns(dq, q, do, lse2, di, q_pos, q_doc, qk_scale, Cols, ColPos, Words, k_base, v_base,
+                         col_row, word_row, c_begin, n_cols, stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST,
+                         DOT_PRECISION, True, DOCS)
     else:
-        dq = _dq_columns(dq, q, do, lse2, di, q_pos, qk_scale, Cols, ColPos, Words, k_base, v_base, col_row,
-                         word_row, n_cols, stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST, DOT_PRECISION,
-                         False)
+        dq = _dq_columns(dq, q, do, lse2, di, q_pos, q_doc, qk_scale, Cols, ColPos, Words, k_base, v_base,
+                         col_row, word_row, c_begin, n_cols, stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST,
+                         DOT_PRECISION, False, DOCS)
 
     dq_ptrs = _tile_ptrs(DQ + _head_offset(b, h, stride_gb, stride_gh, INT64), rows, stride_gn, offs_d, INT64)
     if DQ_ACCUMULATE:
@@ -156,7 +161,7 @@ def _dq_kernel(
 @triton.jit
 def _dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV,
-    QBlk, KBlk, QCnt, QIdx,
+    QBlk, KBlk, QCnt, QIdx, DocStart,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -166,7 +171,7 @@ def _dkdv_kernel(
     qk_scale, sm_scale,
     HQ, HKV, GROUP, NKB, MAX_S,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bkv = tl.program_id(1)
@@ -201,7 +206,10 @@ def _dkdv_kernel(
                 # Masked on every tile: a branch to two copies of the tile's code (unmasked off the
                 # diagonal) made this kernel twice as slow on an H200, and a branch around the mask
                 # alone 9% slower (more spills; NOTES, sessions 5 and 6).
-                p_t = tl.where(k_pos[:, None] <= q_pos[None, :], _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
+                # (DOCS: the key must also lie in the query's document.)
+                q_doc = _document_starts(DocStart, q_pos, DOCS)
+                p_t = tl.where(_token_mask_t(k_pos, q_pos, q_doc, DOCS), _probs_t(k, q, lse2, qk_scale, DOT_PRECISION),
+                               0.0)
                 dk, dv = _grads_t(dk, dv, p_t, v, q, do, di, DOT_PRECISION)
     g_head = _head_offset(b, kvh, stride_gb, stride_gh, INT64)
     dk_ptrs = _tile_ptrs(DK + g_head, k_rows, stride_gn, offs_d, INT64)
@@ -211,11 +219,11 @@ def _dkdv_kernel(
 
 
 @triton.jit
-def _column_gradients(dk, dv, k, v, c_pos, first_bit, words, i_start, i_end, any_diag, Q, DO, Lse, Delta, QBlk, b, h,
-                      offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob, stride_oh, stride_on,
-                      stride_lb, stride_lh, N_WORDS, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_COL: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr,
-                      DOT_PRECISION: tl.constexpr):
+def _column_gradients(dk, dv, k, v, c_pos, first_bit, words, i_start, i_end, any_diag, Q, DO, Lse, Delta, QBlk,
+                      DocStart, b, h, offs_m, offs_d, qk_scale, stride_qb, stride_qh, stride_qn, stride_ob,
+                      stride_oh, stride_on, stride_lb, stride_lh, N_WORDS, BLOCK: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_COL: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr,
+                      DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr):
     """Add the gradients of one column tile over query blocks [i_start, i_end) into (dk, dv)."""
     for i in range(i_start, i_end):
         live = _word_bits(tl.load(words + i * N_WORDS), first_bit, BLOCK_COL)  # this block's live columns
@@ -225,7 +233,8 @@ def _column_gradients(dk, dv, k, v, c_pos, first_bit, words, i_start, i_end, any
                                                stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
                                                stride_on, stride_lb, stride_lh, INT64, UPCAST)
             q_pos = q_blk * BLOCK + sub + offs_m
-            keep = live[:, None] & ((c_pos[:, None] <= q_pos[None, :]) | (not any_diag))
+            q_doc = _document_starts(DocStart, q_pos, DOCS)
+            keep = live[:, None] & (_token_mask_t(c_pos, q_pos, q_doc, DOCS) | (not any_diag))
             p_t = tl.where(keep, _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
             dk, dv = _grads_t(dk, dv, p_t, v, q, do, di, DOT_PRECISION)
     return dk, dv
@@ -234,7 +243,7 @@ def _column_gradients(dk, dv, k, v, c_pos, first_bit, words, i_start, i_end, any
 @triton.jit
 def _dkdv_col_kernel(
     Q, K, V, DO, Lse, Delta, DKP, DVP,
-    QBlk, ColCnt, Cols, ColPos, Words, HeadDiag, QFirst,
+    QBlk, ColCnt, Cols, ColPos, Words, HeadDiag, QFirst, QEnd, DocStart,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -243,7 +252,7 @@ def _dkdv_col_kernel(
     qk_scale, sm_scale,
     HQ, GROUP, NQB, MAX_V, MAX_V_PAD, N_WORDS, SPLITS, BH,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
-    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
 ):
     tl.static_assert(64 % BLOCK_COL == 0, "a column tile must lie within one 64-bit word")
     pid_c = tl.program_id(0)
@@ -268,20 +277,26 @@ def _dkdv_col_kernel(
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_COL, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_COL, HEAD_DIM], tl.float32)
-    # The query blocks before q_first end before the tile's first column: the splits share the rest.
-    q_first = tl.load(QFirst + pid_bh * tl.num_programs(0) + pid_c)
-    per_split = tl.cdiv(NQB - q_first, SPLITS)
+    # The query blocks before q_first end before the tile's first column, those from q_end on (DOCS)
+    # start their documents after its last column: the splits share the rest.
+    tile = pid_bh * tl.num_programs(0) + pid_c
+    q_first = tl.load(QFirst + tile)
+    if DOCS:
+        q_end = tl.load(QEnd + tile)
+    else:
+        q_end = NQB
+    per_split = tl.cdiv(tl.maximum(q_end - q_first, 0), SPLITS)
     i_start = q_first + pid_s * per_split
-    i_end = tl.minimum(i_start + per_split, NQB)  # empty tiles (q_first = NQB) write zero partials
+    i_end = tl.minimum(i_start + per_split, q_end)  # empty tiles (q_first = NQB) write zero partials
     words = Words + bh * NQB * N_WORDS + (pid_c * BLOCK_COL) // 64  # this tile's word, per query block
     # A live column inside some query block of this head (never for a valid index) needs the
     # token-level test; folded into the mask without a branch (a branch, or two copies of the
     # loop, made ptxas serialise the loop's wgmma instructions).
     any_diag = tl.load(HeadDiag + pid_bh) != 0
     dk, dv = _column_gradients(dk, dv, k, v, c_pos, (pid_c * BLOCK_COL) % 64, words, i_start, i_end, any_diag,
-                               Q, DO, Lse, Delta, QBlk, b, h, offs_m, offs_d, qk_scale, stride_qb, stride_qh,
-                               stride_qn, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, N_WORDS, BLOCK,
-                               BLOCK_M, BLOCK_COL, INT64, UPCAST, DOT_PRECISION)
+                               Q, DO, Lse, Delta, QBlk, DocStart, b, h, offs_m, offs_d, qk_scale, stride_qb,
+                               stride_qh, stride_qn, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, N_WORDS,
+                               BLOCK, BLOCK_M, BLOCK_COL, INT64, UPCAST, DOT_PRECISION, DOCS)
     # Partials [splits * b * hq, MAX_V_PAD, HEAD_DIM] can pass 2^31 elements too; one store, so int64.
     part = (pid_s * BH + pid_bh).to(tl.int64) * MAX_V_PAD * HEAD_DIM
     # Empty slots (they gathered row 0) store exact zeros, whatever row 0 holds: they are scattered
@@ -321,21 +336,22 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
                lse.stride(0), lse.stride(1))
     cols, col_pos, words, diag, n_words = triton_fwd.column_arguments(plan)
+    doc_start, doc_last, col_start, docs = document_arguments(plan)
 
     _dq_kernel[(nq // block_m, b * hq)](
         q, k, v, do, lse, delta, dq,
         plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos,
-        words, diag, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+        words, diag, doc_start, doc_last, col_start, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
         qk_scale, softmax_scale, hq, group, nqb, max_s, max_v, n_words,
         BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_COL=block_col, HEAD_DIM=d,
-        MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], DQ_ACCUMULATE=accumulate_dq, **launch)
+        MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], DQ_ACCUMULATE=accumulate_dq, DOCS=docs, **launch)
 
     _dkdv_kernel[(nk // block_n, b * hkv)](
         q, k, v, do, lse, delta, dk, dv,
-        plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks,
+        plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks, doc_start,
         *strides, dk.stride(0), dk.stride(1), dk.stride(2),
         qk_scale, softmax_scale, hq, hkv, group, nkb, max_s,
-        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, **launch)
+        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, DOCS=docs, **launch)
 
     if max_v == 0:
         return
@@ -343,14 +359,15 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     max_v_pad = n_tiles * block_col
     splits = _column_splits(nqb, n_tiles * b * hq, cfg["COLUMN_PROGRAMS"])
     q_first = first_query_blocks(plan, block_col)
+    q_end = query_block_ends(plan, block_col) if docs else q_first  # read only with DOCS
     dk_part = torch.empty(splits, b * hq, max_v_pad, d, dtype=torch.float32, device=q.device)
     dv_part = torch.empty_like(dk_part)
     _dkdv_col_kernel[(n_tiles, b * hq, splits)](
         q, k, v, do, lse, delta, dk_part, dv_part,
-        plan.q_block_ids, plan.col_count, cols, col_pos, words, diag.amax(-1).contiguous(), q_first,
+        plan.q_block_ids, plan.col_count, cols, col_pos, words, diag.amax(-1).contiguous(), q_first, q_end, doc_start,
         *strides, qk_scale, softmax_scale,
         hq, group, nqb, max_v, max_v_pad, n_words, splits, b * hq,
-        BLOCK=B, BLOCK_M=block_m, BLOCK_COL=block_col, HEAD_DIM=d, **launch)
+        BLOCK=B, BLOCK_M=block_m, BLOCK_COL=block_col, HEAD_DIM=d, DOCS=docs, **launch)
     # Fixed-order reduction over splits, then one scatter per GQA position: within one
     # index_add_ every real target row is distinct (padding slots add exact zeros), so the
     # result does not depend on the order of the adds.

@@ -59,7 +59,17 @@ def int64_offsets(*tensors: torch.Tensor) -> bool:
 
 def plan_tensors(plan) -> tuple:
     """The plan's tensors that the kernels index per (batch, head) row, for ``int64_offsets``."""
-    return plan.kv_blocks, plan.q_blocks, plan.cols, plan.col_pos, plan.col_limit, *plan.column_words
+    return plan.kv_blocks, plan.q_blocks, plan.cols, plan.col_pos, plan.col_limit, plan.col_start, *plan.column_words
+
+
+def document_arguments(plan) -> tuple:
+    """(doc_start, block_last_start, col_start, DOCS) for the kernels' packed-document masks.
+    Without documents the kernels never read the first two (compiled out), but Triton wants
+    storage behind every pointer."""
+    docs = plan.documents
+    if docs is None:
+        return plan.q_block_ids, plan.q_block_ids, plan.col_start, False
+    return docs.doc_start, docs.block_last_start, plan.col_start, True
 
 
 def column_arguments(plan) -> tuple:
@@ -157,26 +167,87 @@ def _column_tile(Cols, Words, k_base, v_base, col_row, word_row, c0, n_cols, str
 
 
 @triton.jit
-def _causal_columns(x, fill, ColPos, col_row, c0, n_cols, q_pos, BLOCK_COL: tl.constexpr):
-    """``x`` with ``fill`` where a column is after the query: needed only where a live column
-    shares the query block (``column_words``' diag), so the kernels run a separate copy of their
-    column loop there."""
+def _causal_columns(x, fill, ColPos, col_row, c0, n_cols, q_pos, q_doc, BLOCK_COL: tl.constexpr,
+                    DOCS: tl.constexpr):
+    """``x`` with ``fill`` where a column is after the query (or, with DOCS, before the query's
+    document ``q_doc``): needed only where a live column shares the query block or the block
+    straddles a document boundary (``column_words``' diag), so the kernels run a separate copy of
+    their column loop there."""
     offs_c = c0 + tl.arange(0, BLOCK_COL)
     c_pos = tl.load(ColPos + col_row + offs_c, mask=offs_c < n_cols, other=0)
-    return tl.where(c_pos[None, :] <= q_pos[:, None], x, fill)
+    keep = c_pos[None, :] <= q_pos[:, None]
+    if DOCS:
+        keep = keep & (c_pos[None, :] >= q_doc[:, None])
+    return tl.where(keep, x, fill)
 
 
 @triton.jit
-def _forward_columns(q, q_pos, m_i, l_i, acc, qk_scale, Cols, ColPos, Words, k_base, v_base, col_row, word_row,
-                     n_cols, stride_kn, stride_vn, offs_d, BLOCK_COL: tl.constexpr, INT64: tl.constexpr,
-                     UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr):
-    """The forward's column part: fold the live columns of slots [0, n_cols) into (m, l, acc)."""
-    for c0 in range(0, n_cols, BLOCK_COL):
+def _token_mask(k_pos, q_pos, q_doc, DOCS: tl.constexpr):
+    """[queries, keys] pairs that are causal (and, with DOCS, in the query's document)."""
+    keep = k_pos[None, :] <= q_pos[:, None]
+    if DOCS:
+        keep = keep & (k_pos[None, :] >= q_doc[:, None])
+    return keep
+
+
+@triton.jit
+def _needs_token_mask(k_blk, q_blk, doc_mask_below, BLOCK: tl.constexpr, DOCS: tl.constexpr):
+    """Whether a key block needs the token-level mask for this query block: the diagonal block,
+    and, with DOCS, key blocks that start before the document of the block's last query."""
+    needs = k_blk == q_blk
+    if DOCS:
+        needs = needs | (k_blk * BLOCK < doc_mask_below)
+    return needs
+
+
+@triton.jit
+def _token_mask_t(k_pos, q_pos, q_doc, DOCS: tl.constexpr):
+    """``_token_mask`` key-major ([keys, queries]), for the backward's key-side kernels."""
+    keep = k_pos[:, None] <= q_pos[None, :]
+    if DOCS:
+        keep = keep & (k_pos[:, None] >= q_doc[None, :])
+    return keep
+
+
+@triton.jit
+def _document_starts(DocStart, q_pos, DOCS: tl.constexpr):
+    """The document start of each query row (DOCS); without documents, a placeholder never read."""
+    if DOCS:
+        return tl.load(DocStart + q_pos)
+    else:
+        return q_pos
+
+
+@triton.jit
+def _query_documents(DocStart, DocLast, q_pos, q_blk, DOCS: tl.constexpr):
+    """(document start per query row, the block's token-mask bound); unused without DOCS."""
+    if DOCS:
+        return tl.load(DocStart + q_pos), tl.load(DocLast + q_blk)
+    else:
+        return q_pos, q_blk
+
+
+@triton.jit
+def _column_begin(ColStart, plan_row, BLOCK_COL: tl.constexpr, DOCS: tl.constexpr):
+    """First column slot a query block walks, on a tile boundary (DOCS: past earlier documents)."""
+    if DOCS:
+        return (tl.load(ColStart + plan_row) // BLOCK_COL) * BLOCK_COL
+    else:
+        return 0
+
+
+@triton.jit
+def _forward_columns(q, q_pos, q_doc, m_i, l_i, acc, qk_scale, Cols, ColPos, Words, k_base, v_base, col_row,
+                     word_row, c_begin, n_cols, stride_kn, stride_vn, offs_d, BLOCK_COL: tl.constexpr,
+                     INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
+                     DOCS: tl.constexpr):
+    """The forward's column part: fold the live columns of slots [c_begin, n_cols) into (m, l, acc)."""
+    for c0 in range(c_begin, n_cols, BLOCK_COL):
         k, v, live = _column_tile(Cols, Words, k_base, v_base, col_row, word_row, c0, n_cols,
                                   stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST)
         s = tl.where(live[None, :], tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), float("-inf"))
         if CAUSAL:
-            s = _causal_columns(s, float("-inf"), ColPos, col_row, c0, n_cols, q_pos, BLOCK_COL)
+            s = _causal_columns(s, float("-inf"), ColPos, col_row, c0, n_cols, q_pos, q_doc, BLOCK_COL, DOCS)
         m_i, l_i, acc = _online_softmax_step(s, qk_scale, v, m_i, l_i, acc, DOT_PRECISION)
     return m_i, l_i, acc
 
@@ -184,7 +255,7 @@ def _forward_columns(q, q_pos, m_i, l_i, acc, qk_scale, Cols, ColPos, Words, k_b
 @triton.jit
 def _vs_attn_fwd_kernel(
     Q, K, V, Out, Lse,
-    QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, ColPos, Words, Diag,
+    QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, ColPos, Words, Diag, DocStart, DocLast, ColStart,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -194,7 +265,7 @@ def _vs_attn_fwd_kernel(
     HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
     HEAD_DIM: tl.constexpr, ACCUMULATE: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MASK_EVERY_TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASK_EVERY_TILE: tl.constexpr, DOCS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -209,6 +280,7 @@ def _vs_attn_fwd_kernel(
     q_blk = tl.load(QBlk + q_local_blk)
     q_pos = q_blk * BLOCK + (pid_m % (BLOCK // BLOCK_M)) * BLOCK_M + offs_m
     rows = pid_m * BLOCK_M + offs_m
+    q_doc, doc_mask_below = _query_documents(DocStart, DocLast, q_pos, q_blk, DOCS)
     q = tl.load(_tile_ptrs(Q + _head_offset(b, h, stride_qb, stride_qh, INT64), rows, stride_qn, offs_d, INT64))
     if UPCAST:
         q = q.to(tl.float32)
@@ -234,24 +306,27 @@ def _vs_attn_fwd_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            if MASK_EVERY_TILE or k_blk == q_blk:  # earlier key blocks hold no key after a query
+            # Earlier key blocks hold no key after a query (nor, past the documents' bound, a key of
+            # another document).
+            if MASK_EVERY_TILE or _needs_token_mask(k_blk, q_blk, doc_mask_below, BLOCK, DOCS):
                 k_pos = k_blk * BLOCK + sub + offs_n
-                s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+                s = tl.where(_token_mask(k_pos, q_pos, q_doc, DOCS), s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, qk_scale, v, m_i, l_i, acc, DOT_PRECISION)
 
     # Vertical part: gathered columns not covered by a selected slash block of this query block,
     # up to the last one that is not after all of its queries.
     # Two copies of the loop, so that neither branches inside (diag: never for a valid index).
     n_cols = tl.load(ColLimit + plan_row)
+    c_begin = _column_begin(ColStart, plan_row, BLOCK_COL, DOCS)
     col_row, word_row = bh * MAX_V, plan_row * N_WORDS
     if tl.load(Diag + plan_row) != 0:
-        m_i, l_i, acc = _forward_columns(q, q_pos, m_i, l_i, acc, qk_scale, Cols, ColPos, Words, k_base, v_base,
-                                         col_row, word_row, n_cols, stride_kn, stride_vn, offs_d,
-                                         BLOCK_COL, INT64, UPCAST, DOT_PRECISION, True)
+        m_i, l_i, acc = _forward_columns(q, q_pos, q_doc, m_i, l_i, acc, qk_scale, Cols, ColPos, Words, k_base,
+                                         v_base, col_row, word_row, c_begin, n_cols, stride_kn, stride_vn, offs_d,
+                                         BLOCK_COL, INT64, UPCAST, DOT_PRECISION, True, DOCS)
     else:
-        m_i, l_i, acc = _forward_columns(q, q_pos, m_i, l_i, acc, qk_scale, Cols, ColPos, Words, k_base, v_base,
-                                         col_row, word_row, n_cols, stride_kn, stride_vn, offs_d,
-                                         BLOCK_COL, INT64, UPCAST, DOT_PRECISION, False)
+        m_i, l_i, acc = _forward_columns(q, q_pos, q_doc, m_i, l_i, acc, qk_scale, Cols, ColPos, Words, k_base,
+                                         v_base, col_row, word_row, c_begin, n_cols, stride_kn, stride_vn, offs_d,
+                                         BLOCK_COL, INT64, UPCAST, DOT_PRECISION, False, DOCS)
 
     has_key = l_i > 0
     l_safe = tl.where(has_key, l_i, 1.0)
@@ -290,12 +365,13 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
     nqb = nq // B
     max_v = plan.cols.shape[-1]
     cols, col_pos, words, diag, n_words = column_arguments(plan)
+    doc_start, doc_last, col_start, docs = document_arguments(plan)
     cfg = forward_launch_config(B, q.dtype)
     grid = (nq // cfg["BLOCK_M"], b * hq)
     _vs_attn_fwd_kernel[grid](
         q, k, v, out, lse,
         plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos,
-        words, diag,
+        words, diag, doc_start, doc_last, col_start,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -304,5 +380,5 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
         softmax_scale * LOG2E,
         hq, hq // k.shape[1], nqb, plan.kv_blocks.shape[-1], max_v, n_words,
         BLOCK=B, HEAD_DIM=d, ACCUMULATE=accumulate, INT64=int64_offsets(q, k, v, out, lse, *plan_tensors(plan)),
-        **kernel_flags(q.dtype), **cfg,
+        DOCS=docs, **kernel_flags(q.dtype), **cfg,
     )

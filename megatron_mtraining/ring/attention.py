@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention import check_attention_inputs, check_qkv
+from ..documents import as_documents, check_documents_across_ranks
 from ..index import VSIndex
 from ..kernels.plan import build_step_plan
 from ..kernels.step import backward_delta, resolve_backend, step_backward, step_forward
@@ -110,7 +111,8 @@ class RingAttentionFunction(torch.autograd.Function):
 
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex, group=None,
                           layout: str = "striped", inner_size: Optional[int] = None,
-                          softmax_scale: Optional[float] = None, backend: str = "auto") -> torch.Tensor:
+                          softmax_scale: Optional[float] = None, backend: str = "auto",
+                          cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Vertical-slash sparse attention across the context-parallel ``group`` (DESIGN.md 3-4).
 
     q ``[b, hq, n_local, d]`` and k/v ``[b, hkv, n_local, d]`` hold this rank's tokens in the
@@ -118,6 +120,10 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     every rank. ``inner_size`` (ranks per node, dividing the group size) selects the
     hierarchical ring; None runs one flat ring. Returns this rank's output ``[b, hq, n_local,
     d]`` in q's dtype, equal to ``sparse_attention`` on the full sequence at these positions.
+    ``cu_seqlens``: packed documents of the GLOBAL sequence (int32 ``[0, e1, ..., N]``, the same on
+    every rank; ``documents.py``): checked across ranks once per new tensor (one synchronisation,
+    so pass one tensor to every layer of an iteration), and key blocks of earlier documents are
+    skipped in every step.
     """
     topo = ring_topology(group, inner_size)
     backend = resolve_backend(backend, q.device)
@@ -125,15 +131,19 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     seq_len = q.shape[2] * topo.world_size
     check_layout(seq_len, layout, topo.world_size, index.block_size)  # names the global length
     check_attention_inputs(q, k, v, index, backend)
-    if topo.world_size > 1:
-        _check_same_on_all_ranks(topo, group if group is not None else dist.group.WORLD, q, k, index, layout)
+    cp_group = (group if group is not None else dist.group.WORLD) if topo.world_size > 1 else None
+    if cp_group is not None:
+        _check_same_on_all_ranks(topo, cp_group, q, k, index, layout)
     if q.device.type == "cpu":  # full index validation costs no device sync on the CPU
         index.validate(seq_len)
+    if cu_seqlens is not None:
+        check_documents_across_ranks(cu_seqlens, seq_len, cp_group)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     B, nb = index.block_size, seq_len // index.block_size
     blocks = _block_ids_on(q.device, seq_len, layout, topo.world_size, B)
     bitmap = index.slash_bitmap(nb)
-    plans = [build_step_plan(index, blocks[topo.rank], blocks[src], nb, slash_bitmap=bitmap)
+    documents = as_documents(cu_seqlens, seq_len, B, q.device)
+    plans = [build_step_plan(index, blocks[topo.rank], blocks[src], nb, slash_bitmap=bitmap, documents=documents)
              for src in range(topo.world_size)]
     return RingAttentionFunction.apply(q, k, v, topo, SparseSteps(plans, float(softmax_scale), backend))

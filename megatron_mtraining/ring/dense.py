@@ -64,18 +64,25 @@ class DenseZigzagSteps:
 
 def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, layout: str = "zigzag",
                          inner_size: Optional[int] = None, softmax_scale: Optional[float] = None,
-                         impl: str = "auto", block_size: int = 64) -> torch.Tensor:
+                         impl: str = "auto", block_size: int = 64,
+                         cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dense causal attention across the context-parallel ``group`` (same conventions as
     ``sparse_ring_attention``). ``impl`` picks the dense kernel of the zigzag layout ("auto",
-    "cudnn", "flash", "torch"); ``block_size`` is the stripe of the striped layout."""
+    "cudnn", "flash", "torch"); ``block_size`` is the stripe of the striped layout.
+
+    ``cu_seqlens`` (packed documents of the global sequence) masks attention to each document.
+    Either layout then runs the block-skipping sparse kernels with an all-blocks index: they skip
+    whole key blocks of earlier documents and mask only blocks that straddle a boundary, which a
+    per-step dense kernel call cannot express on these layouts (``impl`` is then unused)."""
     topo = ring_topology(group, inner_size)
     b, hq, n_local, d = q.shape
     seq_len = n_local * topo.world_size
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(d)
-    if layout == "striped":
+    if layout == "striped" or cu_seqlens is not None:
         index = VSIndex.dense(b, hq, seq_len, block_size, device=q.device)
-        return sparse_ring_attention(q, k, v, index, group, "striped", inner_size, softmax_scale)
+        return sparse_ring_attention(q, k, v, index, group, layout, inner_size, softmax_scale,
+                                     cu_seqlens=cu_seqlens)
     if layout != "zigzag":
         raise ValueError(f"layout must be 'striped' or 'zigzag', got {layout!r}")
     if seq_len % (2 * topo.world_size):
