@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernel  # noqa: E402
-from common import (cu_seqlens_of, device_slug, document_mix,  # noqa: E402
-                    fixed_packed_index, relative_l2, run_metadata, tflops, write_json)
+from common import (cu_seqlens_of, describe_index, device_slug, document_mix, fixed_packed_index,  # noqa: E402
+                    fixed_vs_index, relative_l2, run_metadata, tflops, write_json)
 
 from megatron_mtraining import reference_attention, sparse_attention  # noqa: E402
 from megatron_mtraining.kernels import resolve_backend  # noqa: E402
@@ -53,6 +53,27 @@ def flex_document_mask(cu_seqlens: torch.Tensor, seq_len: int, device: torch.dev
     return make(mask_mod, None, None, seq_len, seq_len, device=device, BLOCK_SIZE=kernel.FLEX_BLOCK)
 
 
+def rates(section: Dict, active_pairs: float, head_dim: int) -> None:
+    """fwd and fwd+bwd TFLOP/s on ``active_pairs`` (summed over batch and heads)."""
+    for kind, factor in (("fwd", 1.0), ("fwdbwd", kernel.FWD_BWD_FLOP_FACTOR)):
+        rate = tflops(4 * head_dim * active_pairs * factor, section.get(f"{kind}_ms"))
+        if rate is not None:
+            section[f"{kind}_tflops"] = rate
+
+
+def bench_unpacked(cfg: kernel.Config, seq_len: int, density: float, arg_sets, backend: str,
+                   device: torch.device) -> Dict:
+    """Our kernels without documents on kernel.py's fixed index at ``density`` of causal pairs."""
+    index = fixed_vs_index(cfg.batch, cfg.heads, seq_len, cfg.block_size, density, device, cfg.seed)
+    described = describe_index(index, seq_len)
+    section: Dict = {"density": described["density_mean"], "active_pairs": described["active_pairs"]}
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+    kernel.measure_pair(section, lambda q, k, v: sparse_attention(q, k, v, index, scale, backend), arg_sets, cfg,
+                        device)
+    rates(section, described["active_pairs"], cfg.head_dim)
+    return section
+
+
 def bench_packed(cfg: kernel.Config, seq_len: int, device: torch.device) -> Dict:
     lengths = document_mix(seq_len, cfg.block_size)
     cu = cu_seqlens_of(lengths, device)
@@ -66,45 +87,38 @@ def bench_packed(cfg: kernel.Config, seq_len: int, device: torch.device) -> Dict
                              "density_of_document_pairs": float(pairs.mean()) / doc_pairs,
                              "n_slash": int(index.n_slash.max()), "n_vertical": int(index.n_vertical.max())}}
 
+    def ours(q, k, v):
+        return sparse_attention(q, k, v, index, scale, backend, cu_seqlens=cu)
+
     packed: Dict = {"backend": backend}
-    kernel.measure_pair(packed, lambda q, k, v: sparse_attention(q, k, v, index, scale, backend, cu_seqlens=cu),
-                        arg_sets, cfg, device)
+    kernel.measure_pair(packed, ours, arg_sets, cfg, device)
+    rates(packed, float(pairs.sum()), cfg.head_dim)
+    if device.type == "cuda" and "breakdown" not in cfg.skip:
+        kernel.attempt(packed, "fwdbwd_kernels_ms",
+                       lambda: kernel.kernel_breakdown(kernel.forward_and_backward(ours), arg_sets[0]))
     entry["packed"] = packed
-    flops = 4 * cfg.head_dim * float(pairs.sum())
 
     if device.type == "cuda" and "flex" not in cfg.skip:
         flex: Dict = {"block_size": kernel.FLEX_BLOCK}
         mask = kernel.attempt(flex, "block_mask", lambda: flex_document_mask(cu, seq_len, device), keep=False)
         if mask is not None:
             kernel.measure_pair(flex, kernel.flex_attention_fn(mask), arg_sets, cfg, device)
+        rates(flex, doc_pairs * cfg.heads * cfg.batch, cfg.head_dim)  # Flex computes every document pair
         entry["flex"] = flex
-        flex_flops = 4 * cfg.head_dim * doc_pairs * cfg.heads * cfg.batch
-        for kind, factor in (("fwd", 1.0), ("fwdbwd", kernel.FWD_BWD_FLOP_FACTOR)):
-            rate = tflops(flex_flops * factor, flex.get(f"{kind}_ms"))
-            if rate is not None:
-                flex[f"{kind}_tflops"] = rate
     if "unpacked" not in cfg.skip:
-        unpacked_index, unpacked_sets = kernel.index_and_inputs(cfg, seq_len, device)
-        unpacked: Dict = {}
-        kernel.measure_pair(unpacked, lambda q, k, v: sparse_attention(q, k, v, unpacked_index, scale, backend),
-                            unpacked_sets, cfg, device)
-        unpacked_flops = 4 * cfg.head_dim * kernel.describe_index(unpacked_index, seq_len)["active_pairs"]
-        for kind, factor in (("fwd", 1.0), ("fwdbwd", kernel.FWD_BWD_FLOP_FACTOR)):
-            rate = tflops(unpacked_flops * factor, unpacked.get(f"{kind}_ms"))
-            if rate is not None:
-                unpacked[f"{kind}_tflops"] = rate
-        entry["unpacked"] = unpacked
-    for kind, factor in (("fwd", 1.0), ("fwdbwd", kernel.FWD_BWD_FLOP_FACTOR)):
-        rate = tflops(flops * factor, packed.get(f"{kind}_ms"))
-        if rate is not None:
-            packed[f"{kind}_tflops"] = rate
+        # The same density of causal pairs (kernel.py's run), and the same active pairs per query as
+        # the packed run (a sparser index): packing leaves ~4x less work per query block here.
+        causal_pairs = seq_len * (seq_len + 1) / 2
+        for name, density in (("unpacked", cfg.density), ("unpacked_equal_work", float(pairs.mean()) / causal_pairs)):
+            entry[name] = bench_unpacked(cfg, seq_len, density, arg_sets, backend, device)
+
     ratios = {}
     for kind in ("fwd", "fwdbwd"):
-        ours = packed.get(f"{kind}_ms")
-        if ours and entry.get("flex", {}).get(f"{kind}_ms"):
-            ratios[f"flex_over_ours_{kind}"] = entry["flex"][f"{kind}_ms"] / ours
-        if packed.get(f"{kind}_tflops") and entry.get("unpacked", {}).get(f"{kind}_tflops"):
-            ratios[f"packed_over_unpacked_tflops_{kind}"] = packed[f"{kind}_tflops"] / entry["unpacked"][f"{kind}_tflops"]
+        if packed.get(f"{kind}_ms") and entry.get("flex", {}).get(f"{kind}_ms"):
+            ratios[f"flex_over_ours_{kind}"] = entry["flex"][f"{kind}_ms"] / packed[f"{kind}_ms"]
+        for name in ("unpacked", "unpacked_equal_work"):
+            if packed.get(f"{kind}_tflops") and entry.get(name, {}).get(f"{kind}_tflops"):
+                ratios[f"packed_over_{name}_tflops_{kind}"] = packed[f"{kind}_tflops"] / entry[name][f"{kind}_tflops"]
     entry["ratios"] = ratios
     return entry
 
@@ -133,24 +147,26 @@ def print_table(result: Dict) -> None:
     print(f"\n{result['meta']['device']} | packed documents | {cfg['heads']}/{cfg['kv_heads']} heads, "
           f"d {cfg['head_dim']}, {cfg['dtype']}")
     header = (f"{'S':>7} {'docs':>4} {'dens':>6} | {'ours f':>8} {'ours fb':>8} {'TF/s fb':>7} | "
-              f"{'flex fb':>8} {'x flex':>7} | {'unp fb':>8} {'unp TF/s':>8} {'rate':>5}")
+              f"{'flex fb':>8} {'x flex':>7} | {'unp TF/s':>8} {'rate':>5} | {'eq TF/s':>7} {'rate':>5}")
     print(header)
     print("-" * len(header))
     for r in result["runs"]:
-        p, fl, u, s = r["packed"], r.get("flex", {}), r.get("unpacked", {}), r["ratios"]
+        p, fl, s = r["packed"], r.get("flex", {}), r["ratios"]
+        u, eq = r.get("unpacked", {}), r.get("unpacked_equal_work", {})
         print(f"{r['seq_len']:>7} {len(r['documents']):>4} {r['index']['density_of_document_pairs']:6.3f} | "
               f"{f(p.get('fwd_ms'))} {f(p.get('fwdbwd_ms'))} {f(p.get('fwdbwd_tflops'), '.0f', 7)} | "
               f"{f(fl.get('fwdbwd_ms'))} {f(s.get('flex_over_ours_fwdbwd'), '.1f', 7)} | "
-              f"{f(u.get('fwdbwd_ms'))} {f(u.get('fwdbwd_tflops'), '.0f', 8)} "
-              f"{f(s.get('packed_over_unpacked_tflops_fwdbwd'), '.2f', 5)}")
-    print("(ms, median; dens = active pairs over document-causal pairs; x flex = Flex fwd+bwd over ours;\n"
-          " rate = our TFLOP/s packed over unpacked, both on active pairs)")
+              f"{f(u.get('fwdbwd_tflops'), '.0f', 8)} {f(s.get('packed_over_unpacked_tflops_fwdbwd'), '.2f', 5)} | "
+              f"{f(eq.get('fwdbwd_tflops'), '.0f', 7)} {f(s.get('packed_over_unpacked_equal_work_tflops_fwdbwd'), '.2f', 5)}")
+    print("(ms, median; dens = active pairs over document-causal pairs; x flex = Flex fwd+bwd over ours; TF/s on\n"
+          " active pairs; unp = ours unpacked at the same density of causal pairs, eq = ours unpacked with the\n"
+          " packed run's active pairs; rate = packed TF/s over theirs)")
     c = result.get("check", {}).get("ours")
     if isinstance(c, dict):
         print(f"check S={result['check']['seq_len']}: out {c['out']:.2e} dq {c['dq']:.2e} dk {c['dk']:.2e} "
               f"dv {c['dv']:.2e} -> {'pass' if c['pass'] else 'FAIL'}")
     for r in result["runs"]:
-        for name in ("packed", "flex", "unpacked"):
+        for name in ("packed", "flex", "unpacked", "unpacked_equal_work"):
             for key, msg in r.get(name, {}).get("errors", {}).items():
                 print(f"error S={r['seq_len']} {name} {key}: {msg[:160]}")
 
@@ -159,7 +175,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-lens", default="131072")
     p.add_argument("--density", type=float, default=0.05, help="target share of document-causal pairs")
-    p.add_argument("--skip", default="", help="comma-separated: flex, unpacked, check")
+    p.add_argument("--skip", default="", help="comma-separated: flex, unpacked, breakdown, check")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU: tests the script itself")
     p.add_argument("--out", default=None)

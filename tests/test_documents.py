@@ -51,11 +51,11 @@ def random_index(b, h, n, seed, max_slash=6, max_vertical=20):
 
 
 def check_against_oracle(q, k, v, index, cu_seqlens, backend, tol):
-    mask = dense_mask(index, q.shape[2], cu_seqlens=cu_seqlens.tolist())
+    mask = dense_mask(index, q.shape[2], cu_seqlens=cu_seqlens.tolist()).to(q.device)
     out = sparse_attention(q, k, v, index, backend=backend, cu_seqlens=cu_seqlens)
     expected = attention_f64(q, k, v, mask)
     ref, _ = reference_attention(q, k, v, index, cu_seqlens=cu_seqlens)
-    grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    grad = torch.randn(expected.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(q.device)
     got = torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))
     want = torch.autograd.grad(expected, (q, k, v), grad)
     assert rel_err(ref, expected) < (1e-12 if q.dtype == torch.float64 else tol), "reference_attention vs oracle"
