@@ -8,6 +8,12 @@ vertical-slash index from the layer's q and k and the sparse ring attention runs
 group. Logs look like Megatron's; the run fails if the loss does not go down.
 
     torchrun --nproc_per_node N -m megatron_mtraining.demo [--iterations 30] [--seq-length 2048]
+
+Checkpoints take Megatron's flag names: ``--save DIR`` writes one at the end (and every
+``--save-interval`` iterations), ``--load DIR`` resumes from the latest one in new processes;
+``--iterations`` counts from the start of training, like ``--train-iters``. With the default
+``--mtraining-deterministic`` a resumed run reproduces the uninterrupted run bit for bit
+(``checkpointing.py``; ``tests/test_resume.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,11 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--log-interval", type=int, default=5)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--save", type=str, default=None, help="checkpoint directory to save to (at the end of "
+                   "training and every --save-interval iterations)")
+    p.add_argument("--save-interval", type=int, default=0, help="iterations between checkpoints (0: only at the end)")
+    p.add_argument("--load", type=str, default=None, help="checkpoint directory to resume from (its latest "
+                   "checkpoint: model, optimizer, RNG state, iteration and loss history)")
     add_mtraining_args(p)
     # Short demo sequences stay sparse; sparse-attention telemetry every 10 iterations.
     p.set_defaults(mtraining_max_slash=8, mtraining_max_vertical=64, mtraining_min_vertical=16,
@@ -83,16 +94,19 @@ def build_small_gpt(cfg: MTrainingConfig, *, num_layers: int, hidden_size: int, 
 def main(argv=None) -> int:
     args = parse_args(argv)
     use_cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:  # plain `python -m megatron_mtraining.demo`: one process
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    owns_group = not dist.is_initialized()  # else the caller's process group (tests)
+    if owns_group:
+        if "RANK" not in os.environ:  # plain `python -m megatron_mtraining.demo`: one process
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+        if use_cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda" if use_cuda else "cpu")
 
     from megatron.core import parallel_state
 
+    from .checkpointing import load_checkpoint, save_checkpoint
     from .integration import telemetry
     from .integration.args import integration_options
     from .integration.cpu_shims import apply_cpu_shims
@@ -121,11 +135,17 @@ def main(argv=None) -> int:
               f"context parallel {world} ({'nccl' if use_cuda else 'gloo'}), {seq} tokens/sequence, "
               f"layout {cfg.layout}, index {cfg.index} top-p {cfg.top_p}", flush=True)
 
+    start_iteration, losses = 0, []
+    if args.load:
+        start_iteration, extra = load_checkpoint(args.load, model, optimizer)
+        losses = list(extra.get("losses", []))
+        if rank == 0:
+            print(f"[demo] resumed from {args.load} at iteration {start_iteration}", flush=True)
+
     log_interval = integration_options(args)["log_interval"]
     tele = telemetry.enable_telemetry(log_interval) if log_interval > 0 else None
-    losses = []
     start = time.perf_counter()
-    for it in range(1, args.iterations + 1):
+    for it in range(start_iteration + 1, args.iterations + 1):
         if tele is not None:
             tele.step(it)  # megatron.training's loop provides this; a hand-written loop says it
         stream = synthetic_batch(it, args.micro_batch_size, seq, args.vocab_size, args.seed)
@@ -150,21 +170,26 @@ def main(argv=None) -> int:
             density = [m.last_index.density(seq).mean().item() for m in model.modules()
                        if getattr(m, "last_index", None) is not None]
             print(f" iteration {it:>4}/{args.iterations} | lm loss {losses[-1]:.4f} | "
-                  f"tokens/s {it * args.micro_batch_size * seq / elapsed:,.0f} | index density per layer "
-                  + " ".join(f"{d:.3f}" for d in density), flush=True)
+                  f"tokens/s {(it - start_iteration) * args.micro_batch_size * seq / elapsed:,.0f} | index "
+                  "density per layer " + " ".join(f"{d:.3f}" for d in density), flush=True)
+        if args.save and (it == args.iterations or (args.save_interval > 0 and it % args.save_interval == 0)):
+            save_checkpoint(args.save, it, model, optimizer, extra={"losses": losses})
+            if rank == 0:
+                print(f"[demo] saved checkpoint of iteration {it} to {args.save}", flush=True)
 
     if tele is not None:
         tele.flush()  # the last log iteration
         telemetry.disable_telemetry()
-    ok = losses[-1] < losses[0] - 0.5 and all(l == l for l in losses)
-    if rank == 0:
+    ok = len(losses) > 1 and losses[-1] < losses[0] - 0.5 and all(l == l for l in losses)
+    if rank == 0 and losses:
         print(f"[demo] loss {losses[0]:.3f} -> {losses[-1]:.3f}: {'OK' if ok else 'FAILED (loss did not go down)'}",
               flush=True)
     parallel_state.destroy_model_parallel()
     uninstall()
     if shims is not None:
         shims.remove()
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
     return 0 if ok else 1
 
 

@@ -41,7 +41,7 @@ from ..config import MTrainingConfig
 from ..index import VSIndex
 from ..kernels.dense import expand_kv
 from ..ring import dense_ring_attention, instrument, sparse_ring_attention
-from . import telemetry
+from . import consistency, telemetry
 from .indexer import MTrainingAttentionSubmodules
 
 logger = logging.getLogger(__name__)
@@ -337,8 +337,14 @@ class MTrainingAttention(MegatronModule):
         timed = record.timed if record is not None else _untimed
         cuda = q.is_cuda
 
+        # CP ranks must agree on flags and index: checked in the first forward and at log iterations.
+        checking = consistency.due(self, group, record)
+        if checking:
+            consistency.check_flags(self, group, q)
         with timed("approximator", cuda):
             index = self.indexer(q, k, group)  # the pre-attention step: this layer's VSIndex
+        if checking:
+            consistency.check_index(index, group, self.layer_number)
         self.last_index = index
         with timed("attention_fwd", cuda), (instrument.suspended() if tele is not None and not counted
                                             else contextlib.nullcontext()):

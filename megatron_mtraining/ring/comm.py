@@ -6,6 +6,11 @@ deadlocks). The hierarchical ring uses two of them: ``inner`` (ranks of one node
 the CP group) and ``outer`` (the ranks with the same inner index on every node), each on its
 own process group, so NCCL runs them on separate communicators and streams and the outer
 transfer overlaps the whole inner loop.
+
+A transfer that fails (a peer died, or did not arrive within the process group's timeout:
+``init_process_group(timeout=...)``, Megatron's ``--distributed-timeout-minutes``) raises
+``RingCommunicationError`` from ``Pending.wait``, naming the ring step, the direction, whose
+data was on its way and the peer it was coming from, with the original error chained.
 """
 
 from __future__ import annotations
@@ -19,29 +24,60 @@ import torch.distributed as dist
 from . import slow_link
 
 
+_DistError = getattr(dist, "DistError", RuntimeError)
+
+
+class RingCommunicationError(_DistError):
+    """A ring transfer failed or timed out; the message names the ring step (a
+    ``torch.distributed.DistError``, i.e. a RuntimeError; the original error is its ``__cause__``)."""
+
+
 class Pending:
     """Tensors being received; ``wait()`` returns them once they have arrived."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], works=(), keep_alive=(), arrival=None):
+    def __init__(self, tensors: Sequence[torch.Tensor], works=(), keep_alive=(), arrival=None, ring=None):
         self._tensors = tuple(tensors)
         self._works = list(works)
         self._keep_alive = keep_alive  # the sent tensors must outlive the transfer
         self._arrival = arrival  # emulated slow link (benchmarks): the event the data "arrives" at
+        self._ring = ring  # the Ring that posted the transfer (for error messages)
 
-    def wait(self) -> Tuple[torch.Tensor, ...]:
-        for work in self._works:
-            work.wait()
+    def wait(self, context: Optional[Tuple[str, int, int, str, int]] = None) -> Tuple[torch.Tensor, ...]:
+        """The received tensors. ``context``: ``(direction, step, steps, what, source)`` of the
+        ring schedule, put into the error message if the transfer fails (no cost otherwise)."""
+        try:
+            for work in self._works:
+                work.wait()
+        except Exception as err:
+            raise RingCommunicationError(self._describe(context, err)) from err
         if self._arrival is not None:
             torch.cuda.current_stream().wait_event(self._arrival)
         self._works, self._keep_alive, self._arrival = [], (), None
         return self._tensors
 
+    def _describe(self, context, err: BaseException) -> str:
+        ring = self._ring
+        peers = (f"global rank {ring.prev_rank} (sending to global rank {ring.next_rank}) on the {ring.name} ring"
+                 if ring is not None else "its ring neighbours")
+        if context is not None:
+            direction, step, steps, what, source = context
+            where = (f"{direction} ring step {step} of {steps} (0-based): the {what} of context-parallel rank "
+                     f"{source} did not arrive from {peers}")
+        else:
+            where = f"a ring transfer from {peers} failed"
+        return (f"MTraining ring attention, {where}: {type(err).__name__}: {err}\n"
+                "A peer process died or stopped (look for the first error in the other ranks' logs), or it is "
+                "alive but slower than the process-group timeout: raise it with Megatron's "
+                "--distributed-timeout-minutes or torch.distributed.init_process_group(timeout=...). "
+                "See docs/troubleshooting.md.")
+
 
 class Ring:
     """One ring over ``ranks`` (global ranks, ring order) of ``group``; ``index`` is our position."""
 
-    def __init__(self, group, ranks: Sequence[int], index: int):
+    def __init__(self, group, ranks: Sequence[int], index: int, name: str = "flat"):
         self.group = group
+        self.name = name  # "flat", "inner" (intra-node) or "outer" (inter-node): error messages
         self.size = len(ranks)
         self.index = index
         self.next_rank = ranks[(index + 1) % self.size]
@@ -57,7 +93,8 @@ class Ring:
         ops = [dist.P2POp(dist.isend, t, self.next_rank, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self.group) for r in received]
         works = dist.batch_isend_irecv(ops)
-        return Pending(received, works, keep_alive=tuple(tensors), arrival=self._emulated_arrival(received))
+        return Pending(received, works, keep_alive=tuple(tensors), arrival=self._emulated_arrival(received),
+                       ring=self)
 
     def _emulated_arrival(self, received):
         link = slow_link.get_slow_link()
@@ -129,6 +166,6 @@ def ring_topology(group=None, inner_size: Optional[int] = None) -> RingTopology:
             outer_ranks = ranks[i::inner]
             inner_group = dist.new_group(inner_ranks, use_local_synchronization=True)
             outer_group = dist.new_group(outer_ranks, use_local_synchronization=True)
-            _TOPOLOGIES[key] = RingTopology(world, rank, Ring(inner_group, inner_ranks, i),
-                                            Ring(outer_group, outer_ranks, node))
+            _TOPOLOGIES[key] = RingTopology(world, rank, Ring(inner_group, inner_ranks, i, "inner (intra-node)"),
+                                            Ring(outer_group, outer_ranks, node, "outer (inter-node)"))
     return _TOPOLOGIES[key]

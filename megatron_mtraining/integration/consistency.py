@@ -1,0 +1,162 @@
+"""Cross-rank consistency checks: the context-parallel ranks must agree on flags and index.
+
+Every CP rank of a layer must run with the same MTraining settings and build the same
+``VSIndex`` (DESIGN.md section 2): the ring, the per-step index conversion and the
+approximator's collectives all assume it. Ranks that disagree would otherwise hang in a
+collective of another size or silently compute a different function on each rank.
+
+``MTrainingAttention`` calls, once in the first forward of each layer and again in the first
+forward of each telemetry log iteration (``--mtraining-log-interval``; the iteration is the
+telemetry's, see ``telemetry.py``):
+
+* ``check_flags(attention, group)`` before the indexer: one int64 per setting (a hash of its
+  value: every ``MTrainingConfig`` field, the dense layers, the log interval, the layer's
+  dense flag, softmax scale and indexer class), so a disagreement is found before the
+  approximator's collectives, which depend on them;
+* ``check_index(index, group, layer)`` after it: the index shapes and checksums of the valid
+  entries of each tensor (padding is ignored: any value may stand there).
+
+Each check is one all-reduce of a few int64s that yields the MIN and the MAX of every entry
+over the group (MAX over ``[x, -x]``), so every rank learns the same thing and every rank
+raises the same ``ConsistencyError``; none is left waiting. Between the checked iterations
+nothing runs: no collective, no host synchronisation on the per-layer hot path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..index import VSIndex
+from . import telemetry
+
+__all__ = ["ConsistencyError", "check_flags", "check_index", "due", "flag_values"]
+
+_MASK = (1 << 62) - 1  # values in [0, 2^62): -x never overflows
+_CHECKED_ATTR = "_mtraining_consistency_checked"  # on the attention module: the last checked iteration
+_FIRST = -1  # marks the first forward, before any telemetry iteration
+
+
+class ConsistencyError(RuntimeError):
+    """Context-parallel ranks disagree on MTraining settings or on a layer's index."""
+
+
+def due(attention, group, record) -> bool:
+    """Whether this forward of ``attention`` checks: the first one of the layer, and the first of
+    each telemetry log iteration (``record``: the telemetry's record, None between log
+    iterations). Every CP rank decides alike (same forwards, same iterations), provided the ranks
+    agree on the log interval, which the first check covers."""
+    if group is None:
+        return False
+    last = getattr(attention, _CHECKED_ATTR, None)
+    if last is None:
+        setattr(attention, _CHECKED_ATTR, record.iteration if record is not None else _FIRST)
+        return True
+    if record is not None and record.iteration != last:
+        setattr(attention, _CHECKED_ATTR, record.iteration)
+        return True
+    return False
+
+
+def _hash(value) -> int:
+    digest = hashlib.blake2b(repr(value).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MASK
+
+
+def _device(group, like: Optional[torch.Tensor]) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        if like is not None and like.is_cuda:
+            return like.device
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _min_max(values: torch.Tensor, group) -> Tuple[List[int], List[int]]:
+    """Element-wise MIN and MAX over ``group`` of int64 ``values`` in [0, 2^62), in one all-reduce."""
+    both = torch.cat([values, -values])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    n = values.numel()
+    both = both.cpu().tolist()
+    return [-x for x in both[n:]], both[:n]
+
+
+def _rank(group) -> str:
+    return f"CP rank {dist.get_rank(group)} (global rank {dist.get_rank()})"
+
+
+def flag_values(attention) -> List[Tuple[str, str, object]]:
+    """``(name, flag, value)`` of every setting the CP ranks of ``attention``'s layer must share."""
+    cfg = attention.mtraining_config
+    tele = telemetry.get_telemetry()
+    fields = [(f.name, "--mtraining-" + f.name.replace("_", "-"), getattr(cfg, f.name))
+              for f in dataclasses.fields(cfg)]
+    fields += [
+        ("dense_layers", "--mtraining-dense-layers", attention.dense_layers),
+        ("log_interval", "--mtraining-log-interval (telemetry)", tele.log_interval if tele is not None else 0),
+        ("dense", f"layer {attention.layer_number} dense (--mtraining-dense-layers)", attention.dense),
+        ("softmax_scale", "softmax scale (--kv-channels / softmax_scale)", attention.softmax_scale),
+        ("indexer", "the layer spec's indexer submodule", type(attention.indexer).__qualname__),
+    ]
+    return fields
+
+
+def check_flags(attention, group, like: Optional[torch.Tensor] = None) -> None:
+    """Raise ``ConsistencyError`` on every rank of ``group`` unless all of them run ``attention``'s
+    layer with the same settings (``flag_values``). A collective over ``group``."""
+    fields = flag_values(attention)
+    values = torch.tensor([_hash(value) for _, _, value in fields], dtype=torch.int64,
+                          device=_device(group, like))
+    low, high = _min_max(values, group)
+    bad = [(name, flag, value) for (name, flag, value), lo, hi in zip(fields, low, high) if lo != hi]
+    if bad:
+        listed = "; ".join(f"{flag} ({name}: {value!r} on this rank)" for name, flag, value in bad)
+        raise ConsistencyError(
+            f"MTraining: the context-parallel ranks of layer {attention.layer_number} run with different "
+            f"settings: {listed} [{_rank(group)}]. Every rank of a context-parallel group must get the same "
+            "--mtraining-* flags: launch every node with the same command line (and the same LOCAL_WORLD_SIZE / "
+            "GPUS_PER_NODE, which set the default of --mtraining-inner-ring-size), or set the differing flag "
+            "explicitly. See docs/troubleshooting.md.")
+
+
+def _weights(n: int, device) -> torch.Tensor:
+    """Position weights in [1, 2^31): a checksum that sees permutations, not only sums."""
+    return (torch.arange(n, dtype=torch.int64, device=device) * 2654435761) % 2147483647 + 1
+
+
+def _checksum(values: torch.Tensor, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Position-weighted sum of the entries of ``values`` (with ``counts``: only the valid ones,
+    ``values[..., :counts]``); int64 sums wrap modulo 2^64 identically in any order, so the same
+    index gives the same checksum on every device."""
+    entries = values.long() + 1
+    if counts is not None:
+        valid = torch.arange(values.shape[-1], device=values.device) < counts[..., None].long()
+        entries = torch.where(valid, entries, torch.zeros_like(entries))
+    flat = entries.flatten()
+    return (flat * _weights(flat.numel(), flat.device)).sum() & _MASK
+
+
+def check_index(index: VSIndex, group, layer_number: int) -> None:
+    """Raise ``ConsistencyError`` on every rank of ``group`` unless all of them hold the same
+    ``index`` (shapes, block size and the valid entries). A collective over ``group``."""
+    names = ["batch and heads", "slash capacity", "vertical capacity", "block size", "slash counts (n_slash)",
+             "slash offsets", "vertical counts (n_vertical)", "vertical columns"]
+    device = _device(group, index.slash)
+    shape = torch.tensor([_hash(tuple(index.slash.shape[:2])), index.slash.shape[-1], index.vertical.shape[-1],
+                          index.block_size], dtype=torch.int64)
+    sums = torch.stack([_checksum(index.n_slash), _checksum(index.slash, index.n_slash),
+                        _checksum(index.n_vertical), _checksum(index.vertical, index.n_vertical)])
+    values = torch.cat([shape.to(device), sums.to(device)])
+    low, high = _min_max(values, group)
+    bad = [name for name, lo, hi in zip(names, low, high) if lo != hi]
+    if bad:
+        raise ConsistencyError(
+            f"MTraining: layer {layer_number}'s sparse index differs across the context-parallel ranks "
+            f"({', '.join(bad)}) [{_rank(group)}]. Every rank must build the same VSIndex: the built-in "
+            "builders do (they combine their statistics across the CP group, deterministically); a custom "
+            "indexer (MTrainingAttentionSubmodules(indexer=...)) must too. Other causes: ranks with different "
+            "--mtraining-* flags or software versions (torch, triton, megatron_mtraining) within one "
+            "context-parallel group. See docs/troubleshooting.md.")
