@@ -43,8 +43,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import (describe_index, device_slug, fixed_vs_index, json_ready, median,  # noqa: E402
-                    run_metadata, synchronize)
+from common import (cu_seqlens_of, describe_index, device_slug, document_mix, fixed_packed_index,  # noqa: E402
+                    fixed_vs_index, json_ready, median, run_metadata, synchronize)
 
 from megatron_mtraining.ring import (dense_ring_attention, imbalance_metrics, record_ring_steps,  # noqa: E402
                                      sparse_ring_attention)
@@ -86,6 +86,7 @@ class Config:
     smoke: bool = False
     slow_link_gbps: Optional[float] = None  # emulated inter-node link (ring/slow_link.py); None: off
     slow_link_latency_us: float = 0.0
+    documents: bool = False  # pack common.DOCUMENT_MIX_128K (scaled) into every sequence
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,25 +283,28 @@ def local_inputs(cfg: Config, seq_len: int, device: torch.device) -> Dict[str, t
             "v": rand(cfg.kv_heads).requires_grad_(), "grad": rand(cfg.heads)}
 
 
-def bench_dense_zigzag(cfg: Config, x: Dict, device: torch.device) -> Dict:
+def bench_dense_zigzag(cfg: Config, x: Dict, device: torch.device, cu_seqlens=None) -> Dict:
     from megatron_mtraining.kernels import dense as dense_kernels
 
     def attn():
-        return dense_ring_attention(x["q"], x["k"], x["v"], layout="zigzag", impl=cfg.dense_impl)
+        return dense_ring_attention(x["q"], x["k"], x["v"], layout="zigzag", impl=cfg.dense_impl,
+                                    block_size=cfg.block_size, cu_seqlens=cu_seqlens)
 
     local = measure_local(attn, (x["q"], x["k"], x["v"]), x["grad"], cfg, device, per_step=True)
     # "auto" resolves to cuDNN and falls back to flash for good once cuDNN raised: say what ran.
-    local["impl"] = dense_kernels._resolve(cfg.dense_impl, x["q"])
+    # With documents the dense ring runs our block-skipping kernels on the all-blocks index.
+    local["impl"] = "sparse kernels, all blocks, documents" if cu_seqlens is not None else \
+        dense_kernels._resolve(cfg.dense_impl, x["q"])
     return local
 
 
 def bench_sparse(cfg: Config, x: Dict, index, device: torch.device, layout: str,
-                 inner_size: Optional[int]) -> Dict:
+                 inner_size: Optional[int], cu_seqlens=None) -> Dict:
     from megatron_mtraining.kernels import resolve_backend
 
     def attn():
         return sparse_ring_attention(x["q"], x["k"], x["v"], index, layout=layout, inner_size=inner_size,
-                                     backend=cfg.sparse_backend)
+                                     backend=cfg.sparse_backend, cu_seqlens=cu_seqlens)
 
     local = measure_local(attn, (x["q"], x["k"], x["v"]), x["grad"], cfg, device, per_step=True)
     local.update(layout=layout, inner_size=inner_size, backend=resolve_backend(cfg.sparse_backend, device))
@@ -390,21 +394,30 @@ def bench_seq_len(cfg: Config, seq_len: int, device: torch.device, on_update: Ca
     say(f"S = {seq_len} ({seq_len // W} tokens per rank, {W} ranks)")
     entry: Dict = {"seq_len": seq_len, "world_size": W, "tokens_per_rank": seq_len // W, "variants": {}}
     variants = entry["variants"]
-    index = fixed_vs_index(cfg.batch, cfg.heads, seq_len, cfg.block_size, cfg.density, device, cfg.seed)
-    entry["index"] = describe_index(index, seq_len)
+    cu = cu_seqlens_of(document_mix(seq_len, cfg.block_size), device) if cfg.documents else None
+    if cu is None:
+        index = fixed_vs_index(cfg.batch, cfg.heads, seq_len, cfg.block_size, cfg.density, device, cfg.seed)
+        entry["index"] = describe_index(index, seq_len)
+    else:  # `density` of the document-causal pairs, counted exactly
+        index, pairs, doc_pairs = fixed_packed_index(cfg.batch, cfg.heads, seq_len, cu, cfg.block_size, cfg.density,
+                                                     device, cfg.seed)
+        entry["documents"] = document_mix(seq_len, cfg.block_size)
+        entry["index"] = {"active_pairs": float(pairs.sum()), "density_of_document_pairs": float(pairs.mean()) / doc_pairs,
+                          "density_mean": float(pairs.mean()) / (seq_len * (seq_len + 1) / 2)}
     entry["index_same_on_all_ranks"] = len({tuple(f) for f in gather(index_fingerprint(index))}) == 1
     x = local_inputs(cfg, seq_len, device)
 
     plan = {
-        "dense_zigzag": lambda: run_variant("dense_zigzag", lambda: bench_dense_zigzag(cfg, x, device)),
-        "torch_native_cp": lambda: native_cp_section(cfg, seq_len, device),
+        "dense_zigzag": lambda: run_variant("dense_zigzag", lambda: bench_dense_zigzag(cfg, x, device, cu)),
+        "torch_native_cp": lambda: (native_cp_section(cfg, seq_len, device) if cu is None
+                                    else {"skipped": "PyTorch's context parallel has no document mask"}),
         "sparse_zigzag": lambda: run_variant(
-            "sparse_zigzag", lambda: bench_sparse(cfg, x, index, device, "zigzag", None)),
+            "sparse_zigzag", lambda: bench_sparse(cfg, x, index, device, "zigzag", None, cu)),
         "sparse_striped": lambda: run_variant(
-            "sparse_striped", lambda: bench_sparse(cfg, x, index, device, "striped", None)),
+            "sparse_striped", lambda: bench_sparse(cfg, x, index, device, "striped", None, cu)),
         "sparse_striped_hier": lambda: (
             run_variant("sparse_striped_hier",
-                        lambda: bench_sparse(cfg, x, index, device, "striped", cfg.inner_size))
+                        lambda: bench_sparse(cfg, x, index, device, "striped", cfg.inner_size, cu))
             if W > cfg.inner_size and W % cfg.inner_size == 0
             else {"skipped": f"needs a world size that is a multiple of inner_size {cfg.inner_size}, "
                              f"larger than it (have {W})"}),
@@ -540,6 +553,9 @@ def parse_args(argv=None):
                    help="emulate a slow link between nodes of --inner-size GPUs at this many GB/s (GPU only): "
                         "flat vs hierarchical ring under a slow inter-node hop")
     p.add_argument("--slow-link-latency-us", type=float, default=0.0)
+    p.add_argument("--documents", action="store_true",
+                   help="pack the benchmark's document mix into every sequence (index at --density of the document "
+                        "pairs; the dense ring then runs our kernels on the all-blocks index with the documents)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ring_<device>_<W>gpu.json)")
     return p.parse_args(argv)
 
@@ -552,7 +568,8 @@ def make_config(args, world_size: int) -> Config:
     common = dict(world_size=world_size, density=args.density, seed=args.seed, inner_size=args.inner_size,
                   native_rotate=args.native_rotate, native_sdpa=tuple(s for s in args.native_sdpa.split(",") if s),
                   forward_only=not args.no_fwd, variants=tuple(variants), scaling=args.scaling,
-                  slow_link_gbps=args.slow_link_gbps, slow_link_latency_us=args.slow_link_latency_us)
+                  slow_link_gbps=args.slow_link_gbps, slow_link_latency_us=args.slow_link_latency_us,
+                  documents=args.documents)
     if args.smoke:
         return Config(seq_lens=[512], block_size=16, heads=4, kv_heads=2, head_dim=32, dtype="fp32",
                       sparse_backend="torch", dense_impl="torch", warmup=1, reps=3, smoke=True, **common)
@@ -565,7 +582,8 @@ def output_path(args, device: torch.device, world_size: int) -> str:
     if args.out:
         return args.out
     link = f"_slowlink{args.slow_link_gbps:g}GBps" if args.slow_link_gbps else ""
-    name = f"ring_{device_slug(device)}_{world_size}gpu{link}.json"
+    kind = "ringpacked" if args.documents else "ring"  # packed runs are their own results kind
+    name = f"{kind}_{device_slug(device)}_{world_size}gpu{link}.json"
     if args.smoke:  # smoke runs never land among the committed results
         return os.path.join(tempfile.gettempdir(), name.replace("ring_", "ring_smoke_"))
     return os.path.join(RESULTS_DIR, name)

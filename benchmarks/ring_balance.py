@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import fixed_vs_index, run_metadata, write_json  # noqa: E402
+from common import (cu_seqlens_of, document_mix, fixed_packed_index, fixed_vs_index, run_metadata,  # noqa: E402
+                    write_json)
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.approx import approximate_index  # noqa: E402
@@ -39,11 +40,14 @@ from megatron_mtraining.synthetic import synthetic_vs_qk  # noqa: E402
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def block_pairs(index: VSIndex, seq_len: int) -> torch.Tensor:
+def block_pairs(index: VSIndex, seq_len: int, cu_seqlens=None) -> torch.Tensor:
     """float64 [nb, nb]: active (query, key) pairs of each (query block, key block), summed over
     the index's heads (batch 0). A selected offset covers its whole block (the diagonal block's
-    causal half); otherwise each selected column of the key block adds its B rows."""
+    causal half); otherwise each selected column of the key block adds its B rows. With packed
+    documents (``cu_seqlens``) only pairs within one document count."""
     B, nb = index.block_size, seq_len // index.block_size
+    if cu_seqlens is not None:
+        return packed_block_pairs(index, seq_len, cu_seqlens)
     qb, kb = torch.arange(nb)[:, None], torch.arange(nb)[None, :]
     offset = qb - kb
     causal = offset >= 0
@@ -55,6 +59,34 @@ def block_pairs(index: VSIndex, seq_len: int) -> torch.Tensor:
         per_block_columns = columns[h].view(nb, B).sum(-1).double()  # selected columns per key block
         full = torch.where(offset == 0, B * (B + 1) / 2, float(B * B))
         total += torch.where(by_slash, full, torch.where(causal & (offset > 0), per_block_columns[kb] * B, 0.0))
+    return total
+
+
+def packed_block_pairs(index: VSIndex, seq_len: int, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """``block_pairs`` with documents, from tokens per (block, document) ``cnt``: a selected block
+    pair keeps its same-document pairs (cnt @ cnt.T; the diagonal block cnt (cnt + 1) / 2), and the
+    selected columns of a key block reach the queries of their own document only."""
+    B, nb = index.block_size, seq_len // index.block_size
+    cu = cu_seqlens.long()
+    pos = torch.arange(seq_len)
+    doc = torch.searchsorted(cu, pos, right=True) - 1
+    cnt = torch.zeros(nb, cu.numel() - 1, dtype=torch.float64)
+    cnt.index_put_((pos // B, doc), torch.ones(seq_len, dtype=torch.float64), accumulate=True)
+    same_doc = cnt @ cnt.T
+    same_doc.diagonal().copy_((cnt * (cnt + 1) / 2).sum(-1))
+    qb, kb = torch.arange(nb)[:, None], torch.arange(nb)[None, :]
+    offset = qb - kb
+    causal = offset >= 0
+    total = torch.zeros(nb, nb, dtype=torch.float64)
+    bitmap = index.slash_bitmap(nb).bool()[0]
+    columns = index.column_mask(seq_len)[0]
+    for h in range(bitmap.shape[0]):
+        by_slash = bitmap[h][offset.clamp(min=0)] & causal
+        col_cnt = torch.zeros_like(cnt)                 # selected columns per (key block, document)
+        c = columns[h].nonzero().flatten()
+        col_cnt.index_put_((c // B, doc[c]), torch.ones(c.numel(), dtype=torch.float64), accumulate=True)
+        by_columns = cnt @ col_cnt.T                    # [qb, kb]: column pairs within documents
+        total += torch.where(by_slash, same_doc, torch.where(causal & (offset > 0), by_columns, 0.0))
     return total
 
 
@@ -79,7 +111,11 @@ def balance(work: torch.Tensor) -> dict:
             "step_share_of_work": (work.sum(0) / work.sum()).tolist()}
 
 
-def indices(seq_len: int, heads: int, kv_heads: int, block: int, density: float, localities, seed: int):
+def indices(seq_len: int, heads: int, kv_heads: int, block: int, density: float, localities, seed: int,
+            cu_seqlens=None):
+    if cu_seqlens is not None:  # packed: the fixed index at `density` of the document-causal pairs
+        yield "fixed, packed documents", fixed_packed_index(1, heads, seq_len, cu_seqlens, block, density, seed=seed)[0]
+        return
     yield "fixed (ring.py)", fixed_vs_index(1, heads, seq_len, block, density, seed=seed)
     if seq_len > 65536:  # synthetic q/k of every head at this length would not fit this machine's memory
         return
@@ -100,14 +136,21 @@ def main(argv=None):
     p.add_argument("--density", type=float, default=0.05, help="density of the fixed index")
     p.add_argument("--localities", default="1,4,16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.path.join(RESULTS_DIR, "analysis_ring_balance.json"))
+    p.add_argument("--documents", action="store_true",
+                   help="pack the benchmark's document mix (common.DOCUMENT_MIX_128K, scaled) into every sequence")
+    p.add_argument("--out", default=None, help="default results/analysis_ring_balance[_packed].json")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = os.path.join(RESULTS_DIR, f"analysis_ring_balance{'_packed' if args.documents else ''}.json")
     rows = []
     for seq_len in (int(x) for x in args.seq_lens.split(",")):
+        cu = cu_seqlens_of(document_mix(seq_len, args.block_size)) if args.documents else None
         for name, index in indices(seq_len, args.heads, args.kv_heads, args.block_size, args.density,
-                                   [float(x) for x in args.localities.split(",") if x], args.seed):
-            pairs = block_pairs(index, seq_len)
+                                   [float(x) for x in args.localities.split(",") if x], args.seed, cu):
+            pairs = block_pairs(index, seq_len, cu)
             row = {"seq_len": seq_len, "index": name, "density": float(index.density(seq_len).mean())}
+            if cu is not None:
+                row["documents"] = document_mix(seq_len, args.block_size)
             for layout in ("striped", "zigzag"):
                 row[layout] = balance(step_work(pairs, seq_len, layout, args.world, args.block_size))
             row["zigzag_over_striped"] = {m: row["zigzag"][m] / row["striped"][m] for m in MODELS}

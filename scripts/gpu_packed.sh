@@ -6,7 +6,7 @@
 # shellcheck source=SCRIPTDIR/gpu_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
 setup_venv || exit 1
-timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -x tests/test_documents.py tests/test_gpu.py tests/test_convert.py \
+timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q tests/test_documents.py tests/test_gpu.py tests/test_convert.py \
     tests/test_sparse_attention.py > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; tail -3 "$OUT/tests.log"
 timeout "${BENCH_TIMEOUT:-300}" "$PY" benchmarks/packed.py --seq-lens "${PACKED_LENS:-131072}" \

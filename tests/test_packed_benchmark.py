@@ -45,3 +45,15 @@ def test_smoke_run(tmp_path):
     run = result["runs"][0]
     assert run["packed"]["fwdbwd_ms"] > 0 and run["unpacked"]["fwdbwd_ms"] > 0
     assert result["check"]["ours"]["pass"]
+
+
+def test_ring_balance_counts_pairs_within_documents():
+    """ring_balance's per-block-pair counts with documents == the mask's, summed per block pair."""
+    from ring_balance import block_pairs
+    n, B = 256, 16
+    index = VSIndex.random(1, 3, n, B, max_slash=6, max_vertical=30, generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0, 3, 40, 64, 65, 180, n], dtype=torch.int32)
+    pos = torch.arange(n)
+    mask = vs_mask(index, pos, pos, n // B, cu)[0].sum(0).double()  # [n, n] over heads
+    want = mask.view(n // B, B, n // B, B).sum((1, 3))
+    assert torch.equal(block_pairs(index, n, cu), want)
