@@ -9,8 +9,10 @@
 #
 # Requirements:
 #   - a Megatron-LM checkout of branch core_r0.19.x (the folder with pretrain_gpt.py), in $MEGATRON_LM
-#   - this plugin installed in the same Python environment:
-#       pip install --no-build-isolation -e <path to this repo>
+#   - this plugin installed in the Python that runs the ranks, $PYTHON (default: this repo's
+#     .venv/bin/python when it exists, else python3); the ranks start with
+#     "$PYTHON" -m torch.distributed.run, so a torchrun of another Python cannot be picked up:
+#       "$PYTHON" -m pip install --no-build-isolation -e <path to this repo>
 #   - real data: a Megatron indexed dataset (prefix in $DATA_PATH, built with
 #     $MEGATRON_LM/tools/preprocess_data.py) and a Hugging Face tokenizer ($TOKENIZER_MODEL,
 #     e.g. Qwen/Qwen2.5-3B or a local folder); without $DATA_PATH it trains on --mock-data.
@@ -19,6 +21,9 @@
 #   MEGATRON_LM=/path/to/Megatron-LM bash examples/pretrain_qwen2.5_3b_512k_mtraining.sh
 # Multi-node: set NNODES, NODE_RANK, MASTER_ADDR (and GPUS_PER_NODE) on every node.
 # Extra arguments are appended to the Megatron command line (later flags win), e.g. --train-iters 100.
+# MTRAINING_ENTRY=fork runs $MEGATRON_LM/pretrain_gpt.py itself, for a fork patched with
+# patches/megatron-lm-core_r0.19.x-mtraining.patch (default: launcher, for unmodified Megatron-LM).
+# DRY_RUN=1 prints the command instead of running it.
 set -euo pipefail
 
 # ---- distributed setup (defaults: one node) ----
@@ -40,6 +45,36 @@ if [[ ! -f "$MEGATRON_LM/pretrain_gpt.py" ]]; then
 fi
 export PYTHONPATH="$MEGATRON_LM${PYTHONPATH:+:$PYTHONPATH}"
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+
+# ---- interpreter and entry point ----
+# The ranks are started with "$PYTHON" -m torch.distributed.run, never a bare `torchrun`: the
+# torchrun on PATH may belong to another Python than the one holding the plugin (e.g. a host torch
+# that a project venv reuses), and its ranks would then not find megatron_mtraining.
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x "$REPO_ROOT/.venv/bin/python" ]]; then PYTHON=$REPO_ROOT/.venv/bin/python; else PYTHON=python3; fi
+fi
+if ! command -v "$PYTHON" >/dev/null 2>&1; then
+    echo "error: PYTHON=$PYTHON is not an executable; set PYTHON to the Python that has megatron-mtraining installed" >&2
+    exit 1
+fi
+if ! "$PYTHON" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("megatron_mtraining") is None)' 2>/dev/null; then
+    echo "error: PYTHON=$PYTHON cannot import megatron_mtraining; set PYTHON to the Python that has it, or install it into that one: $PYTHON -m pip install --no-build-isolation -e $REPO_ROOT" >&2
+    exit 1
+fi
+case "${MTRAINING_ENTRY:-launcher}" in
+    launcher)   # unmodified Megatron-LM: the plugin's launcher adds the flags and the hooks
+        ENTRY=(-m megatron_mtraining.launch "$MEGATRON_LM/pretrain_gpt.py") ;;
+    fork)       # Megatron-LM with patches/megatron-lm-core_r0.19.x-mtraining.patch applied
+        if ! grep -q "_add_mtraining_args" "$MEGATRON_LM/megatron/training/arguments.py" 2>/dev/null; then
+            echo "error: MTRAINING_ENTRY=fork but MEGATRON_LM=$MEGATRON_LM is not patched (git apply $REPO_ROOT/patches/megatron-lm-core_r0.19.x-mtraining.patch there, or use MTRAINING_ENTRY=launcher)" >&2
+            exit 1
+        fi
+        ENTRY=("$MEGATRON_LM/pretrain_gpt.py") ;;
+    *)
+        echo "error: MTRAINING_ENTRY=${MTRAINING_ENTRY} is neither launcher nor fork" >&2
+        exit 1 ;;
+esac
 
 # ---- run configuration ----
 SEQ_LENGTH=${SEQ_LENGTH:-524288}
@@ -160,11 +195,19 @@ LOGGING_ARGS=(
     --tensorboard-dir "$CHECKPOINT_PATH/tensorboard"
 )
 
-torchrun "${DISTRIBUTED_ARGS[@]}" -m megatron_mtraining.launch "$MEGATRON_LM/pretrain_gpt.py" \
-    "${MODEL_ARGS[@]}" \
-    "${TRAINING_ARGS[@]}" \
-    "${PARALLEL_ARGS[@]}" \
-    "${MTRAINING_ARGS[@]}" \
-    "${DATA_ARGS[@]}" \
-    "${LOGGING_ARGS[@]}" \
+CMD=("$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "${ENTRY[@]}"
+    "${MODEL_ARGS[@]}"
+    "${TRAINING_ARGS[@]}"
+    "${PARALLEL_ARGS[@]}"
+    "${MTRAINING_ARGS[@]}"
+    "${DATA_ARGS[@]}"
+    "${LOGGING_ARGS[@]}"
     "$@"
+)
+# DRY_RUN=1 prints the command (shell-quoted) instead of running it.
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    printf '%q ' "${CMD[@]}"
+    echo
+    exit 0
+fi
+exec "${CMD[@]}"

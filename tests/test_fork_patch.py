@@ -1,18 +1,27 @@
-"""patches/megatron-lm-core_r0.19.x-mtraining.patch applies to the megatron-core 0.19.2 wheel.
+"""patches/megatron-lm-core_r0.19.x-mtraining.patch applies to the trees users fork.
 
-Downloads the wheel (no install: it needs Python 3.12) into pytest's tmp dir, extracts its
-``megatron/`` tree, runs ``git apply --check`` and ``git apply`` there, and checks the patched
-files: they compile, ``--mtraining`` is registered in ``add_megatron_arguments``, the backend
-selection is in ``pretrain``, and the GPTModel spec hook exists. ``_add_mtraining_args`` is
-also run on a bare argparse parser (lifted out of the patched file with ``ast``, so neither
-torch nor megatron-core is imported), with and without megatron_mtraining importable.
+Two trees, each unpacked into pytest's tmp dir, ``git apply --check`` then ``git apply``:
+
+* ``megatron-lm``: Megatron-LM branch core_r0.19.0 from its tarball (``megatron-lm-core_r0.19.0.tar.gz``,
+  found at ``$MTRAINING_MEGATRON_LM_TARBALL``, ``<repo>/../shared/third_party/`` or ``<repo>/.carry/``:
+  see ``tests/megatron_lm_tree.py``); skipped when none is there.
+* ``wheel``: the ``megatron/`` tree of the megatron-core 0.19.2 wheel, from ``<repo>/.whl/`` when
+  carried there; downloaded from PyPI (no install: it needs Python 3.12) only as the fallback when
+  the Megatron-LM tarball is absent, and skipped otherwise.
+
+On each, the patched files are checked without importing them (this file's Python may not import
+megatron-core 0.19): they compile, ``--mtraining`` is registered in ``add_megatron_arguments``, the
+backend selection is in ``pretrain``, and the GPTModel spec hook exists. ``_add_mtraining_args`` is
+also run on a bare argparse parser (lifted out of the patched file with ``ast``), with the plugin
+importable, not importable, and broken. ``tests/test_real_megatron_lm.py`` runs the patched real
+tree's own parser and ``pretrain()``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import importlib.util
+import importlib.abc
 import os
 import py_compile
 import shutil
@@ -23,19 +32,21 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-PATCH = REPO / "patches" / "megatron-lm-core_r0.19.x-mtraining.patch"
+from megatron_lm_tree import PATCH, PATCHED_FILES, REPO, apply_patch, find_tarball, require_tarball, unpack, where
+
 WHEEL_SPEC = "megatron-core==0.19.2"
-PATCHED_FILES = ("megatron/training/arguments.py", "megatron/training/training.py",
-                 "megatron/core/models/gpt/gpt_model.py")
 
 
-def _download_wheel(dest: Path) -> Path:
-    """The megatron-core 0.19.2 wheel: the copy carried in ./.whl/ for the GPU machines when there
-    is one (no network needed), else from PyPI (skipped when PyPI is out of reach)."""
+def _wheel(dest: Path) -> Path:
+    """The megatron-core 0.19.2 wheel: the copy carried in ./.whl/ when there is one; else, only when
+    the Megatron-LM tarball is absent, from PyPI (skipped when PyPI is out of reach)."""
     carried = sorted((REPO / ".whl").glob("megatron_core-0.19.2-*.whl"))
     if carried:
         return carried[0]
+    tarball = find_tarball()
+    if tarball is not None:
+        pytest.skip(f"megatron-core 0.19.2 wheel not carried in {REPO / '.whl'}; not downloading it since "
+                    f"the real Megatron-LM tree ({tarball}) is tested instead")
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-cache-dir", "--no-deps",
            "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
            "--platform", "manylinux_2_28_x86_64", "-d", str(dest), WHEEL_SPEC]
@@ -51,35 +62,30 @@ def _download_wheel(dest: Path) -> Path:
     return wheels[0]
 
 
-def _git(args, cwd: Path) -> subprocess.CompletedProcess:
-    # GIT_CEILING_DIRECTORIES: never let git find an enclosing repository (git apply inside a
-    # repo's subdirectory resolves paths from the repo root).
-    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(cwd.parent)}
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def patched_tree(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=["megatron-lm", "wheel"])
+def patched_tree(request, tmp_path_factory) -> Path:
     if shutil.which("git") is None:
         pytest.skip("git is not installed")
     assert PATCH.is_file(), PATCH
-    wheel = _download_wheel(tmp_path_factory.mktemp("wheel"))
-    root = tmp_path_factory.mktemp("megatron_lm")
-    with zipfile.ZipFile(wheel) as zf:
-        members = [m for m in zf.namelist() if m.startswith("megatron/")]
-        assert members, f"{wheel.name} holds no megatron/ tree"
-        zf.extractall(root, members)
-    for rel in PATCHED_FILES:
-        assert "mtraining" not in (root / rel).read_text(), f"{rel} already mentions mtraining"
-
-    check = _git(["apply", "--check", "-v", str(PATCH)], root)
-    assert check.returncode == 0, f"git apply --check failed:\n{check.stdout}\n{check.stderr}"
-    applied = _git(["apply", str(PATCH)], root)
-    assert applied.returncode == 0, f"git apply failed:\n{applied.stdout}\n{applied.stderr}"
-    # Applied exactly once: the reverse applies cleanly, a second forward apply does not.
-    assert _git(["apply", "--check", "-R", str(PATCH)], root).returncode == 0
-    assert _git(["apply", "--check", str(PATCH)], root).returncode != 0
+    if request.param == "megatron-lm":
+        tarball = require_tarball(f"the fork patch on Megatron-LM core_r0.19.0 ({PATCH.name})")
+        root = unpack(tarball, tmp_path_factory.mktemp("megatron_lm"))
+    else:
+        wheel = _wheel(tmp_path_factory.mktemp("wheel"))
+        root = tmp_path_factory.mktemp("megatron_core_wheel")
+        with zipfile.ZipFile(wheel) as zf:
+            members = [m for m in zf.namelist() if m.startswith("megatron/")]
+            assert members, f"{wheel.name} holds no megatron/ tree"
+            zf.extractall(root, members)
+    apply_patch(root)
     return root
+
+
+def test_tarball_location_documented():
+    """The skip messages name every place the tarball is looked for (none of them is a guess)."""
+    assert "MTRAINING_MEGATRON_LM_TARBALL" in where()
+    assert "shared/third_party/megatron-lm-core_r0.19.0.tar.gz" in where()
+    assert ".carry/megatron-lm-core_r0.19.0.tar.gz" in where()
 
 
 def _function(tree: ast.Module, name: str) -> ast.FunctionDef:
@@ -104,7 +110,7 @@ def test_arguments_register_mtraining(patched_tree):
     assert "_add_mtraining_args" in _calls(_function(tree, "add_megatron_arguments"))
     body = ast.unparse(_function(tree, "_add_mtraining_args"))
     assert "megatron_mtraining.integration.args" in body and "add_mtraining_args(parser)" in body
-    assert "'--mtraining'" in body and "pip install megatron-mtraining" in body
+    assert "'--mtraining'" in body and "sys.executable" in body and "pip install" in body
 
 
 def _load_add_mtraining_args(patched_tree):
@@ -127,16 +133,40 @@ def test_add_mtraining_args_delegates_to_plugin(patched_tree):
     assert MTrainingConfig.from_args(args).top_p == 0.5
 
 
-def test_add_mtraining_args_without_plugin(patched_tree, monkeypatch, capsys):
+def _missing_plugin_error(patched_tree, capsys) -> str:
     add = _load_add_mtraining_args(patched_tree)
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "megatron_mtraining" else real_find_spec(name, *a))
-    parser = add(argparse.ArgumentParser())
-    assert parser.parse_args([]).mtraining is False
-    with pytest.raises(SystemExit):
+    parser = add(argparse.ArgumentParser(prog="pretrain_gpt.py"))
+    assert parser.parse_args([]).mtraining is False  # the fork still runs without --mtraining
+    assert not any(o.startswith("--mtraining-") for o in parser._option_string_actions)
+    with pytest.raises(SystemExit) as exc:
         parser.parse_args(["--mtraining"])
-    assert "pip install megatron-mtraining" in capsys.readouterr().err
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_add_mtraining_args_without_plugin(patched_tree, monkeypatch, capsys):
+    # Not installed for this interpreter: the import fails as a missing module does.
+    monkeypatch.setitem(sys.modules, "megatron_mtraining.integration.args", None)
+    err = _missing_plugin_error(patched_tree, capsys)
+    assert "--mtraining needs the MTraining plugin" in err
+    assert f"this Python, {sys.executable}, cannot import" in err  # names the interpreter that looked
+    assert f"{sys.executable} -m pip install --no-build-isolation -e" in err  # how, with that one
+    assert "-m torch.distributed.run" in err and "torchrun" in err
+
+
+class _BrokenPlugin(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "megatron_mtraining.integration.args":
+            raise RuntimeError("extension built for another torch")
+        return None
+
+
+def test_add_mtraining_args_with_broken_plugin(patched_tree, monkeypatch, capsys):
+    """A plugin that is installed but fails to import breaks only --mtraining, and says why."""
+    monkeypatch.delitem(sys.modules, "megatron_mtraining.integration.args")
+    monkeypatch.setattr(sys, "meta_path", [_BrokenPlugin(), *sys.meta_path])
+    err = _missing_plugin_error(patched_tree, capsys)
+    assert "RuntimeError: extension built for another torch" in err and sys.executable in err
 
 
 def test_training_selects_backend(patched_tree):

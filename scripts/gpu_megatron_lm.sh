@@ -1,0 +1,304 @@
+#!/usr/bin/env bash
+# The real Megatron-LM tree (branch core_r0.19.0, megatron-core 0.19.1) on 1-2 GPUs: its
+# pretrain_gpt.py through the launcher (unmodified tree, examples/pretrain_small_mtraining.sh) and
+# as the patched fork (patches/, MTRAINING_ENTRY=fork of the same example), at CP=2 and CP=1. Each
+# of these runs three times from the same seed and mock data: to N iterations, saving a
+# distributed checkpoint (torch_dist) there; from that checkpoint (--load) on to N+M; and to N+M
+# without a stop. The per-iteration losses and gradient norms, as Megatron prints them (lm loss to
+# 7 significant digits, grad norm to 3 decimals), of the resumed run must equal the uninterrupted
+# run's (MTraining runs deterministic kernels by default, --mtraining-deterministic), and so must
+# the first N of the saving run.
+#
+# The tarball does not travel to the device machine by itself: copy it into the working tree
+# (an ignored folder) and carry that folder, with .whl (megatron-core's wheel, for the set-up):
+#   mkdir -p .carry && cp ../shared/third_party/megatron-lm-core_r0.19.0.tar.gz .carry/
+#   device run: carry [".carry", ".whl"], command: bash scripts/gpu_megatron_lm.sh
+# Looked up at $MTRAINING_MEGATRON_LM_TARBALL (absolute, or relative to the repository), else
+# .carry/, else ../shared/third_party/.
+# It is unpacked twice under $BUILD_DIR (default third_party_build/, ignored): as is, and patched.
+#
+# Settings: N (3), M (3), SEQ (16384 tokens), CP_SIZES ("2 1"; CP=2 is skipped with a message on
+# one GPU), ENTRIES ("launcher fork"), RUN_TIMEOUT (seconds per run, 240), EXTRA_ARGS (more
+# Megatron flags for every run, e.g. --deterministic-mode), REUSE_VENV=1 (gpu_common.sh). At CP=1
+# on 2 GPUs the launcher's and the fork's runs go side by side, one GPU each.
+# DRY_RUN=1 unpacks and patches the trees and prints every training command (no GPU needed; the
+# tests feed them to the real Megatron-LM parser); DRY_RUN_GPUS (2) stands in for the GPU count.
+# Sized to finish in about 8 minutes on 2 H200s with a warm .venv (not yet measured: the first run
+# also compiles the Triton kernels).
+# Results under $OUT (gpu_common.sh): summary.txt (the comparison; also printed), logs/<entry>_cp<CP>.log
+# (the three runs of each, one after another), setup.log. Exit status 0 only when every run
+# finished and every comparison matched.
+# shellcheck source=SCRIPTDIR/gpu_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
+
+N=${N:-3}
+M=${M:-3}
+SEQ=${SEQ:-16384}
+CP_SIZES=${CP_SIZES:-"2 1"}
+ENTRIES=${ENTRIES:-"launcher fork"}
+RUN_TIMEOUT=${RUN_TIMEOUT:-240}
+DRY=${DRY_RUN:-0}
+BUILD=${BUILD_DIR:-third_party_build}
+case $BUILD in /*) ;; *) BUILD=$REPO/$BUILD ;; esac
+TARBALL_NAME=megatron-lm-core_r0.19.0.tar.gz
+PATCH=$REPO/patches/megatron-lm-core_r0.19.x-mtraining.patch
+EXAMPLE=$REPO/examples/pretrain_small_mtraining.sh
+
+TARBALL=${MTRAINING_MEGATRON_LM_TARBALL:-}
+if [ -z "$TARBALL" ]; then
+  for candidate in "$REPO/.carry/$TARBALL_NAME" "$REPO/../shared/third_party/$TARBALL_NAME"; do
+    [ -f "$candidate" ] && { TARBALL=$candidate; break; }
+  done
+fi
+if [ ! -f "$TARBALL" ]; then
+  echo "error: $TARBALL_NAME not found (MTRAINING_MEGATRON_LM_TARBALL, $REPO/.carry/, $REPO/../shared/third_party/):" \
+       "copy it into .carry/ and carry that folder" >&2
+  exit 1
+fi
+
+if [ "$DRY" = 1 ]; then
+  if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+  elif [ -x "$REPO/.venv/bin/python" ]; then PY=$REPO/.venv/bin/python
+  else PY=python3; fi
+  NGPU=${DRY_RUN_GPUS:-2}
+else
+  setup_venv || exit 1
+  NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())") || NGPU=0
+  if [ "$NGPU" -lt 1 ]; then echo "error: no CUDA GPU visible to $PY" >&2; exit 1; fi
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | sed 's/^/[gpu] /'
+fi
+echo "[megatron-lm] tarball $TARBALL; python $PY; $NGPU GPU(s); N=$N M=$M seq $SEQ; CP sizes $CP_SIZES; entries $ENTRIES"
+
+# ---- the two trees ----
+unpack_tree() {  # DEST: prints the folder that holds pretrain_gpt.py
+  local dest=$1 root
+  rm -rf "$dest" && mkdir -p "$dest" && tar -xzf "$TARBALL" -C "$dest" || return 1
+  root=$(dirname "$(find "$dest" -maxdepth 2 -name pretrain_gpt.py | head -1)")
+  [ -f "$root/pretrain_gpt.py" ] || { echo "error: no pretrain_gpt.py in $TARBALL" >&2; return 1; }
+  echo "$root"
+}
+apply_patch() {  # TREE
+  local tree=$1
+  if command -v git >/dev/null 2>&1; then
+    # GIT_CEILING_DIRECTORIES: $BUILD lies inside this repository, and git apply run in a
+    # repository's subfolder would skip the paths outside it instead of patching the tree.
+    (cd "$tree" && GIT_CEILING_DIRECTORIES=$(dirname "$tree") git apply --check "$PATCH" \
+                && GIT_CEILING_DIRECTORIES=$(dirname "$tree") git apply "$PATCH") || return 1
+  else
+    (cd "$tree" && patch -p1 --forward --batch --dry-run < "$PATCH" >/dev/null && patch -p1 --forward --batch < "$PATCH") || return 1
+  fi
+  grep -q "_add_mtraining_args" "$tree/megatron/training/arguments.py"
+}
+PRISTINE=$(unpack_tree "$BUILD/megatron-lm") || exit 1
+PATCHED=$(unpack_tree "$BUILD/megatron-lm-mtraining") || exit 1
+apply_patch "$PATCHED" || { echo "error: $PATCH does not apply to $PATCHED" >&2; exit 1; }
+echo "[megatron-lm] unpacked $PRISTINE; patched $PATCHED"
+
+# ---- Megatron-LM's dataset helpers ----
+# Megatron-LM (unlike the megatron-core wheel, which ships it built) compiles
+# megatron/core/datasets/helpers_cpp at start-up: rank 0 runs `make` there, and the Makefile asks
+# `python3 -m pybind11 --includes` and `python3-config --extension-suffix` of PATH, not the
+# interpreter that runs the job (on the GPU machines: no pybind11 module, maybe no
+# python3-config). So the library is put in place here for $PY (the installed megatron-core's,
+# built from the same helpers.cpp, else compiled with pybind11's or torch's headers), and a
+# python3-config that answers for $PY goes first on PATH, so that make finds it up to date.
+prepare_dataset_helpers() {  # TREE...
+  local suffix inc built tree dir
+  suffix=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') || return 1
+  built=$("$PY" -c 'import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))' 2>/dev/null)
+  for tree in "$@"; do
+    dir=$tree/megatron/core/datasets
+    if [ -n "$built" ] && [ -f "$built/helpers_cpp$suffix" ] && cmp -s "$built/helpers.cpp" "$dir/helpers.cpp"; then
+      cp "$built/helpers_cpp$suffix" "$dir/" || return 1
+      echo "[megatron-lm] dataset helpers: copied helpers_cpp$suffix from $built"
+    else
+      inc=$("$PY" -c '
+import sysconfig
+paths = [sysconfig.get_paths()["include"]]
+try:
+    import pybind11
+    paths.append(pybind11.get_include())
+except ImportError:
+    from torch.utils.cpp_extension import include_paths
+    paths += include_paths()
+print(" ".join("-I" + p for p in paths))') || return 1
+      # shellcheck disable=SC2086  # $inc is a list of -I flags
+      "${CXX:-g++}" -O3 -Wall -shared -std=c++17 -fPIC $inc "$dir/helpers.cpp" -o "$dir/helpers_cpp$suffix" || return 1
+      echo "[megatron-lm] dataset helpers: compiled helpers_cpp$suffix"
+      built=$dir
+    fi
+    touch "$dir/helpers_cpp$suffix"
+  done
+  mkdir -p "$BUILD/bin"
+  cat > "$BUILD/bin/python3-config" <<EOF
+#!/usr/bin/env bash
+# Written by scripts/gpu_megatron_lm.sh: Megatron-LM's dataset Makefile asks python3-config; this
+# answers for the job's interpreter, $PY.
+case "\$1" in
+  --extension-suffix) echo "$suffix" ;;
+  --includes) "$PY" -c 'import sysconfig; print("-I" + sysconfig.get_paths()["include"])' ;;
+  *) echo "python3-config shim: \$1 not supported" >&2; exit 1 ;;
+esac
+EOF
+  chmod +x "$BUILD/bin/python3-config"
+  export PATH="$BUILD/bin:$PATH"
+  for tree in "$@"; do  # make -q: up to date, so rank 0's make at start-up will compile nothing
+    make -q -C "$tree/megatron/core/datasets" >/dev/null 2>&1 || { echo "error: make would rebuild $tree/megatron/core/datasets" >&2; return 1; }
+  done
+}
+
+# ---- the runs ----
+RUNS=$BUILD/runs
+mkdir -p "$RUNS" "$OUT/logs"
+rm -f "$RUNS"/*.log "$RUNS"/*.rc
+# Fewer, smaller layers than the example's; the rest (recompute, distributed optimizer, bf16,
+# --mtraining --mtraining-top-p 0.9 --mtraining-layout striped) stays as it ships.
+MODEL=(--num-layers 4 --hidden-size 512 --ffn-hidden-size 1536 --num-attention-heads 8 --num-query-groups 4
+       --kv-channels 64 --vocab-size 8192 --seed 1234 --mtraining-deterministic)
+# shellcheck disable=SC2206  # EXTRA_ARGS is a list of flags
+MODEL+=(${EXTRA_ARGS:-})
+# Bit-exact settings for cuBLAS and NCCL (what Megatron's --deterministic-mode sets).
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8} NCCL_ALGO=${NCCL_ALGO:-Ring}
+PORT=29400
+
+run_one() {  # ENTRY CP MODE DEVICES PORT
+  local entry=$1 cp=$2 mode=$3 devices=$4 port=$5
+  local name=${entry}_cp${cp} tree=$PRISTINE extra=()
+  [ "$entry" = fork ] && tree=$PATCHED
+  local ckpt=$BUILD/ckpt/$name
+  case $mode in
+    save) extra=(--save "$ckpt" --save-interval "$N" --exit-interval "$N" --ckpt-format torch_dist) ;;
+    resume) extra=(--load "$ckpt" --ckpt-format torch_dist) ;;
+    full) ;;
+  esac
+  local env=(CUDA_VISIBLE_DEVICES="$devices" MEGATRON_LM="$tree" MTRAINING_ENTRY="$entry" PYTHON="$PY"
+             GPUS_PER_NODE="$cp" NNODES=1 NODE_RANK=0 MASTER_ADDR=localhost MASTER_PORT="$port"
+             SEQ_LENGTH="$SEQ" TRAIN_ITERS="$((N + M))" GLOBAL_BATCH_SIZE=1 LOG_INTERVAL=1 MTRAINING_LOG_INTERVAL=1
+             CHECKPOINT_PATH= DATA_PATH=)
+  if [ "$DRY" = 1 ]; then
+    local cmd
+    cmd=$(env "${env[@]}" DRY_RUN=1 bash "$EXAMPLE" "${MODEL[@]}" "${extra[@]}") || { echo "error: $EXAMPLE refused the $name $mode run" >&2; return 1; }
+    echo "[dry-run] $name $mode: CUDA_VISIBLE_DEVICES=$devices $cmd"
+    return 0
+  fi
+  [ "$mode" = save ] && rm -rf "$ckpt"
+  local log=$RUNS/${name}_${mode}.log start=$SECONDS rc
+  env "${env[@]}" timeout "$RUN_TIMEOUT" bash "$EXAMPLE" "${MODEL[@]}" "${extra[@]}" > "$log" 2>&1
+  rc=$?
+  echo "$rc" > "$RUNS/${name}_${mode}.rc"
+  { echo "======== $name $mode (GPUs $devices, rc=$rc, $((SECONDS - start)) s) ========"; cat "$log"; echo; } >> "$OUT/logs/$name.log"
+  echo "[run] $name $mode: rc=$rc in $((SECONDS - start)) s$( [ "$rc" = 124 ] && echo " (timed out after $RUN_TIMEOUT s)")"
+  [ "$rc" = 0 ]
+}
+sequence() {  # ENTRY CP DEVICES PORT: save to N, resume to N+M, uninterrupted N+M
+  run_one "$1" "$2" save "$3" "$4"
+  run_one "$1" "$2" resume "$3" "$(($4 + 1))"
+  run_one "$1" "$2" full "$3" "$(($4 + 2))"
+}
+
+if [ "$DRY" != 1 ]; then
+  prepare_dataset_helpers "$PRISTINE" "$PATCHED" || { echo "error: could not prepare Megatron-LM's dataset helpers" >&2; exit 1; }
+  rm -f "$OUT"/logs/*.log
+fi
+DONE=()
+for cp in $CP_SIZES; do
+  if [ "$cp" -gt "$NGPU" ]; then
+    echo "[megatron-lm] CP=$cp skipped: needs $cp GPUs, $NGPU visible"
+    continue
+  fi
+  devices=$(seq -s, 0 $((cp - 1)))
+  if [ "$cp" = 1 ] && [ "$NGPU" -ge 2 ] && [ "$(echo "$ENTRIES" | wc -w)" -ge 2 ] && [ "$DRY" != 1 ]; then
+    # Two single-GPU sequences side by side, one per GPU.
+    gpu=0
+    for entry in $ENTRIES; do
+      sequence "$entry" 1 "$gpu" "$((PORT + 10 * gpu))" &
+      gpu=$(( (gpu + 1) % NGPU )); PORT=$((PORT + 3))
+    done
+    wait
+  else
+    for entry in $ENTRIES; do
+      sequence "$entry" "$cp" "$devices" "$PORT"
+      PORT=$((PORT + 3))
+    done
+  fi
+  PORT=$((PORT + 20))
+  for entry in $ENTRIES; do DONE+=("${entry}_cp${cp}"); done
+done
+[ "$DRY" = 1 ] && exit 0
+
+# ---- the comparison ----
+"$PY" - "$RUNS" "$N" "$M" "$BUILD/ckpt" "${DONE[@]}" <<'EOF' | tee "$OUT/summary.txt"
+import os
+import re
+import sys
+
+runs, n, m, ckpt_root, names = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
+LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
+ok = True
+
+
+def read(name, mode):
+    path = os.path.join(runs, f"{name}_{mode}.log")
+    text = open(path, errors="replace").read() if os.path.exists(path) else ""
+    rc_path = os.path.join(runs, f"{name}_{mode}.rc")
+    rc = open(rc_path).read().strip() if os.path.exists(rc_path) else "not run"
+    return text, rc, {int(i): (loss, gnorm) for i, loss, gnorm in LINE.findall(text)}
+
+
+def check(label, good, detail=""):
+    global ok
+    ok &= bool(good)
+    print(f"  {'ok  ' if good else 'FAIL'} {label}{': ' + detail if detail else ''}")
+
+
+print(f"Real Megatron-LM core_r0.19.0: save at {n}, resume to {n + m}, against an uninterrupted {n + m}")
+full_losses = {}
+for name in names:
+    print(f"\n{name}")
+    logs = {mode: read(name, mode) for mode in ("save", "resume", "full")}
+    for mode, (text, rc, it) in logs.items():
+        check(f"{mode} run finished", rc == "0", f"rc={rc}, iterations {min(it) if it else '-'}..{max(it) if it else '-'}")
+        check(f"{mode} run enabled MTraining attention", "MTraining sparse attention enabled" in text)
+        check(f"{mode} run logged MTraining telemetry", "[MTraining] iteration" in text)
+    save, resume, full = (logs[k][2] for k in ("save", "resume", "full"))
+    full_losses[name] = full
+    tracker = os.path.join(ckpt_root, name, "latest_checkpointed_iteration.txt")
+    saved = open(tracker).read().strip() if os.path.exists(tracker) else "none"
+    check(f"checkpoint saved at iteration {n}",
+          re.search(rf"successfully saved checkpoint from iteration\s+{n} to", logs["save"][0]) and saved == str(n),
+          f"latest_checkpointed_iteration.txt: {saved}")
+    check(f"resumed run loaded the checkpoint of iteration {n}",
+          re.search(rf"successfully loaded checkpoint from .* at iteration {n}\b", logs["resume"][0]))
+    check(f"save run logged iterations 1..{n}", sorted(save) == list(range(1, n + 1)), str(sorted(save)))
+    check(f"resumed run logged iterations {n + 1}..{n + m}", sorted(resume) == list(range(n + 1, n + m + 1)), str(sorted(resume)))
+    check(f"uninterrupted run logged iterations 1..{n + m}", sorted(full) == list(range(1, n + m + 1)), str(sorted(full)))
+    print(f"    {'iter':>4}  {'uninterrupted: lm loss':>24} {'grad norm':>10}  {'save/resume: lm loss':>22} {'grad norm':>10}  same")
+    for i in range(1, n + m + 1):
+        other = (save if i <= n else resume).get(i)
+        base = full.get(i)
+        same = other is not None and other == base
+        print(f"    {i:>4}  {base[0] if base else '-':>24} {base[1] if base else '-':>10}  "
+              f"{other[0] if other else '-':>22} {other[1] if other else '-':>10}  {'yes' if same else 'NO'}")
+    check(f"save run = uninterrupted run, iterations 1..{n}", all(save.get(i) is not None and save.get(i) == full.get(i) for i in range(1, n + 1)))
+    diffs = [abs(float(resume[i][0]) - float(full[i][0])) for i in range(n + 1, n + m + 1) if i in resume and i in full]
+    check(f"resumed run = uninterrupted run, iterations {n + 1}..{n + m} (bit-identical at the printed digits)",
+          all(resume.get(i) is not None and resume.get(i) == full.get(i) for i in range(n + 1, n + m + 1)),
+          f"largest lm loss difference {max(diffs):.3e}" if diffs else "")
+
+print("\nFor information (not pass/fail):")
+for cp in sorted({name.rsplit("_cp", 1)[1] for name in names}):
+    a, b = full_losses.get(f"launcher_cp{cp}"), full_losses.get(f"fork_cp{cp}")
+    if a and b:
+        print(f"  CP={cp}: launcher and fork uninterrupted runs {'identical' if a == b else 'DIFFER'}")
+for entry in ("launcher", "fork"):
+    a, b = full_losses.get(f"{entry}_cp2"), full_losses.get(f"{entry}_cp1")
+    if a and b:
+        common = sorted(set(a) & set(b))
+        diff = max((abs(float(a[i][0]) - float(b[i][0])) / abs(float(b[i][0])) for i in common), default=float("nan"))
+        print(f"  {entry}: CP=2 vs CP=1 lm loss, largest relative difference {diff:.2e} over iterations {common}")
+print("\nRESULT:", "PASS" if ok and names else "FAIL")
+sys.exit(0 if ok and names else 1)
+EOF
+status=${PIPESTATUS[0]}
+ls "$OUT" "$OUT/logs"
+exit "$status"
