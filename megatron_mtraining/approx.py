@@ -14,17 +14,47 @@ Communication is independent of the sequence length per rank except for the slas
 (all-reduce of ``last_q`` values per head), the block-offset statistic (all-reduce of ``N/B``
 values per head) and each rank's top ``max_vertical`` column candidates (all-gather). No host
 synchronisation; every shape is fixed by the inputs and the config.
+
+Packed documents (``cu_seqlens``, DESIGN.md section 1): a query only sees its own document, so
+the last queries of the sequence say nothing about the other documents. Instead, every document
+longer than one block (``block_size`` tokens) is scored by ITS OWN last ``last_q`` queries (all
+of them if it is shorter), against its own keys only, causal by global position:
+  * rows: a fixed capacity of ``config.max_documents`` slots, each ``last_q`` rows (rounded up to
+    the Triton row tile; the extra rows are unused). The longest eligible documents get the slots
+    (ties: the later document first); the slot table is built on the device from ``cu_seqlens``
+    with a top-k of host-known size, so there is no host synchronisation and every shape is
+    fixed by the config and the shape of ``cu_seqlens``. Documents beyond the capacity contribute
+    no statistics (they get what the others select, the diagonal and the window);
+  * fairness: each row's softmax is its own (normalised across ranks as above); each scored
+    document's rows are weighted ``last_q / rows`` so every document holds the same mass
+    ``last_q`` whatever its length: a needle of a small document weighs as much, relative to
+    its document, as one of a big document, and the mass of a big document cannot drown it.
+    Vertical columns and slash offsets are then selected from the union exactly as without
+    documents (top-p over the summed mass, ``last_q x scored documents``; the same clamps): the
+    selection keeps the top-p share of the AVERAGE document, as the unpacked selection keeps the
+    top-p share of the average last query. A document's columns are its own, so the vertical
+    statistic needs no further care; the slash statistic sums the weighted masses per offset;
+  * documents of at most one block are not scored: all their pairs lie at block offset 0 or 1,
+    so they are dense with the diagonal (always selected) and offset 1, which is made mandatory
+    when one of them straddles a block boundary (at most one more block diagonal);
+  * sinks: positions ``< sink_tokens`` as without documents, plus the first ``sink_tokens``
+    columns of every scored document (Megatron restarts RoPE per document: each one has its own
+    attention sink).
+Without ``cu_seqlens``, or with a single document ``[0, N]``, the unpacked code runs, bit for bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .config import MTrainingConfig
+from .documents import check_cu_seqlens
 from .index import VSIndex
 from .kernels.step import resolve_backend
 from .layout import check_layout, local_positions
@@ -32,6 +62,7 @@ from .layout import check_layout, local_positions
 KEY_CHUNK = 8192  # keys scored at a time (a multiple of every block size): memory O(last_q x chunk) per head
 
 _POSITIONS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_INVERSE: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _world(group) -> Tuple[int, int]:
@@ -50,6 +81,117 @@ def _layout_positions(device, seq_len, layout, world, rank, block_size, last_q):
         slots = pos[rows] - (seq_len - last_q)
         _POSITIONS[key] = (pos.to(device), rows.to(device), slots.to(device))
     return _POSITIONS[key]
+
+
+def _layout_inverse(device, seq_len, layout, world, rank, block_size):
+    """(local index of each global position, local block of each global block), -1 where another
+    rank holds it; int64, cached on device."""
+    key = (str(device), seq_len, layout, world, rank, block_size)
+    if key not in _INVERSE:
+        pos = local_positions(seq_len, layout, world, rank, block_size)
+        local = torch.full((seq_len,), -1, dtype=torch.int64)
+        local[pos] = torch.arange(pos.numel())
+        blocks = pos[::block_size] // block_size
+        local_block = torch.full((seq_len // block_size,), -1, dtype=torch.int64)
+        local_block[blocks] = torch.arange(blocks.numel())
+        _INVERSE[key] = (local.to(device), local_block.to(device))
+    return _INVERSE[key]
+
+
+def _row_tile(last_q: int) -> int:
+    """Rows per tile of the Triton statistics kernels (``triton_approx._launch_shape``)."""
+    return max(16, min(128, 1 << max(0, last_q - 1).bit_length()))
+
+
+@dataclasses.dataclass
+class _DocumentRows:
+    """The scoring rows of packed documents: ``slots`` document slots of ``stride`` rows each
+    (``R = slots * stride``); a slot's valid rows are its document's last ``min(last_q, length)``
+    positions, at the end of the slot. Built on the device, fixed shapes."""
+
+    slot_start: torch.Tensor  # int64 [slots]: first position of the slot's document (0 if unused)
+    slot_valid: torch.Tensor  # bool [slots]
+    row_pos: torch.Tensor     # int32 [R]: global position of the row's query, -1 on unused rows
+    row_start: torch.Tensor   # int32 [R]: first position of the row's document (0 on unused rows)
+    row_weight: torch.Tensor  # fp64 [R]: last_q / (the document's scored rows), 0 on unused rows
+    row_group: torch.Tensor   # int32 [R]: the row's (slot, query block) group, 0 on unused rows
+    group_qb: torch.Tensor    # int64 [groups]: global query block of each group, -1 if unused
+    tile_lo: torch.Tensor     # int32 [R / block_m]: first key position any row of the tile sees
+    tile_hi: torch.Tensor     # int32 [R / block_m]: last key position any row of the tile sees (-1: none)
+    block_m: int              # rows per tile (the Triton kernels' BLOCK_M)
+    total: torch.Tensor       # fp64 []: the mass of all rows, last_q x scored documents
+    straddle: torch.Tensor    # bool []: a document of at most one block straddles a block boundary
+
+    @property
+    def rows(self) -> int:
+        return self.row_pos.numel()
+
+
+_ROWS_CACHE = []  # (weak reference to cu_seqlens, its version, key, rows): layers share one batch's
+_ROWS_KEEP = 8
+
+
+def _document_rows(cu_seqlens: torch.Tensor, seq_len: int, config: MTrainingConfig, device) -> _DocumentRows:
+    """The scoring rows for ``cu_seqlens`` (see the module docstring), cached per tensor."""
+    L, B, D = config.last_q, config.block_size, config.max_documents
+    key = (seq_len, L, B, D, str(device))
+    for ref, version, k, rows in _ROWS_CACHE:
+        if ref() is cu_seqlens and version == cu_seqlens._version and k == key:
+            return rows
+    block_m = _row_tile(L)
+    stride = -(-L // block_m) * block_m
+    groups_per_slot = (L - 1) // B + 2  # query blocks that L consecutive positions can touch
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    starts, ends = cu[:-1], cu[1:]
+    lengths = ends - starts
+    eligible = lengths > B
+    # Longest first, then the later document; unique keys (starts differ), so top-k is exact and
+    # the same on every rank. Documents of one block or less rank last and are never valid.
+    priority = torch.where(eligible, lengths * (seq_len + 1) + starts, -1 - starts)
+    take = min(D, lengths.numel())
+    top = torch.topk(priority, take).indices
+    pad = D - take
+    zeros = torch.zeros(pad, dtype=torch.int64, device=device)
+    slot_start = torch.cat([starts[top], zeros])
+    slot_end = torch.cat([ends[top], zeros])
+    slot_valid = torch.cat([eligible[top], zeros.bool()])
+    n_rows = torch.where(slot_valid, (slot_end - slot_start).clamp(max=L), 0)
+    i = torch.arange(stride, device=device)
+    valid = slot_valid[:, None] & (i[None, :] >= stride - n_rows[:, None])           # [D, stride]
+    pos = slot_end[:, None] - stride + i[None, :]
+    row_pos = torch.where(valid, pos, -1)
+    row_start = torch.where(valid, slot_start[:, None], 0)
+    row_weight = torch.where(valid, L / n_rows.clamp(min=1).double()[:, None], 0.0)
+    base_qb = (slot_end - n_rows) // B  # query block of the slot's first valid row
+    slot_ids = torch.arange(D, device=device)[:, None]
+    row_group = torch.where(valid, slot_ids * groups_per_slot + row_pos.clamp(min=0) // B - base_qb[:, None], 0)
+    group_qb = base_qb[:, None] + torch.arange(groups_per_slot, device=device)[None, :]
+    group_ok = slot_valid[:, None] & (group_qb <= (slot_end[:, None] - 1) // B)
+    group_qb = torch.where(group_ok, group_qb, -1)
+    tiles_lo = torch.where(valid, row_start, seq_len).reshape(-1, block_m).amin(-1)
+    tiles_hi = row_pos.reshape(-1, block_m).amax(-1)
+    short = ~eligible & (starts // B != (ends - 1) // B)
+    rows = _DocumentRows(
+        slot_start=slot_start, slot_valid=slot_valid, row_pos=row_pos.reshape(-1).to(torch.int32),
+        row_start=row_start.reshape(-1).to(torch.int32), row_weight=row_weight.reshape(-1),
+        row_group=row_group.reshape(-1).to(torch.int32), group_qb=group_qb.reshape(-1),
+        tile_lo=tiles_lo.to(torch.int32), tile_hi=tiles_hi.to(torch.int32), block_m=block_m,
+        total=L * slot_valid.sum().double(), straddle=short.any())
+    _ROWS_CACHE.append((weakref.ref(cu_seqlens), cu_seqlens._version, key, rows))
+    del _ROWS_CACHE[:-_ROWS_KEEP]
+    return rows
+
+
+def _packed(cu_seqlens: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``cu_seqlens`` if it holds several documents; None for none or one (``[0, N]``, the only
+    valid two-entry table): the unpacked code then runs. Decided by shape, no synchronisation."""
+    return cu_seqlens if cu_seqlens is not None and cu_seqlens.numel() > 2 else None
+
+
+def _document_sinks(positions: torch.Tensor, rows: _DocumentRows, sink_tokens: int) -> torch.Tensor:
+    """bool like ``positions``: among the first ``sink_tokens`` of a scored document."""
+    offset = positions[..., None] - rows.slot_start
+    return ((offset >= 0) & (offset < sink_tokens) & rows.slot_valid).any(-1)
 
 
 def _all_reduce(x, op, group, world):
@@ -74,7 +216,10 @@ def _budget_select(values: torch.Tensor, positions: torch.Tensor, mandatory: tor
     reached = torch.cumsum(ranked_values.double(), -1) >= top_p * total[..., None]
     budget = (~reached).sum(-1) + 1                       # smallest count holding top_p of the mass
     n_mandatory = mandatory.sum(-1)
-    available = (values > 0).sum(-1).clamp_min(n_mandatory)  # never select zero-mass padding
+    # Never select zero-mass padding; a mandatory entry counts even at zero mass (a sink in a
+    # short document): the truncated candidate list of one device and the longer gathered one of
+    # several ranks then agree on the count.
+    available = (mandatory | (values > 0)).sum(-1)
     count = torch.maximum(budget, n_mandatory).clamp(min=max(lo, 1), max=hi)
     count = torch.minimum(count, available.clamp(max=capacity)).clamp_min(n_mandatory.clamp(max=capacity))
     width = min(capacity, ranked_positions.shape[-1])  # count <= width
@@ -87,15 +232,16 @@ def _budget_select(values: torch.Tensor, positions: torch.Tensor, mandatory: tor
     return out, count.to(torch.int32)
 
 
-def _torch_row_partials(q_grouped, k, key_pos, q_pos0, scale, L):
-    """PyTorch pass 1 (CPU): online row max and normaliser over the local keys, chunk by chunk."""
-    q_pos = torch.arange(q_pos0, q_pos0 + L, device=k.device)
+def _torch_row_partials(q_grouped, k, key_pos, q_pos0, scale, L, rows: Optional[_DocumentRows] = None):
+    """PyTorch pass 1 (CPU): online row max and normaliser over the local keys, chunk by chunk.
+    ``rows``: packed documents' scoring rows (``L`` of them; ``q_pos0`` unused)."""
+    q_pos = torch.arange(q_pos0, q_pos0 + L, device=k.device) if rows is None else rows.row_pos
     b, hkv = q_grouped.shape[:2]
     hq = q_grouped.shape[2] // L * hkv
     row_max = torch.full((b, hq, L), float("-inf"), device=k.device)
     normaliser = torch.zeros(b, hq, L, dtype=torch.float64, device=k.device)
     for start in range(0, k.shape[2], KEY_CHUNK):
-        s = _chunk_scores(q_grouped, k, key_pos, q_pos, scale, L, start)
+        s = _chunk_scores(q_grouped, k, key_pos, q_pos, scale, L, start, None if rows is None else rows.row_start)
         new_max = torch.maximum(row_max, s.amax(-1))
         m = _finite(new_max)
         normaliser = (normaliser * torch.exp(row_max - m).double()
@@ -124,14 +270,40 @@ def _torch_vs_masses(q_grouped, k, key_pos, q_pos0, scale, L, B, row_max, normal
     return vertical.float(), block_mass
 
 
-def _chunk_scores(q_grouped, k, key_pos, q_pos, scale, L, start):
-    """Scaled scores [b, hq, L, chunk] of the last queries against keys start.., -inf where masked.
+def _chunk_scores(q_grouped, k, key_pos, q_pos, scale, L, start, q_start=None):
+    """Scaled scores [b, hq, L, chunk] of the last queries against keys start.., -inf where masked
+    (after the query, or, with ``q_start``, before the query's document).
     GQA without copying K per query head: the g query heads of one KV head are one matmul."""
     b = q_grouped.shape[0]
     kc = k[:, :, start:start + KEY_CHUNK].float()
     s = torch.matmul(q_grouped, kc.transpose(-1, -2)).view(b, -1, L, kc.shape[2]) * scale
     visible = key_pos[start:start + KEY_CHUNK][None, :] <= q_pos[:, None]
+    if q_start is not None:
+        visible = visible & (key_pos[start:start + KEY_CHUNK][None, :] >= q_start[:, None])
     return s.masked_fill(~visible, float("-inf"))
+
+
+def _torch_document_masses(q_grouped, k, key_pos, scale, B, row_max, inv_norm, rows: _DocumentRows):
+    """PyTorch pass 2 for packed documents: the weights ``exp(s - row_max) * inv_norm`` (the row
+    weight folded into ``inv_norm``, fp64 ``[b, hq, R]``, 0 on unused rows) folded into the
+    vertical statistic (fp32) and the block masses per (row group, local key block) (fp64)."""
+    R = rows.rows
+    b = q_grouped.shape[0]
+    hq = row_max.shape[1]
+    n_local = k.shape[2]
+    groups = rows.group_qb.numel()
+    # Row -> group as a one-hot matrix: the per-group sums are one matmul (a fixed order).
+    one_hot = (rows.row_group[None, :].long() == torch.arange(groups, device=k.device)[:, None]).double()
+    vertical = torch.zeros(b, hq, n_local, dtype=torch.float64, device=k.device)
+    block_mass = torch.zeros(b, hq, groups, n_local // B, dtype=torch.float64, device=k.device)
+    m = _finite(row_max)
+    for start in range(0, n_local, KEY_CHUNK):
+        s = _chunk_scores(q_grouped, k, key_pos, rows.row_pos, scale, R, start, rows.row_start)
+        p = torch.exp(s - m[..., None]).double() * inv_norm[..., None]
+        stop = start + p.shape[-1]
+        vertical[..., start:stop] = p.sum(-2)
+        block_mass[..., start // B:stop // B] = torch.matmul(one_hot, p.reshape(b, hq, R, -1, B).sum(-1))
+    return vertical.float(), block_mass
 
 
 def _finite(m):
@@ -140,12 +312,19 @@ def _finite(m):
 
 
 def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "striped", softmax_scale=None,
-                  backend: str = "auto"):
+                  backend: str = "auto", cu_seqlens: Optional[torch.Tensor] = None):
     """Vertical (per local column, fp32) and slash (per global block offset, fp64) attention mass
     of the last ``last_q`` queries, identical to a single device's up to summation order.
+    Returns ``(vertical, slash, key_pos)``, ``key_pos`` the global position of each local key.
 
     ``backend``: "auto" (fused Triton kernels on CUDA, PyTorch passes elsewhere), "triton" or "torch".
+    ``cu_seqlens``: packed documents (module docstring): the masses of each scored document's last
+    queries, weighted so every scored document holds ``last_q``.
     """
+    packed = _packed(cu_seqlens)
+    if packed is not None:
+        rows = _document_rows(packed, q.shape[2] * _world(group)[0], config, q.device)
+        return _document_statistics(q, k, config, group, layout, softmax_scale, backend, rows)
     world, rank = _world(group)
     backend = resolve_backend(backend, q.device)
     b, hq, n_local, d = q.shape
@@ -207,6 +386,78 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
     return vertical, slash, key_pos
 
 
+def _document_statistics(q, k, config: MTrainingConfig, group, layout: str, softmax_scale,
+                         backend: str, rows: _DocumentRows):
+    """``vs_statistics`` for packed documents: the same two passes over the scoring ``rows``."""
+    world, rank = _world(group)
+    backend = resolve_backend(backend, q.device)
+    b, hq, n_local, d = q.shape
+    hkv = k.shape[1]
+    B = config.block_size
+    seq_len = n_local * world
+    nb = seq_len // B
+    R = rows.rows
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    key_pos = _layout_positions(q.device, seq_len, layout, world, rank, B, config.last_q)[0]
+    local_of, local_block_of = _layout_inverse(q.device, seq_len, layout, world, rank, B)
+
+    # The scoring queries from whichever ranks hold them: gathered into zeros, summed across
+    # ranks (exact: one nonzero term per entry). Data-dependent positions, fixed shapes. (The
+    # clamps only keep a bad GPU cu_seqlens, whose values are not checked here, in bounds.)
+    local = local_of[rows.row_pos.long().clamp(0, seq_len - 1)]
+    mine = (rows.row_pos >= 0) & (local >= 0)
+    q_rows = torch.where(mine[:, None], q.index_select(2, local.clamp(min=0)).float(), 0.0)
+    _all_reduce(q_rows, dist.ReduceOp.SUM, group, world)
+    q_grouped = q_rows.reshape(b, hkv, (hq // hkv) * R, d)
+
+    # Pass 1: row max and normaliser (each row over its own document's keys), across ranks.
+    if backend == "triton":
+        from .kernels.triton_approx import row_partials
+        q_grouped = q_grouped.to(k.dtype).contiguous()
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        part_max, part_sum = row_partials(q_grouped, k, key_pos, 0, scale, R, B, rows=rows)
+        row_max = part_max.amax(-1)
+        rescale = torch.exp(part_max - _finite(row_max)[..., None]).double()
+        normaliser = (part_sum.double() * rescale).sum(-1)
+    else:
+        row_max, normaliser = _torch_row_partials(q_grouped, k, key_pos, 0, scale, R, rows)
+    local_max = row_max.clone()
+    _all_reduce(row_max, dist.ReduceOp.MAX, group, world)
+    normaliser *= torch.exp(local_max - _finite(row_max)).double()
+    _all_reduce(normaliser, dist.ReduceOp.SUM, group, world)
+    # Each document's weight folds into the normaliser; unused rows (no visible key anywhere,
+    # normaliser 0) get weight 0, not 0/0.
+    inv_norm = torch.where(rows.row_weight > 0, rows.row_weight / normaliser, 0.0)
+
+    # Pass 2: vertical statistic and block masses per (row group, local key block).
+    if backend == "triton":
+        from .kernels.triton_approx import vs_masses
+        vertical, block_mass = vs_masses(q_grouped, k, key_pos, 0, scale, R, B, _finite(row_max),
+                                         inv_norm.float(), rows.group_qb.numel(), rows=rows)
+    else:
+        vertical, block_mass = _torch_document_masses(q_grouped, k, key_pos, scale, B, row_max, inv_norm, rows)
+
+    # Slash: offset o of group j (query block qb_j) collects key block qb_j - o. A gather (pad
+    # column for blocks of other ranks and before the sequence) then a sum over the groups in
+    # order: deterministic, no float atomics. Groups in chunks to bound the temporary.
+    n_kb = n_local // B
+    padded = torch.cat([block_mass.double(), block_mass.new_zeros(b, hq, block_mass.shape[2], 1, dtype=torch.float64)],
+                       -1)
+    offsets = torch.arange(nb, device=q.device)
+    slash = torch.zeros(b, hq, nb, dtype=torch.float64, device=q.device)
+    groups = rows.group_qb.numel()
+    chunk = max(1, (1 << 24) // max(1, b * hq * nb))
+    for g0 in range(0, groups, chunk):
+        qb = rows.group_qb[g0:g0 + chunk, None]
+        kb = qb - offsets[None, :]
+        source = torch.where((qb >= 0) & (kb >= 0), local_block_of[kb.clamp(0, nb - 1)], -1)
+        source = torch.where(source >= 0, source, n_kb)
+        part = padded[:, :, g0:g0 + chunk].gather(-1, source.expand(b, hq, -1, -1))
+        slash += part.sum(-2)
+    _all_reduce(slash, dist.ReduceOp.SUM, group, world)
+    return vertical, slash, key_pos
+
+
 def _top_by_value(values: torch.Tensor, take: int) -> torch.Tensor:
     """Indices of the ``take`` largest non-negative fp32 ``values`` along the last dim, largest
     first, ties by lower index: a stable descending sort's head, for the price of a top-k. The
@@ -219,17 +470,30 @@ def _top_by_value(values: torch.Tensor, take: int) -> torch.Tensor:
 
 
 def approximate_vs_index(q, k, config: MTrainingConfig, group=None, layout: str = "striped",
-                         softmax_scale=None, backend: str = "auto") -> VSIndex:
+                         softmax_scale=None, backend: str = "auto",
+                         cu_seqlens: Optional[torch.Tensor] = None) -> VSIndex:
     world, _ = _world(group)
-    vertical, slash, key_pos = vs_statistics(q, k, config, group, layout, softmax_scale, backend)
+    packed = _packed(cu_seqlens)
+    rows = None if packed is None else _document_rows(packed, q.shape[2] * world, config, q.device)
+    if rows is None:
+        vertical, slash, key_pos = vs_statistics(q, k, config, group, layout, softmax_scale, backend)
+    else:
+        vertical, slash, key_pos = _document_statistics(q, k, config, group, layout, softmax_scale, backend, rows)
+    # NaN mass (NaN or Inf in q or k, or scores that overflow) counts as none: sorted, NaN would
+    # rank before the mandatory diagonal and sinks and push them out of the index.
+    vertical, slash = torch.nan_to_num(vertical, nan=0.0), torch.nan_to_num(slash, nan=0.0)
     b, hq, n_local = vertical.shape
     seq_len, B = n_local * world, config.block_size
     nb = seq_len // B
     total = torch.full((b, hq), float(config.last_q), dtype=torch.float64, device=q.device)
+    if rows is not None:  # last_q per scored document
+        total = rows.total.expand(b, hq)
 
     # Slash: every offset is a candidate; offsets 0..local_window-1 are mandatory (0 always).
     offsets = torch.arange(nb, device=q.device).expand(b, hq, nb)
     mandatory_s = offsets < max(1, config.local_window)
+    if rows is not None:  # documents of at most one block across a block boundary need offset 1
+        mandatory_s = mandatory_s | ((offsets == 1) & rows.straddle)
     slash_idx, n_slash = _budget_select(slash, offsets, mandatory_s, total, config.top_p,
                                         config.min_slash, min(config.max_slash, nb), config.max_slash)
 
@@ -238,7 +502,10 @@ def approximate_vs_index(q, k, config: MTrainingConfig, group=None, layout: str 
     if cap_v == 0:
         empty = torch.zeros(b, hq, 0, dtype=torch.int32, device=q.device)
         return VSIndex(slash_idx, n_slash, empty, torch.zeros(b, hq, dtype=torch.int32, device=q.device), B)
-    sinks = (key_pos < config.sink_tokens).expand(b, hq, n_local)
+    sinks = key_pos < config.sink_tokens
+    if rows is not None:  # and the first sink_tokens of every scored document
+        sinks = sinks | _document_sinks(key_pos, rows, config.sink_tokens)
+    sinks = sinks.expand(b, hq, n_local)
     local_key = torch.where(sinks, torch.full_like(vertical, float("inf")), vertical)
     take = min(cap_v, n_local)
     top = _top_by_value(local_key, take)
@@ -251,8 +518,10 @@ def approximate_vs_index(q, k, config: MTrainingConfig, group=None, layout: str 
         cand_values, cand_positions = torch.cat(gathered_v, -1), torch.cat(gathered_p, -1)
     by_position = torch.sort(cand_positions, dim=-1).indices  # ties then break by position
     cand_values, cand_positions = cand_values.gather(-1, by_position), cand_positions.gather(-1, by_position)
-    vert_idx, n_vert = _budget_select(cand_values, cand_positions,
-                                      cand_positions < config.sink_tokens, total, config.top_p,
+    mandatory_v = cand_positions < config.sink_tokens
+    if rows is not None:
+        mandatory_v = mandatory_v | _document_sinks(cand_positions, rows, config.sink_tokens)
+    vert_idx, n_vert = _budget_select(cand_values, cand_positions, mandatory_v, total, config.top_p,
                                       config.min_vertical, min(cap_v, seq_len), cap_v)
     return VSIndex(slash_idx, n_slash, vert_idx, n_vert, B)
 
@@ -281,12 +550,18 @@ def fixed_index(batch: int, heads: int, seq_len: int, config: MTrainingConfig, d
 
 def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig, group=None,
                       layout: str = "striped", softmax_scale: Optional[float] = None,
-                      backend: str = "auto") -> VSIndex:
+                      backend: str = "auto", cu_seqlens: Optional[torch.Tensor] = None) -> VSIndex:
     """The index for one layer: ``config.index`` picks "vs" (approximated from q and k), "dense"
     (all blocks) or "fixed" (fixed budgets). q ``[b, hq, n_local, d]``, k ``[b, hkv, n_local, d]``
     are this rank's post-RoPE tokens in ``layout`` order (``group=None``: the full sequence on
     one device). Returns the same ``VSIndex`` on every rank. ``backend`` computes the statistics:
-    "auto" (fused Triton kernels on CUDA, PyTorch elsewhere), "triton" or "torch"."""
+    "auto" (fused Triton kernels on CUDA, PyTorch elsewhere), "triton" or "torch".
+
+    ``cu_seqlens``: packed documents, int32 ``[0, e1, ..., N]`` in GLOBAL positions, the same on
+    every rank and batch element (checked fully on CPU, by structure elsewhere: no host
+    synchronisation). The "vs" builder then scores each document by its own last queries (up to
+    ``config.max_documents`` documents, the longest first; see the module docstring); None or
+    one document ``[0, N]`` gives exactly the unpacked index."""
     world, _ = _world(group)
     resolve_backend(backend, q.device)  # a bad name fails here, whatever the index builder
     if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
@@ -298,6 +573,8 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
     n_local = q.shape[2]
     seq_len = n_local * world
     check_layout(seq_len, layout, world, config.block_size)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, seq_len, "approximate_index: cu_seqlens")
     b, hq = q.shape[:2]
     if config.index == "dense":
         return VSIndex.dense(b, hq, seq_len, config.block_size, device=q.device)
@@ -306,4 +583,4 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
     if config.last_q > n_local:
         raise ValueError(f"approximate_index: last_q ({config.last_q}) exceeds the {n_local} tokens each rank "
                          "holds; lower --mtraining-last-q")
-    return approximate_vs_index(q, k, config, group, layout, softmax_scale, backend)
+    return approximate_vs_index(q, k, config, group, layout, softmax_scale, backend, cu_seqlens)

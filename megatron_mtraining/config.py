@@ -27,7 +27,12 @@ class MTrainingConfig:
         then get no gradient (quality benchmark, 32K: retrieval 0.48 with min_vertical 0, 0.95
         with 256; dense 0.73). At long context 256 columns cost little density; 0 gives the
         paper's pure top-p budget.
-    sink_tokens: leading columns always kept (attention sinks).
+    sink_tokens: leading columns always kept (attention sinks); with packed documents also the
+        first ``sink_tokens`` columns of every document the approximator scores.
+    max_documents: with packed documents (``cu_seqlens``), how many documents the approximator
+        scores (each by its own last ``last_q`` queries): a fixed capacity, so shapes stay fixed.
+        The longest documents longer than one block get the slots (ties: the later one first);
+        see ``approx.approximate_index``.
     local_window: slash offsets 0..local_window-1 always kept (the diagonal is offset 0).
     layout: token layout across context-parallel ranks, "striped" (balanced) or "zigzag".
     inner_ring_size: ranks per inner (intra-node) ring; None runs one flat ring.
@@ -46,6 +51,7 @@ class MTrainingConfig:
     min_vertical: Optional[int] = None  # None: min(VERTICAL_FLOOR, max_vertical)
     min_slash: int = 1
     sink_tokens: int = 4
+    max_documents: int = 16
     local_window: int = 1
     layout: str = "striped"
     inner_ring_size: Optional[int] = None
@@ -67,6 +73,8 @@ class MTrainingConfig:
         for name in ("max_vertical", "max_slash", "min_vertical", "min_slash", "sink_tokens", "local_window"):
             if int(getattr(self, name)) < 0:
                 fail(f"{name} must be >= 0, got {getattr(self, name)}")
+        if int(self.max_documents) < 1:
+            fail(f"max_documents must be >= 1, got {self.max_documents}")
         if self.max_slash < 1:
             fail("max_slash must be >= 1: the diagonal block (offset 0) is always selected")
         if self.max_vertical < self.min_vertical:
