@@ -276,6 +276,15 @@ def render_ring(results: List[Result]) -> str:
     return "\n".join(text)
 
 
+@renderer("ringpacked")
+def render_ring_packed(results: List[Result]) -> str:
+    return ("**Packed documents over the ring** (`ring.py --documents`): the document mix of the packed "
+            "table scaled to S, the fixed index at 5% of the document-causal pairs (the density column counts "
+            "causal pairs). The dense baseline is `dense_ring_attention(cu_seqlens=...)`: no cuDNN ring step "
+            "takes a document mask, so it runs our kernels on the all-blocks index with the documents (whole "
+            "blocks of earlier documents skipped).\n\n" + render_ring(results))
+
+
 # ----------------------------------------------------------------------------------------------
 # Files and README
 # ----------------------------------------------------------------------------------------------

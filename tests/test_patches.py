@@ -197,6 +197,76 @@ def test_batch_split_cp1_unchanged(monkeypatch):
     assert all(torch.equal(out[k], full[k]) for k in full)
 
 
+@pytest.mark.parametrize("layout", ["striped", "zigzag"])
+def test_batch_split_keeps_thd_metadata(monkeypatch, layout):
+    """--dataloader-inter-document-masking: cu_seqlens / max_seqlen pass the split unchanged (global
+    documents), in both layouts (megatron-core <= 0.16's own zigzag split would cut them too)."""
+    mock_cp(monkeypatch, 2, 1)
+    full = make_batch(b=1)
+    del full["attention_mask"]
+    cu = torch.tensor([[0, 10, 200, 256]], dtype=torch.int32)
+    patches.install(cfg(layout=layout))
+    out = split_batch(dict(full, cu_seqlens=cu, max_seqlen=torch.tensor([190])))
+    assert out["cu_seqlens"] is cu and out["max_seqlen"].tolist() == [190]
+    assert torch.equal(out["tokens"], shard_sequence(full["tokens"], 1, layout, 2, 1, BLOCK))
+
+
+@pytest.mark.parametrize("layout", ["striped", "zigzag"])
+def test_thd_split_follows_layout(monkeypatch, layout):
+    """--sft: the THD split cuts the flat packed sequence in the MTraining layout (no per-document
+    zigzag, no Transformer Engine); cu_seqlens stay global."""
+    mock_cp(monkeypatch, 2, 0)
+    patches.install(cfg(layout=layout))
+    full = make_batch(b=1)
+    del full["attention_mask"]
+    cu = torch.tensor([0, 10, 200, 256], dtype=torch.int32)
+    if hasattr(core_utils, "get_thd_batch_on_this_cp_rank"):  # megatron-core <= 0.16
+        out, psp = core_utils.get_thd_batch_on_this_cp_rank(dict(full), cu, None, torch.tensor([190]))
+        assert psp.qkv_format == "thd" and psp.cu_seqlens_q is cu
+    else:
+        out = core_utils._get_batch_on_this_cp_rank_per_document_balancing(
+            dict(full, cu_seqlens=cu[None], cu_seqlens_padded=None, max_seqlen=torch.tensor([190])), cp_group=None)
+        assert torch.equal(out["cu_seqlens"][0], cu)
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        assert torch.equal(out[key], shard_sequence(full[key], 1, layout, 2, 0, BLOCK)), key
+
+
+def test_thd_patches_are_reversible():
+    from megatron.core.transformer import attention as core_attention
+
+    before = (rope_utils.apply_rotary_pos_emb, core_attention.apply_rotary_pos_emb,
+              rotary_pos_embedding.apply_rotary_pos_emb)
+    thd_name = ("get_thd_batch_on_this_cp_rank" if hasattr(core_utils, "get_thd_batch_on_this_cp_rank")
+                else "_get_batch_on_this_cp_rank_per_document_balancing")
+    thd_split = getattr(core_utils, thd_name)
+    patches.install(cfg())
+    after = (rope_utils.apply_rotary_pos_emb, core_attention.apply_rotary_pos_emb,
+             rotary_pos_embedding.apply_rotary_pos_emb)
+    assert len(set(map(id, after))) == 1 and after[0] is not before[0]
+    assert getattr(core_utils, thd_name) is not thd_split
+    patches.uninstall()
+    assert (rope_utils.apply_rotary_pos_emb, core_attention.apply_rotary_pos_emb,
+            rotary_pos_embedding.apply_rotary_pos_emb) == before
+    assert getattr(core_utils, thd_name) is thd_split
+
+
+def test_rope_apply_unchanged_without_thd_over_cp(monkeypatch):
+    """Unpacked inputs, and THD at CP = 1, take Megatron's own RoPE (the same numbers)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                               apply_rope_fusion=False)
+    freqs = torch.randn(256, 1, 1, 16)
+    t = torch.randn(256, 1, 4, 16)
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    expected = (rope_utils.apply_rotary_pos_emb(t, freqs, config, cp_group=FakeGroup(2, 0)),
+                rope_utils.apply_rotary_pos_emb(t[:, 0], freqs[:156], config, cu_seqlens=cu, cp_group=FakeGroup(1, 0)))
+    patches.install(cfg())
+    assert torch.equal(rope_utils.apply_rotary_pos_emb(t, freqs, config, cp_group=FakeGroup(2, 0)), expected[0])
+    assert torch.equal(rope_utils.apply_rotary_pos_emb(t[:, 0], freqs[:156], config, cu_seqlens=cu,
+                                                       cp_group=FakeGroup(1, 0)), expected[1])
+
+
 def test_batch_split_skips_metadata(monkeypatch):
     mock_cp(monkeypatch, 2, 1)
     batch = make_batch()
@@ -289,13 +359,27 @@ def test_validate_with_real_transformer_config():
     ({"cp_comm_type": "a2a"}, 256, "striped", "Transformer Engine"),
     ({"cp_comm_type": ["p2p", "all_gather"]}, 256, "striped", "Transformer Engine"),
     ({"hybrid_context_parallel": True}, 256, "striped", "--hybrid-context-parallel"),
-    ({"sft": True}, 256, "striped", "--sft .*THD"),
-    ({"dataloader_inter_document_masking": True}, 256, "striped", "--dataloader-inter-document-masking"),
-    ({"reset_attention_mask": True}, 256, "striped", "--reset-attention-mask"),
+    ({"reset_attention_mask": True, "pipeline_model_parallel_size": 2}, 256, "striped",
+     "--reset-attention-mask with pipeline parallelism.*--dataloader-inter-document-masking"),
+    ({"reset_attention_mask": True, "micro_batch_size": 2}, 256, "striped", "--micro-batch-size 1"),
 ])
 def test_validate_errors(kw, seq, layout, match):
     with pytest.raises(ValueError, match=match):
         patches.validate_megatron_config(tcfg(**kw), cfg(layout=layout), seq_length=seq)
+
+
+@pytest.mark.parametrize("kw", [
+    {"sft": True}, {"sft": True, "pipeline_model_parallel_size": 2, "micro_batch_size": 4},
+    {"dataloader_inter_document_masking": True, "pipeline_model_parallel_size": 2, "micro_batch_size": 2},
+    {"reset_attention_mask": True, "reset_position_ids": True, "eod_mask_loss": True, "micro_batch_size": 1,
+     "pipeline_model_parallel_size": 1},
+    {"reset_attention_mask": True, "dataloader_inter_document_masking": True, "micro_batch_size": 2},
+    {"reset_position_ids": True, "eod_mask_loss": True, "micro_batch_size": 8, "pipeline_model_parallel_size": 4},
+])
+def test_validate_accepts_packed_documents(kw):
+    """Packed documents reach MTraining as cu_seqlens (integration/packing.py): THD batches with any
+    micro-batch and pipeline size, --reset-attention-mask with one micro-batch sample and one stage."""
+    patches.validate_megatron_config(tcfg(**kw), cfg(), seq_length=256)
 
 
 def test_validate_mtp_ok_without_cp():

@@ -41,6 +41,10 @@ def add_mtraining_args(parser):
                        help=f"Lower clamp of the per-head slash budget (default: {d['min_slash']}).")
     group.add_argument("--mtraining-sink-tokens", type=int, default=d["sink_tokens"],
                        help=f"Leading tokens always attended (attention sinks) (default: {d['sink_tokens']}).")
+    group.add_argument("--mtraining-max-documents", type=int, default=d["max_documents"],
+                       help="With packed documents (--reset-attention-mask, --sft, "
+                       "--dataloader-inter-document-masking), how many documents the index approximator scores, "
+                       f"each by its own last queries (default: {d['max_documents']}).")
     group.add_argument("--mtraining-local-window", type=int, default=d["local_window"],
                        help="Slash offsets 0..N-1 always kept; offset 0 is the diagonal "
                        f"(default: {d['local_window']}).")

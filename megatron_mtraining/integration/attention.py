@@ -41,7 +41,7 @@ from ..config import MTrainingConfig
 from ..index import VSIndex
 from ..kernels.dense import expand_kv
 from ..ring import dense_ring_attention, instrument, sparse_ring_attention
-from . import consistency, telemetry
+from . import consistency, packing, telemetry
 from .indexer import MTrainingAttentionSubmodules
 
 logger = logging.getLogger(__name__)
@@ -139,9 +139,15 @@ class MTrainingAttention(MegatronModule):
     settings (e.g. through ``ModuleSpec.params``). Further keyword arguments that newer
     megatron-core versions may pass are accepted and ignored.
 
+    Packed documents (``packing.py``) arrive as THD ``packed_seq_params`` (q ``[t, np, hn]``, out
+    ``[t, np*hn]``; ``--sft``, ``--dataloader-inter-document-masking``) or, for ``[s, b, ...]``
+    batches, as the current batch's documents set by the CP batch split (``--reset-attention-mask``);
+    either way attention stays within documents (``cu_seqlens``), never through an S x S mask.
+
     Not supported (ValueError): non-causal masks, cross attention, attention dropout while
-    training, attention bias, packed (THD) sequences, sliding-window attention and
-    non-vanilla softmax. The ``attention_mask`` argument is ignored: the attention is causal.
+    training, attention bias, packed formats other than THD, sliding-window attention and
+    non-vanilla softmax. The ``attention_mask`` argument is ignored: the attention is causal
+    (within documents).
     """
 
     def __init__(
@@ -208,6 +214,8 @@ class MTrainingAttention(MegatronModule):
         self._inner_sizes = {}  # CP group -> inner ring size
         # The autocast dtype of the no-grad first pass of an activation recompute (see forward).
         self._recompute_dtype: Optional[torch.dtype] = None
+        # The batch documents of that first pass, for its re-run (packing.documents_for_attention).
+        self._recompute_documents = None
 
     # ------------------------------------------------------------------ process groups
 
@@ -234,9 +242,9 @@ class MTrainingAttention(MegatronModule):
     # ------------------------------------------------------------------ forward
 
     def _check_forward_args(self, attn_mask_type, attention_bias, packed_seq_params) -> None:
-        if packed_seq_params is not None:
-            raise ValueError("MTrainingAttention does not support packed sequences (THD format, "
-                             "packed_seq_params); use unpacked [s, b, ...] batches")
+        if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) != "thd":
+            raise ValueError(f"MTrainingAttention takes packed sequences in the THD format only, got packed_seq_params "
+                             f"with qkv_format={getattr(packed_seq_params, 'qkv_format', None)!r}")
         if attention_bias is not None:
             raise ValueError("MTrainingAttention does not support attention_bias")
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
@@ -257,8 +265,13 @@ class MTrainingAttention(MegatronModule):
         attention_bias: Optional[Tensor] = None,
         packed_seq_params=None,
     ) -> Tensor:
-        """q ``[sq, b, np, hn]``, k/v ``[sk, b, ng, hn]`` (this rank's tokens) -> ``[sq, b, np*hn]``."""
+        """q ``[sq, b, np, hn]``, k/v ``[sk, b, ng, hn]`` (this rank's tokens) -> ``[sq, b, np*hn]``;
+        THD (``packed_seq_params``): q ``[t, np, hn]``, k/v ``[t, ng, hn]`` -> ``[t, np*hn]``."""
         self._check_forward_args(attn_mask_type, attention_bias, packed_seq_params)
+        if packed_seq_params is not None and query.dim() == 3:  # THD: one flat packed sequence
+            out = self.forward(*(x.unsqueeze(1) for x in (query, key, value)), attention_mask,
+                               attn_mask_type, attention_bias, packed_seq_params)
+            return out.squeeze(1)
         if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
             raise ValueError(f"MTrainingAttention expects [s, b, heads, head_dim] inputs, got q "
                              f"{tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}")
@@ -271,8 +284,8 @@ class MTrainingAttention(MegatronModule):
             # Autocast stays off inside, so that the fp32 statistics and accumulations are not
             # cast down again.
             with torch.autocast(query.device.type, enabled=False):
-                return self._attend(*(x.to(dtype) for x in (query, key, value)))
-        return self._attend(query, key, value)
+                return self._attend(*(x.to(dtype) for x in (query, key, value)), packed_seq_params=packed_seq_params)
+        return self._attend(query, key, value, packed_seq_params=packed_seq_params)
 
     def _attention_dtype(self, device_type: str) -> Optional[torch.dtype]:
         """The dtype to attend in: the autocast dtype inside an autocast region, like PyTorch's
@@ -321,9 +334,11 @@ class MTrainingAttention(MegatronModule):
         return dense_ring_attention(q, k, v, group=group, layout="zigzag", inner_size=self.ring_inner_size(group),
                                     softmax_scale=self.softmax_scale)
 
-    def _attend(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params=None) -> Tensor:
         sq, b, np_, hn = query.shape
         group = self.cp_group()
+        # Packed documents (THD packed_seq_params, or the current batch's): global cu_seqlens or None.
+        cu_seqlens = packing.documents_for_attention(self, packed_seq_params, sq * _group_size(group), b)
         # [s, b, heads, hn] -> [b, heads, s, hn]; the ring sends k/v, so give it dense tensors.
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         if group is not None:
@@ -342,21 +357,23 @@ class MTrainingAttention(MegatronModule):
         if checking:
             consistency.check_flags(self, group, q)
         with timed("approximator", cuda):
-            index = self.indexer(q, k, group)  # the pre-attention step: this layer's VSIndex
+            # the pre-attention step: this layer's VSIndex (custom indexers see documents only when there are some)
+            index = (self.indexer(q, k, group) if cu_seqlens is None
+                     else self.indexer(q, k, group, cu_seqlens=cu_seqlens))
         if checking:
             consistency.check_index(index, group, self.layer_number)
         self.last_index = index
         with timed("attention_fwd", cuda), (instrument.suspended() if tele is not None and not counted
                                             else contextlib.nullcontext()):
-            if self.uses_dense_kernels(group, q):
+            if cu_seqlens is None and self.uses_dense_kernels(group, q):  # the dense kernels know no documents
                 out = self._attend_dense(q, k, v, group)
             elif group is None:
-                out = sparse_attention(q, k, v, index, softmax_scale=self.softmax_scale)
+                out = sparse_attention(q, k, v, index, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
             else:
                 cfg = self.mtraining_config
                 out = sparse_ring_attention(q, k, v, index, group=group, layout=cfg.layout,
                                             inner_size=self.ring_inner_size(group),
-                                            softmax_scale=self.softmax_scale)
+                                            softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
         if record is not None:
             record.record_index(self.layer_number, index, sq * _group_size(group))
             record.time_backward(out, q, cuda)

@@ -52,10 +52,11 @@ class MTrainingIndexer(MegatronModule):
         self.softmax_scale = softmax_scale
 
     @torch.no_grad()
-    def forward(self, q: Tensor, k: Tensor, group=None) -> VSIndex:
+    def forward(self, q: Tensor, k: Tensor, group=None, cu_seqlens: Optional[Tensor] = None) -> VSIndex:
+        """``cu_seqlens``: the packed documents (global positions) the attention uses, if any."""
         cfg = self.mtraining_config
         return approximate_index(q.detach(), k.detach(), cfg, group=group, layout=cfg.layout,
-                                 softmax_scale=self.softmax_scale)
+                                 softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
 
     def extra_repr(self) -> str:
         cfg = self.mtraining_config
@@ -67,6 +68,7 @@ class MTrainingIndexer(MegatronModule):
 class MTrainingAttentionSubmodules:
     """Submodules of ``MTrainingAttention`` (set in the layer spec). ``indexer`` is built with
     ``(config=, layer_number=, mtraining_config=, dense=, softmax_scale=)`` and called as
-    ``indexer(q, k, group) -> VSIndex``."""
+    ``indexer(q, k, group) -> VSIndex``, with packed documents as ``indexer(q, k, group,
+    cu_seqlens=cu_seqlens)`` (a custom indexer must accept that keyword to train on packed data)."""
 
     indexer: Union[ModuleSpec, type] = MTrainingIndexer

@@ -12,6 +12,19 @@ the RoPE frequency table the same way. MTraining's default ``striped`` layout gi
    that imported it by name (``rotary_pos_embedding``, ``yarn_rotary_pos_embedding``, and any
    other loaded ``megatron.*`` module whose namespace holds the same function object).
 
+Packed documents (``packing.py``): the batch split also reads the document boundaries of the FULL
+micro-batch (``--reset-attention-mask``: EOD tokens or position-id resets) for the layers. THD
+batches (``--sft``, ``--dataloader-inter-document-masking``) are split in the MTraining layout as
+one flat sequence, whole documents in their global places, no per-document zigzag padding:
+
+3. the per-document CP split of THD batches: ``_get_batch_on_this_cp_rank_per_document_balancing``
+   (megatron-core >= 0.17-ish, Transformer Engine's ``thd_get_partitioned_indices``) and
+   ``get_thd_batch_on_this_cp_rank`` (megatron-core <= 0.16);
+4. ``apply_rotary_pos_emb`` (``rope_utils`` and its by-name importers, ``attention.py`` among them)
+   for THD inputs over CP > 1 only: each token takes the RoPE row of its position within its
+   document, from its global position in the MTraining layout (Megatron's own THD RoPE assumes the
+   per-document zigzag split). Everything else goes to the original unchanged.
+
 ``install(config)`` applies them (idempotent: a second call only updates the config the patched
 functions read), ``uninstall()`` restores the exact original objects, ``installed()`` tells.
 Every replaced attribute is logged once at INFO. Every patch is listed in ``PATCHES``.
@@ -35,6 +48,7 @@ import torch
 
 from ..config import MTrainingConfig
 from ..layout import check_layout, local_positions
+from . import packing
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +120,17 @@ def _group_size_rank(cp_group) -> Tuple[int, int]:
     return cp_group.size(), cp_group.rank()
 
 
+def _process_group(cp_group):
+    """The CP process group the batch split runs over (``cp_group``, else ``parallel_state``'s)."""
+    if cp_group is not None:
+        return cp_group
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_context_parallel_world_size() > 1:
+        return parallel_state.get_context_parallel_group()
+    return None
+
+
 def _check_seq_len(seq_len: int, layout: str, cp_size: int, block_size: int, what: str) -> None:
     try:
         check_layout(seq_len, layout, cp_size, block_size)
@@ -128,26 +153,79 @@ def _sequence_tensors(batch: Dict[str, Any]):
 
 # ------------------------------------------------------------------------------ replacements
 
+def _split_in_layout(batch: Dict[str, Any], layout: str, cp_size: int, cp_rank: int, block_size: int,
+                     what: str = "batch split") -> Dict[str, Any]:
+    """Every sequence tensor of ``batch`` cut to this rank's tokens in ``layout`` (metadata kept)."""
+    entries = list(_sequence_tensors(batch))
+    for key, val, seq_dim in entries:
+        _check_seq_len(val.shape[seq_dim], layout, cp_size, block_size, f"{what} of {key!r}")
+    for key, val, seq_dim in entries:
+        pos = _positions(val.shape[seq_dim], layout, cp_size, cp_rank, block_size)
+        batch[key] = val.index_select(seq_dim, pos.to(val.device))
+    return batch
+
+
 def _make_batch_split(original: Callable) -> Callable:
-    """The per-sequence CP batch split in the configured layout."""
+    """The per-sequence CP batch split in the configured layout; first the documents of the full
+    micro-batch for the layers (``packing.prepare_batch``)."""
 
     @functools.wraps(original)
     def get_batch_on_this_cp_rank_mtraining(batch, cp_group=None, *args, **kwargs):
         cfg = _current_config()
+        packing.prepare_batch(batch, _process_group(cp_group))
         cp_size, cp_rank = _group_size_rank(cp_group)
         if cp_size <= 1:
             return original(batch, cp_group, *args, **kwargs)
         for key, val, seq_dim in _sequence_tensors(batch):
             _check_seq_len(val.shape[seq_dim], cfg.layout, cp_size, cfg.block_size, f"batch split of {key!r}")
-        if cfg.layout == "zigzag":  # Megatron's own split is the zigzag layout
-            return original(batch, cp_group, *args, **kwargs)
-        for key, val, seq_dim in list(_sequence_tensors(batch)):
-            pos = _positions(val.shape[seq_dim], cfg.layout, cp_size, cp_rank, cfg.block_size)
-            batch[key] = val.index_select(seq_dim, pos.to(val.device))
-        return batch
+        if cfg.layout == "zigzag":  # Megatron's own split is the zigzag layout: it gets the sequence
+            # tensors only (megatron-core <= 0.16 would also cut metadata such as a THD cu_seqlens)
+            sequences = {key: val for key, val, _ in _sequence_tensors(batch)}
+            batch.update(original(sequences, cp_group, *args, **kwargs))
+            return batch
+        return _split_in_layout(batch, cfg.layout, cp_size, cp_rank, cfg.block_size)
 
     get_batch_on_this_cp_rank_mtraining.__mtraining_patch__ = True
     return get_batch_on_this_cp_rank_mtraining
+
+
+def _make_thd_batch_split(original: Callable) -> Callable:
+    """megatron-core >= 0.17: the per-document (THD) CP split, in the MTraining layout instead: the
+    flat packed sequence is split like an unpacked one; cu_seqlens stay global."""
+
+    @functools.wraps(original)
+    def get_thd_batch_on_this_cp_rank_mtraining(batch, cp_group=None, *args, **kwargs):
+        cfg = _current_config()
+        packing.prepare_batch(batch, _process_group(cp_group))
+        cp_size, cp_rank = _group_size_rank(cp_group)
+        if cp_size <= 1:
+            return original(batch, cp_group, *args, **kwargs)
+        return _split_in_layout(batch, cfg.layout, cp_size, cp_rank, cfg.block_size, "THD batch split")
+
+    get_thd_batch_on_this_cp_rank_mtraining.__mtraining_patch__ = True
+    return get_thd_batch_on_this_cp_rank_mtraining
+
+
+def _make_legacy_thd_batch_split(original: Callable) -> Callable:
+    """megatron-core <= 0.16: ``get_thd_batch_on_this_cp_rank(batch, cu_seqlens, cu_seqlens_padded,
+    max_seqlen, cp_size, cp_rank) -> (batch, packed_seq_params)`` in the MTraining layout."""
+
+    @functools.wraps(original)
+    def get_thd_batch_on_this_cp_rank_mtraining(batch, cu_seqlens, cu_seqlens_padded, max_seqlen,
+                                                cp_size=None, cp_rank=None):
+        cfg = _current_config()
+        packing.clear_batch_documents()  # THD documents travel in packed_seq_params
+        batch, packed_seq_params = original(batch, cu_seqlens, cu_seqlens_padded, max_seqlen, cp_size=1, cp_rank=0)
+        if cp_size is None or cp_rank is None:
+            size, rank = _group_size_rank(None)
+            cp_size = size if cp_size is None else cp_size
+            cp_rank = rank if cp_rank is None else cp_rank
+        if cp_size > 1:
+            _split_in_layout(batch, cfg.layout, cp_size, cp_rank, cfg.block_size, "THD batch split")
+        return batch, packed_seq_params
+
+    get_thd_batch_on_this_cp_rank_mtraining.__mtraining_patch__ = True
+    return get_thd_batch_on_this_cp_rank_mtraining
 
 
 def _make_pos_emb_slicer(original: Callable) -> Callable:
@@ -168,10 +246,35 @@ def _make_pos_emb_slicer(original: Callable) -> Callable:
     return get_pos_emb_on_this_cp_rank_mtraining
 
 
+def _make_rope_apply(original: Callable) -> Callable:
+    """``apply_rotary_pos_emb``: THD inputs over CP > 1 take their rows by position within their
+    document in the MTraining layout (``packing.thd_rope_freqs``), then the original's unpacked
+    path (fused or not) applies them; every other call is the original's."""
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb_mtraining(t, freqs, config, cu_seqlens=None, *args, **kwargs):
+        if cu_seqlens is None:
+            return original(t, freqs, config, cu_seqlens, *args, **kwargs)
+        cp_group = kwargs.get("cp_group", args[1] if len(args) > 1 else None)  # (mscale, cp_group, ...)
+        cp_size, cp_rank = _group_size_rank(cp_group)
+        if cp_size <= 1:
+            return original(t, freqs, config, cu_seqlens, *args, **kwargs)
+        cfg = _current_config()
+        rows = packing.thd_rope_freqs(freqs, cu_seqlens, t.shape[0], cp_size, cp_rank, cfg.layout, cfg.block_size)
+        return original(t.unsqueeze(1), rows, config, None, *args, **kwargs).squeeze(1)
+
+    apply_rotary_pos_emb_mtraining.__mtraining_patch__ = True
+    return apply_rotary_pos_emb_mtraining
+
+
 _ROPE_UTILS = "megatron.core.models.common.embeddings.rope_utils"
 _BATCH_REASON = ("per-sequence CP batch split: tokens/labels/loss_mask/position_ids (dim 1) and "
                  "attention_mask (dim 2) follow the MTraining layout instead of Megatron's zigzag")
 _ROPE_REASON = "RoPE CP slicing: each rank takes the RoPE rows of its own tokens in the MTraining layout"
+_THD_REASON = ("THD (packed) CP split: the flat packed sequence follows the MTraining layout instead of "
+               "Transformer Engine's per-document zigzag; cu_seqlens stay global")
+_THD_ROPE_REASON = ("THD RoPE over CP: each token takes the row of its position in its document, in the "
+                    "MTraining layout (other calls unchanged)")
 
 PATCHES: Tuple[Patch, ...] = (
     # megatron-core >= 0.17-ish: the dispatcher calls this module global at call time.
@@ -185,6 +288,12 @@ PATCHES: Tuple[Patch, ...] = (
           _make_pos_emb_slicer, _ROPE_REASON + " (imported by name)"),
     Patch("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank",
           _make_pos_emb_slicer, _ROPE_REASON + " (imported by name)", optional=True),
+    # Packed THD batches (--sft, --dataloader-inter-document-masking; packing.py).
+    Patch("megatron.core.utils", "_get_batch_on_this_cp_rank_per_document_balancing", _make_thd_batch_split,
+          _THD_REASON, optional=True),
+    Patch("megatron.core.utils", "get_thd_batch_on_this_cp_rank", _make_legacy_thd_batch_split, _THD_REASON,
+          optional=True, unless_attr="_get_batch_on_this_cp_rank_per_document_balancing", scan_importers=True),
+    Patch(_ROPE_UTILS, "apply_rotary_pos_emb", _make_rope_apply, _THD_ROPE_REASON, scan_importers=True),
 )
 
 
@@ -302,19 +411,29 @@ def validate_megatron_config(transformer_config, mtraining_config: MTrainingConf
     if dropout:
         problems.append(f"attention_dropout must be 0 (--attention-dropout 0: MTraining sparse attention has no "
                         f"dropout; Megatron's default is 0.1), got {dropout}")
-    # Parsed Megatron arguments only (a TransformerConfig has none of these): each one changes
-    # which tokens a query may see, or how the sequence is split over the CP ranks.
-    for field, flag, why in (
-            ("hybrid_context_parallel", "--hybrid-context-parallel", "it splits each batch over CP ranks "
-             "its own way; MTraining's ring needs the striped or zigzag split"),
-            ("sft", "--sft", "supervised fine-tuning packs sequences (THD format), which MTraining "
-             "attention does not take"),
-            ("dataloader_inter_document_masking", "--dataloader-inter-document-masking",
-             "MTraining attention is causal over the whole sequence"),
-            ("reset_attention_mask", "--reset-attention-mask", "MTraining attention is causal over the whole "
-             "sequence and builds no per-document mask")):
-        if getattr(transformer_config, field, False):
-            problems.append(f"{flag} ({field}) is not supported: {why}")
+    # Parsed Megatron arguments only (a TransformerConfig has none of these).
+    if getattr(transformer_config, "hybrid_context_parallel", False):
+        problems.append("--hybrid-context-parallel (hybrid_context_parallel) is not supported: it splits each batch "
+                        "over CP ranks its own way; MTraining's ring needs the striped or zigzag split")
+    # Packed documents (packing.py): THD batches (--sft, --dataloader-inter-document-masking) work with
+    # any CP and pipeline size; the EOD / position-id path of --reset-attention-mask needs the whole
+    # micro-batch in the CP batch split of every stage, and one set of documents per micro-batch.
+    if getattr(transformer_config, "reset_attention_mask", False):
+        thd = [flag for field, flag in (("sft", "--sft"),
+                                        ("dataloader_inter_document_masking", "--dataloader-inter-document-masking"))
+               if getattr(transformer_config, field, False)]
+        pp = int(getattr(transformer_config, "pipeline_model_parallel_size", 1) or 1)
+        mbs = int(getattr(transformer_config, "micro_batch_size", 1) or 1)
+        if pp > 1 and not thd:
+            problems.append(f"--reset-attention-mask with pipeline parallelism (pipeline_model_parallel_size={pp}) is "
+                            "not supported: Megatron hands the intermediate pipeline stages no batch, so they cannot "
+                            "see the document boundaries; use --dataloader-inter-document-masking (its cu_seqlens "
+                            "reach every stage) or --pipeline-model-parallel-size 1")
+        if mbs > 1 and not thd:
+            problems.append(f"--reset-attention-mask with --micro-batch-size {mbs} is not supported: MTraining's "
+                            "documents (cu_seqlens) are shared by the micro-batch and the samples of a micro-batch "
+                            "have different document boundaries; use --micro-batch-size 1, or "
+                            "--dataloader-inter-document-masking (one packed sequence per micro-batch)")
     hcp = getattr(transformer_config, "hierarchical_context_parallel_sizes", None)
     if hcp:
         problems.append(f"hierarchical context parallelism (hierarchical_context_parallel_sizes={hcp}) is not "
