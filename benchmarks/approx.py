@@ -12,7 +12,7 @@
 
     python benchmarks/approx.py                     # GPU: parts 1 and 2
     python benchmarks/approx.py --quality-only      # CPU: part 1 (writes a plot too)
-    torchrun --nproc-per-node 4 benchmarks/approx.py --ring   # part 3
+    python -m torch.distributed.run --nproc-per-node 4 benchmarks/approx.py --ring   # part 3
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def main():
     if args.ring:
         if "RANK" not in os.environ or not torch.cuda.is_available():
             raise SystemExit("approx.py --ring runs under torchrun on GPUs, e.g. "
-                             "torchrun --nproc-per-node 4 benchmarks/approx.py --ring")
+                             "python -m torch.distributed.run --nproc-per-node 4 benchmarks/approx.py --ring")
         rank, row = ring_overhead(args.ring_local_len, args.warmup, args.reps)
         if rank == 0:
             out = args.out or os.path.join(RESULTS_DIR, f"approx_ring_{device_slug(device)}_{row['world_size']}gpu.json")

@@ -20,8 +20,8 @@ a barrier before every repetition, median over repetitions per rank, then the ma
 One extra instrumented repetition of the ring variants records every rank's per-step compute
 and wait times: the imbalance degrees of the paper's appendix and a rank x step heatmap.
 
-    torchrun --nproc_per_node 4 benchmarks/ring.py                 # GPU, 256K and 512K
-    torchrun --nproc_per_node 2 benchmarks/ring.py --smoke         # tiny fp32 run on CPU (gloo)
+    python -m torch.distributed.run --nproc_per_node 4 benchmarks/ring.py                 # GPU, 256K and 512K
+    python -m torch.distributed.run --nproc_per_node 2 benchmarks/ring.py --smoke         # tiny fp32 run on CPU (gloo)
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def setup_distributed(smoke: bool, timeout_s: float) -> torch.device:
     run, and the JSON written after every variant keeps what was measured before it.
     """
     if "RANK" not in os.environ:
-        raise SystemExit("run under torchrun: torchrun --nproc_per_node N benchmarks/ring.py [...]")
+        raise SystemExit("run under torchrun: python -m torch.distributed.run --nproc_per_node N benchmarks/ring.py [...]")
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     timeout = datetime.timedelta(seconds=timeout_s)
     if smoke or not torch.cuda.is_available():

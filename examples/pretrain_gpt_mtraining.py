@@ -6,7 +6,7 @@ as shipped in the megatron-core >= 0.19 wheel (which has no ``pretrain_gpt.py``,
 ``gpt_builders.py`` or ``model_provider.py``). It takes Megatron's usual flags plus the
 plugin's ``--mtraining*`` flags:
 
-    CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc-per-node 4 examples/pretrain_gpt_mtraining.py \\
+    CUDA_DEVICE_MAX_CONNECTIONS=1 python -m torch.distributed.run --nproc-per-node 4 examples/pretrain_gpt_mtraining.py \\
         --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \\
         --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 65536 \\
         --max-position-embeddings 65536 --position-embedding-type rope --attention-dropout 0 \\
@@ -25,8 +25,10 @@ attention needs Transformer Engine; without it use ``--mtraining --mtraining-ind
 causal attention over MTraining's ring) as the dense baseline.
 
 Data: ``--mock-data`` (MockGPTDataset) or ``--data-path`` (GPTDataset, a Megatron indexed
-dataset). Not supported here: packed sequences (``--sft``, ``--dataloader-inter-document-masking``),
-hybrid CP, multi-token prediction, and ``--spec`` (the layer spec is chosen as above).
+dataset). Not supported by this self-contained script: packed documents (``--sft``,
+``--dataloader-inter-document-masking``, ``--reset-attention-mask`` with ``--mtraining``: the launcher
+and the patched fork take them, through Megatron-LM's ``pretrain_gpt.py``), hybrid CP, multi-token
+prediction, and ``--spec`` (the layer spec is chosen as above).
 
 Works with the ``pretrain(cfg_container, ...)`` API of megatron-core 0.19.x; the older
 ``pretrain(train_valid_test_dataset_provider, model_provider, ...)`` API (Megatron-LM
@@ -97,11 +99,11 @@ def check_args(args, te_available=None):
                    "--dataloader-inter-document-masking": getattr(args, "dataloader_inter_document_masking", False),
                    "--hybrid-context-parallel": getattr(args, "hybrid_context_parallel", False),
                    "--mtp-num-layers": getattr(args, "mtp_num_layers", None),
-                   "--reset-attention-mask with --mtraining (the attention is causal over the whole "
-                   "sequence)": mtraining and getattr(args, "reset_attention_mask", False)}
+                   "--reset-attention-mask with --mtraining": mtraining and getattr(args, "reset_attention_mask", False)}
     bad = [flag for flag, value in unsupported.items() if value]
     if bad:
-        raise ConfigError(f"not supported by this script: {', '.join(bad)}")
+        raise ConfigError(f"not supported by this script: {', '.join(bad)} (packed documents train through "
+                          "Megatron-LM's pretrain_gpt.py: the launcher or the patched fork, README)")
 
 
 def configure(args):

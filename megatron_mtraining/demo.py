@@ -7,7 +7,7 @@ striped share of every sequence; in every layer the index approximator builds th
 vertical-slash index from the layer's q and k and the sparse ring attention runs over the CP
 group. Logs look like Megatron's; the run fails if the loss does not go down.
 
-    torchrun --nproc_per_node N -m megatron_mtraining.demo [--iterations 30] [--seq-length 2048]
+    python -m torch.distributed.run --nproc_per_node N -m megatron_mtraining.demo [--iterations 30] [--seq-length 2048]
 
 Checkpoints take Megatron's flag names: ``--save DIR`` writes one at the end (and every
 ``--save-interval`` iterations), ``--load DIR`` resumes from the latest one in new processes;

@@ -1,7 +1,7 @@
 """Run an unmodified Megatron-LM training script with the MTraining flags and hooks.
 
     python -m megatron_mtraining.launch path/to/pretrain_gpt.py <Megatron args> --mtraining ...
-    torchrun --nproc-per-node 8 -m megatron_mtraining.launch pretrain_gpt.py <args> --mtraining ...
+    python -m torch.distributed.run --nproc-per-node 8 -m megatron_mtraining.launch pretrain_gpt.py <args> --mtraining ...
 
 This does at run time what ``patches/megatron-lm-core_r0.19.x-mtraining.patch`` does in a fork;
 no Megatron source is edited. Every change is a logged, reversible attribute replacement:
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["main", "LaunchError"]
 
 _USAGE = ("usage: python -m megatron_mtraining.launch SCRIPT.py [script args ...] [--mtraining ...]\n"
-          "  e.g. torchrun --nproc-per-node 8 -m megatron_mtraining.launch pretrain_gpt.py "
+          "  e.g. python -m torch.distributed.run --nproc-per-node 8 -m megatron_mtraining.launch pretrain_gpt.py "
           "<Megatron args> --mtraining --mtraining-top-p 0.9")
 
 _ARGUMENTS = "megatron.training.arguments"

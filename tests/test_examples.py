@@ -142,7 +142,7 @@ def test_pretrain_script_static():
     src = PRETRAIN.read_text()
     tree = ast.parse(src, filename=str(PRETRAIN))
     doc = ast.get_docstring(tree)
-    assert doc and "torchrun --nproc-per-node" in doc and "--mtraining" in doc
+    assert doc and "torch.distributed.run --nproc-per-node" in doc and "--mtraining" in doc
     assert "--mtraining-index dense" in doc
     guards = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
     assert guards and "main()" in ast.unparse(guards[0])
