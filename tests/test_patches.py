@@ -413,3 +413,58 @@ def test_newer_megatron_patches_per_sequence_balancing_only(monkeypatch):
     assert torch.equal(out["tokens"], shard_sequence(full["tokens"], 1, "striped", 2, 1, BLOCK))
     patches.uninstall()
     assert getattr(core_utils, NEW_BATCH_NAME) is per_sequence_balancing
+
+
+def test_unstepped_distributed_optimizer_gets_states_before_a_load():
+    """Without Apex/TE Megatron's DistributedOptimizer holds torch's Adam, whose states appear at the
+    first step; loading a checkpoint into it before that failed on the GPU machines (megatron-core
+    0.19: `assert len(steps) == 1` in state_dict, KeyError 'step' in the legacy load). The patch
+    gives it states first, through Megatron's own helper, only when loading."""
+    distrib = pytest.importorskip("megatron.core.optimizer.distrib_optimizer")
+    from megatron_mtraining.integration import patches
+
+    calls = []
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, sharding_type=None, metadata=None):
+        calls.append(("sharded", is_loading, len(self.optimizer.state)))
+        steps = {int(s["step"]) for s in self.optimizer.state_dict()["state"].values()}
+        assert len(steps) == 1  # what Megatron's state_dict() asserts without Apex/TE
+        return {}
+
+    class Stand_in:  # the attributes the helper and the wrapper read
+        _init_optimizer_states_with_dummy_values = distrib.DistributedOptimizer._init_optimizer_states_with_dummy_values
+
+        def __init__(self):
+            self.param = torch.nn.Parameter(torch.ones(3))
+            self.optimizer = torch.optim.AdamW([self.param], lr=0.1, weight_decay=0.1)
+
+    wrapped = patches._make_optimizer_state_before_load(sharded_state_dict)
+    opt = Stand_in()
+    with pytest.raises(AssertionError):
+        sharded_state_dict(opt, {}, True)          # the unpatched failure
+    wrapped(opt, {}, True)                         # positional is_loading, as ChainedOptimizer passes it
+    assert calls[-1] == ("sharded", True, 1)
+    saving = Stand_in()
+    with pytest.raises(AssertionError):
+        wrapped(saving, {}, is_loading=False)      # saving an unstepped optimizer is left alone
+    assert len(saving.optimizer.state) == 0
+    # The patch applies exactly where Megatron runs torch's Adam.
+    entries = [p for p in patches.PATCHES if p.module_name == "megatron.core.optimizer.distrib_optimizer"]
+    assert entries and all(p.when(distrib) == (not distrib.HAVE_APEX_OR_TE) for p in entries)
+
+
+def test_optimizer_patch_is_installed_and_removed_without_apex_or_te():
+    distrib = pytest.importorskip("megatron.core.optimizer.distrib_optimizer")
+    if distrib.HAVE_APEX_OR_TE:
+        pytest.skip("Apex or Transformer Engine is installed: Megatron's own optimizer path is used")
+    from megatron_mtraining import MTrainingConfig
+    from megatron_mtraining.integration import patches
+
+    original = distrib.DistributedOptimizer.sharded_state_dict
+    patches.install(MTrainingConfig())
+    try:
+        assert getattr(distrib.DistributedOptimizer.sharded_state_dict, "__mtraining_patch__", False)
+        assert getattr(distrib.DistributedOptimizer.load_parameter_state_from_dp_zero, "__mtraining_patch__", False)
+    finally:
+        patches.uninstall()
+    assert distrib.DistributedOptimizer.sharded_state_dict is original

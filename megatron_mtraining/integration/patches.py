@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import logging
 import sys
 import threading
@@ -68,8 +69,10 @@ class Patch:
 
     replacement_factory(original) -> replacement. The replacement reads the installed config at
     call time (``_current_config()``), so re-installing with another config needs no re-patching.
+    attribute may be dotted (``Class.method``): the last part is replaced on the object the rest names.
     optional: skip (with a DEBUG log) when the attribute does not exist in this Megatron version.
     unless_attr: skip when the module has this attribute (a newer version patched elsewhere).
+    when: apply only if ``when(module)`` is true (a known problem of some installs only).
     scan_importers: also replace the attribute in every loaded ``megatron.*`` module whose
     namespace holds the same original object (imported by name).
     """
@@ -81,6 +84,7 @@ class Patch:
     optional: bool = False
     unless_attr: Optional[str] = None
     scan_importers: bool = False
+    when: Optional[Callable[[Any], bool]] = None
 
 
 # ------------------------------------------------------------------------------ installed state
@@ -276,6 +280,37 @@ _THD_REASON = ("THD (packed) CP split: the flat packed sequence follows the MTra
 _THD_ROPE_REASON = ("THD RoPE over CP: each token takes the row of its position in its document, in the "
                     "MTraining layout (other calls unchanged)")
 
+def _make_optimizer_state_before_load(original: Callable) -> Callable:
+    """Megatron's DistributedOptimizer without Apex or Transformer Engine (torch's Adam, whose state
+    appears at the first step) cannot be loaded into before it has stepped: ``sharded_state_dict(...,
+    is_loading=True)`` (torch_dist checkpoints) reads every state's ``step`` first, and
+    ``load_parameter_state_from_dp_zero`` (torch checkpoints) writes into states that are not
+    there (megatron-core 0.19: ``assert len(steps) == 1``, ``KeyError: 'step'`` on --load). The
+    replacement first gives an unstepped optimizer states with Megatron's own helper (one step on
+    zero gradients); the checkpoint then overwrites them and the main parameters."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def with_optimizer_state(self, *args, **kwargs):
+        # ChainedOptimizer passes is_loading by position.
+        loading = original.__name__.startswith("load_") or \
+            bool(signature.bind_partial(self, *args, **kwargs).arguments.get("is_loading", False))
+        if loading and len(self.optimizer.state) == 0:
+            self._init_optimizer_states_with_dummy_values()
+        return original(self, *args, **kwargs)
+
+    with_optimizer_state.__mtraining_patch__ = True
+    return with_optimizer_state
+
+
+def _torch_adam_distributed_optimizer(module) -> bool:
+    return not getattr(module, "HAVE_APEX_OR_TE", True)
+
+
+_DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
+_LOAD_REASON = ("resume without Apex/TE: an unstepped torch-Adam DistributedOptimizer gets its states "
+                "before a checkpoint is loaded into it")
+
 PATCHES: Tuple[Patch, ...] = (
     # megatron-core >= 0.17-ish: the dispatcher calls this module global at call time.
     Patch("megatron.core.utils", "_get_batch_on_this_cp_rank_per_sequence_balancing", _make_batch_split,
@@ -294,6 +329,11 @@ PATCHES: Tuple[Patch, ...] = (
     Patch("megatron.core.utils", "get_thd_batch_on_this_cp_rank", _make_legacy_thd_batch_split, _THD_REASON,
           optional=True, unless_attr="_get_batch_on_this_cp_rank_per_document_balancing", scan_importers=True),
     Patch(_ROPE_UTILS, "apply_rotary_pos_emb", _make_rope_apply, _THD_ROPE_REASON, scan_importers=True),
+    # Checkpoint resume on installs without Apex or Transformer Engine (the GPU machines' image).
+    Patch(_DISTRIB_OPTIMIZER, "DistributedOptimizer.sharded_state_dict", _make_optimizer_state_before_load,
+          _LOAD_REASON, optional=True, when=_torch_adam_distributed_optimizer),
+    Patch(_DISTRIB_OPTIMIZER, "DistributedOptimizer.load_parameter_state_from_dp_zero",
+          _make_optimizer_state_before_load, _LOAD_REASON, optional=True, when=_torch_adam_distributed_optimizer),
 )
 
 
@@ -347,18 +387,22 @@ def install(config: MTrainingConfig) -> None:
                 module = _import_optional(patch.module_name, patch.optional)
                 if module is None or (patch.unless_attr and hasattr(module, patch.unless_attr)):
                     continue
-                if not hasattr(module, patch.attribute):
+                if patch.when is not None and not patch.when(module):
+                    continue
+                *owner_path, attribute = patch.attribute.split(".")
+                owner = functools.reduce(lambda obj, name: getattr(obj, name, None), owner_path, module)
+                if owner is None or not hasattr(owner, attribute):
                     if patch.optional:
                         logger.debug("megatron_mtraining: %s.%s not present, patch skipped",
                                      patch.module_name, patch.attribute)
                         continue
                     raise RuntimeError(f"megatron_mtraining: cannot patch {patch.module_name}.{patch.attribute}: "
                                        f"not found in this megatron-core version")
-                original = getattr(module, patch.attribute)
+                original = getattr(owner, attribute)
                 if getattr(original, "__mtraining_patch__", False):
                     continue  # already replaced through another entry (same function object)
                 replacement = patch.replacement_factory(original)
-                _replace(module, patch.attribute, original, replacement, patch.reason, done)
+                _replace(owner, attribute, original, replacement, patch.reason, done)
                 if patch.scan_importers:
                     for other in _importers(original, module):
                         for attr, val in list(vars(other).items()):
