@@ -143,9 +143,22 @@ class Documents:
                    (first // block_size).to(torch.int32).contiguous())
 
 
+_BUILT = []  # (weak reference to cu_seqlens, its version, seq_len, block_size, device, Documents)
+
+
 def as_documents(cu_seqlens: Optional[torch.Tensor], seq_len: int, block_size: int,
                  device: torch.device) -> Optional[Documents]:
-    """``Documents`` for an optional ``cu_seqlens`` (None: one unbroken sequence)."""
+    """``Documents`` for an optional ``cu_seqlens`` (None: one unbroken sequence). The tables of
+    the last few tensors are kept (by weak reference, so a new batch's tensor is built anew), so
+    the layers of one iteration, which share the tensor, build them once."""
     if cu_seqlens is None:
         return None
-    return Documents.build(cu_seqlens, seq_len, block_size, device)
+    device = torch.device(device)
+    for ref, version, length, block, dev, docs in _BUILT:
+        if (ref() is cu_seqlens and version == cu_seqlens._version and length == seq_len and block == block_size
+                and dev == device):
+            return docs
+    docs = Documents.build(cu_seqlens, seq_len, block_size, device)
+    _BUILT.append((weakref.ref(cu_seqlens), cu_seqlens._version, seq_len, block_size, device, docs))
+    del _BUILT[:-_CHECKED_KEEP]
+    return docs

@@ -256,3 +256,16 @@ def test_gpu_column_words_triton_equals_reference_with_documents():
     a = column_words_triton(plan.col_pos, ids.int(), plan.slash_bitmap, 64, docs)
     b = column_words_reference(plan.col_pos, ids.int(), plan.slash_bitmap, 64, docs)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_documents_are_built_once_per_tensor():
+    """Layers sharing one cu_seqlens tensor share its tables; a changed or new tensor gets new ones."""
+    from megatron_mtraining.documents import as_documents
+    ends = cu("mixed")
+    first = as_documents(ends, N, B, torch.device("cpu"))
+    assert as_documents(ends, N, B, torch.device("cpu")) is first
+    assert as_documents(ends.clone(), N, B, torch.device("cpu")) is not first
+    assert as_documents(ends, N, 2 * B, torch.device("cpu")) is not first
+    ends[1] += 1  # in-place change: a new version
+    rebuilt = as_documents(ends, N, B, torch.device("cpu"))
+    assert rebuilt is not first and int(rebuilt.doc_start[1]) == 0 and int(rebuilt.doc_start[2]) == 2
