@@ -269,3 +269,28 @@ def test_documents_are_built_once_per_tensor():
     ends[1] += 1  # in-place change: a new version
     rebuilt = as_documents(ends, N, B, torch.device("cpu"))
     assert rebuilt is not first and int(rebuilt.doc_start[1]) == 0 and int(rebuilt.doc_start[2]) == 2
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_synchronisation_with_documents():
+    """A new cu_seqlens tensor on the GPU costs no host synchronisation on one device (its values
+    are checked by the ring once per tensor, or by the caller: documents.validate_cu_seqlens)."""
+    n, hq, hkv, d = 4096, 8, 2, 128
+    q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (hq, hkv, hkv))
+    index = VSIndex.random(1, hq, n, 64, max_slash=10, max_vertical=100,
+                           generator=torch.Generator().manual_seed(3)).to("cuda")
+
+    def ends():
+        return torch.tensor([0, 5, 1000, 1024, 3000, n], dtype=torch.int32).cuda()
+
+    sparse_attention(q, k, v, index, cu_seqlens=ends()).sum().backward()  # compile first
+    cu_seqlens = ends()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = sparse_attention(q, k, v, index, cu_seqlens=cu_seqlens)
+        out.backward(torch.ones_like(out))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
