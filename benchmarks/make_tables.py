@@ -452,6 +452,9 @@ TARGETS = {  # key: (comparison, target)
     "packed_speedup_vs_flex_doc_128k": (">=", 8), "packed_effective_tflops_ratio_128k": (">=", 0.9),
     # Training quality (quality.json: the default settings; its variants are ablations).
     "final_loss_gap": ("abs <=", 0.02), "retrieval_accuracy_gap": ("<=", 2.0), "mean_density": ("<=", 0.10),
+    # The same with packed documents (quality_packed.json; density of document-causal pairs).
+    "packed_final_loss_gap": ("abs <=", 0.02), "packed_retrieval_accuracy_gap": ("<=", 2.0),
+    "packed_mean_density": ("<=", 0.10),
 }
 
 
@@ -536,6 +539,13 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
                               ("mean_density", "MTraining's index at the longest trained context")):
                 if isinstance(summary_q.get(key), (int, float)):
                     values[key] = (summary_q[key], path, note)
+        if os.path.basename(path) == "quality_packed.json":
+            summary_q = data.get("summary", {})
+            for key, note in (("final_loss_gap", "held-out LM loss, MTraining - dense, packed documents"),
+                              ("retrieval_accuracy_gap", "points, dense - MTraining, packed probes with distractors"),
+                              ("mean_density", "of document-causal pairs, at the longest trained context")):
+                if isinstance(summary_q.get(key), (int, float)):
+                    values["packed_" + key] = (summary_q[key], path, note)
     sources = {path for value, path, _ in values.values() if path}
     metas = [d.get("meta", {}) for kind in results for path, d in results[kind] if path in sources]
     latest = max(metas, key=lambda m: m.get("time_utc", ""), default={})

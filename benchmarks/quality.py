@@ -34,9 +34,29 @@ loss is the plain LM loss, ``answer_loss`` in the curve is the loss on answer to
 RoPE base is Qwen2.5's 1e6 (its slowest frequencies barely turn over 32K tokens, so the key match
 learned short still holds far back), and the context grows 128 -> 1K -> 4K -> 32K.
 
-(``scripts/gpu_quality.sh`` runs the two trainings side by side on two GPUs.) GPUs train under
-bf16 autocast with fp32 weights (``--no-bf16``: fp32/TF32); on the CPU use tiny ``--phases`` /
-model flags (the tests do).
+Packed documents (``--packed``, issue 16): every training and evaluation sequence is several
+documents (``--documents MIN:MAX`` per sequence, lengths drawn from the seed;
+``megatron_mtraining.corpus.PackedConfig``), each a self-contained corpus sequence with its own
+needles and its own queries at its end. Attention stays within documents in BOTH runs: each
+forward hands its documents to every MTrainingAttention layer as ``cu_seqlens`` (never an S x S
+mask) the way Megatron's ``--reset-attention-mask --reset-position-ids`` data does: the position
+ids restart at each document's ``BOS`` and ``packing.prepare_batch`` turns them into the current
+batch's documents, which every layer reads (the dense run: the dense index with documents; the
+MTraining run: the ``vs`` index with per-document approximator statistics). The rows of one
+iteration share their documents (MTraining's ``cu_seqlens`` is shared by the micro-batch). The
+retrieval probes put one needle per document, all with the SAME key and pairwise different
+values: a query must be answered from its own document, and an answer equal to an earlier
+document's value counts as a distractor hit (``distractor_rate``: ~0 with document masking; the
+same probes without the documents, ``retrieval_no_document_mask``, show what the mask keeps
+out). The merge of packed runs writes ``results/quality_packed.json``; its ``mean_density`` counts
+document-causal pairs.
+
+    python benchmarks/quality.py --run dense --packed --out qp_dense.json   # likewise mtraining, then
+    python benchmarks/quality.py --merge qp_dense.json qp_mtraining.json     # -> results/quality_packed.json
+
+(``scripts/gpu_quality.sh`` runs the two trainings side by side on two GPUs; ``PACKED=1`` the
+packed ones.) GPUs train under bf16 autocast with fp32 weights (``--no-bf16``: fp32/TF32); on the
+CPU use tiny ``--phases`` / model flags (the tests do).
 """
 
 from __future__ import annotations
@@ -56,17 +76,23 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import run_metadata, write_json  # noqa: E402
+from common import packed_active_pairs, run_metadata, write_json  # noqa: E402
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.config import VERTICAL_FLOOR  # noqa: E402
 from megatron_mtraining.corpus import (  # noqa: E402
-    KEY, NEEDLE_FORMATS, CorpusConfig, make_needle_probe, query_target_positions, retrieval_accuracy,
+    BOS, KEY, NEEDLE_FORMATS, CorpusConfig, PackedConfig, answer_target_mask, make_needle_probe,
+    make_packed_probe, make_packed_sequence, query_target_positions, reset_position_ids, retrieval_accuracy,
     write_indexed_dataset,
 )
+from megatron_mtraining.index import VSIndex  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 HELD_OUT_START = 10_000_000  # corpus indices of held-out sequences (training uses 0, 1, 2, ...)
+PHASES = "128:800,1024:400,4096:400,32768:800"
+# Packed: 3-8 documents per sequence, so the first phase is longer (documents of ~64-170 tokens,
+# like the unpacked recipe's first phase); the same tokens per iteration and iterations.
+PACKED_PHASES = "512:800,2048:400,8192:400,32768:800"
 
 
 def parse_args(argv=None):
@@ -74,8 +100,16 @@ def parse_args(argv=None):
     p.add_argument("--run", choices=("dense", "mtraining"))
     p.add_argument("--merge", nargs=2, metavar=("DENSE_JSON", "MTRAINING_JSON"))
     p.add_argument("--out", default=None)
-    p.add_argument("--phases", default="128:800,1024:400,4096:400,32768:800",
-                   help="training schedule, comma-separated SEQ_LEN:ITERATIONS")
+    p.add_argument("--phases", default=None,
+                   help=f"training schedule, comma-separated SEQ_LEN:ITERATIONS (default {PHASES}; with --packed "
+                        f"{PACKED_PHASES})")
+    p.add_argument("--packed", action="store_true",
+                   help="packed documents: every sequence is several corpus documents, attention masked at their "
+                        "boundaries (cu_seqlens) in both runs; the merge writes results/quality_packed.json")
+    p.add_argument("--documents", default="3:8", metavar="MIN:MAX",
+                   help="with --packed: documents per sequence (uniform in [MIN, MAX], fewer where "
+                        "MAX x --min-document-len does not fit; at most the number of values)")
+    p.add_argument("--min-document-len", type=int, default=64, help="with --packed: the shortest document")
     p.add_argument("--tokens-per-iteration", type=int, default=16384,
                    help="batch = max(1, this // SEQ_LEN) sequences per iteration")
     p.add_argument("--num-layers", type=int, default=4)
@@ -118,11 +152,20 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if (args.run is None) == (args.merge is None):
         p.error("give exactly one of --run and --merge")
+    if args.phases is None:
+        args.phases = PACKED_PHASES if args.packed else PHASES
     if args.run:
         if not args.answer_loss_weight > 0:
             p.error(f"--answer-loss-weight must be positive, got {args.answer_loss_weight}")
         try:
-            phases(args.phases)
+            schedule = phases(args.phases)
+            if args.packed:
+                documents_range(args.documents)
+                for seq_len in [s for s, _ in schedule] + [int(x) for x in args.eval_lengths.split(",")]:
+                    cfg = packed_config(args, seq_len)
+                    if cfg.max_documents > cfg.num_values:
+                        raise ValueError(f"--documents: the packed probes need a distinct value per document, "
+                                         f"at most {cfg.num_values} documents with this vocabulary")
         except ValueError as err:
             p.error(str(err))
     return args
@@ -151,6 +194,30 @@ def corpus_config(args, seq_len: int) -> CorpusConfig:
     # At most one needle per distinct key (num_keys depends on neither count).
     needles = min(needles, CorpusConfig(**fields, num_needles=1, num_queries=1).num_keys)
     return CorpusConfig(**fields, num_needles=needles, num_queries=min(args.queries, needles))
+
+
+def documents_range(spec: str):
+    """``"3:8"`` -> (3, 8); ValueError naming the flag otherwise."""
+    try:
+        lo, hi = (int(x) for x in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"--documents: expected MIN:MAX, got {spec!r}") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"--documents: expected 1 <= MIN <= MAX, got {spec!r}")
+    return lo, hi
+
+
+def packed_config(args, seq_len: int) -> PackedConfig:
+    """Packed sequences of ``seq_len + 1`` tokens (as ``corpus_config``), documents per ``--documents``;
+    each document gets ``--needles-per-1k`` needles and up to ``--queries`` queries."""
+    lo, hi = documents_range(args.documents)
+    try:
+        return PackedConfig(vocab_size=args.vocab_size, seq_len=seq_len + 1, min_documents=lo, max_documents=hi,
+                            min_document_len=args.min_document_len, needles_per_1k=args.needles_per_1k,
+                            queries=args.queries, key_len=args.key_len, value_len=args.value_len, seed=args.seed,
+                            needle_format=args.needle_format)
+    except ValueError as err:
+        raise ValueError(f"--packed at {seq_len} tokens: {err}") from None
 
 
 def mtraining_config(args, run: str) -> MTrainingConfig:
@@ -193,16 +260,19 @@ def build_model(args, run: str, max_len: int, device):
 
 
 def write_training_data(args, schedule, folder):
-    """One Megatron indexed dataset per phase (exactly the sequences that phase trains on)."""
+    """One Megatron indexed dataset per phase (exactly the sequences that phase trains on). Packed:
+    the ``batch`` rows of each iteration share one layout of documents."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     datasets = []
     for i, (seq_len, iters) in enumerate(schedule):
         batch = max(1, args.tokens_per_iteration // seq_len)
         start = time.time()
-        prefix = write_indexed_dataset(os.path.join(folder, f"phase{i}_{seq_len}"), corpus_config(args, seq_len),
+        config = packed_config(args, seq_len) if args.packed else corpus_config(args, seq_len)
+        prefix = write_indexed_dataset(os.path.join(folder, f"phase{i}_{seq_len}"), config,
                                        iters * batch, start_index=i * 1_000_000,
-                                       workers=min(16, len(os.sched_getaffinity(0))))
+                                       workers=min(16, len(os.sched_getaffinity(0))),
+                                       **({"rows_per_layout": batch} if args.packed else {}))
         datasets.append((IndexedDataset(prefix), seq_len, iters, batch))
         print(f"[quality] {args.run}: phase {i} data, {iters * batch} sequences of {seq_len} tokens, "
               f"written in {time.time() - start:.1f} s", flush=True)
@@ -247,12 +317,69 @@ def autocast(args, device):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and args.bf16)
 
 
+def model_forward(model, inputs, args, labels=None, documents: bool = True):
+    """The model on ``inputs`` [b, s]: logits, or with ``labels`` the per-token loss.
+
+    Packed runs (``--packed``) first hand the batch's documents to every attention layer, as
+    Megatron's ``--reset-attention-mask --reset-position-ids`` data does: the position ids restart
+    at each document's BOS, and ``packing.prepare_batch`` (``run`` configured those flags) turns
+    them into the current batch's ``cu_seqlens``, which every MTrainingAttention of this forward
+    reads (megatron-core's RoPE does not read position ids: it rotates by global positions, which
+    within a document is the same). ``documents=False`` clears them: attention across documents."""
+    position_ids = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+    if getattr(args, "packed", False):
+        from megatron_mtraining.integration import packing
+
+        if documents:
+            position_ids = reset_position_ids(inputs)
+            if packing.prepare_batch({"tokens": inputs, "position_ids": position_ids}) is None:
+                raise RuntimeError("quality.py --packed: packing.configure_packing(reset_attention_mask=True, "
+                                   "reset_position_ids=True) must be set before the forward")
+        else:
+            packing.clear_batch_documents()
+    with autocast(args, inputs.device):
+        return model(inputs, position_ids, None, labels=labels)
+
+
 def per_token_loss(model, tokens, args):
     """Cross entropy [b, s - 1]: column p is the loss of predicting ``tokens[:, p + 1]`` from ``tokens[:, :p + 1]``."""
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    position_ids = torch.arange(inputs.shape[1], device=tokens.device).expand_as(inputs)
-    with autocast(args, tokens.device):
-        return model(inputs, position_ids, None, labels=labels).float()
+    return model_forward(model, tokens[:, :-1], args, labels=tokens[:, 1:]).float()
+
+
+def packed_label_masks(tokens: torch.Tensor, value_len: int):
+    """(answers, loss_mask), bool [b, s - 1] aligned with ``per_token_loss`` columns, for packed
+    sequences: ``answers`` where the label is an answer token of a query (any document);
+    ``loss_mask`` False where the label is the next document's BOS (a column that crosses a
+    document boundary: not trained on, not in the reported LM loss)."""
+    answers = answer_target_mask(tokens, value_len)[:, 1:]
+    return answers, tokens[:, 1:] != BOS
+
+
+def masked_training_loss(per_token, answers, weight, loss_mask):
+    """``training_loss`` for per-row masks [b, s]: the mean over ``loss_mask`` columns, answer
+    columns weighted ``weight`` times the others."""
+    w = loss_mask.to(per_token.dtype) * (1.0 + (weight - 1.0) * answers.to(per_token.dtype))
+    return (per_token * w).sum() / w.sum()
+
+
+def document_density(index: VSIndex, cu_seqlens: torch.Tensor, seq_len: int, rows: int = 2) -> float:
+    """Active (query, key) pairs of ``index`` within documents over the document-causal pairs
+    (mean over heads and the first ``rows`` batch elements; 1 for the dense index)."""
+    n = min(rows, index.batch)
+    sub = VSIndex(index.slash[:n], index.n_slash[:n], index.vertical[:n], index.n_vertical[:n], index.block_size)
+    pairs = packed_active_pairs(sub, cu_seqlens, seq_len)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=pairs.device, dtype=torch.float64)
+    return float(pairs.mean() / (lengths * (lengths + 1) / 2).sum())
+
+
+def layer_densities(model, seq_len: int, args):
+    """Per layer, the density of its last index: of causal pairs, or (packed) of document-causal pairs."""
+    if not getattr(args, "packed", False):
+        return [a.last_index.density(seq_len).float().mean().item() for a in core_attentions(model)]
+    from megatron_mtraining.integration import packing
+
+    cu = packing.current_batch_documents().cu_seqlens
+    return [document_density(a.last_index, cu, seq_len) for a in core_attentions(model)]
 
 
 def answer_label_mask(cfg: CorpusConfig, device) -> torch.Tensor:
@@ -288,7 +415,7 @@ def train(args, model, datasets, device):
     curve, density_log, it = [], [], 0
     start = time.perf_counter()
     for dataset, seq_len, iters, batch in datasets:
-        answers = answer_label_mask(corpus_config(args, seq_len), device)
+        answers = None if args.packed else answer_label_mask(corpus_config(args, seq_len), device)
         for i in range(iters):
             if args.max_train_seconds and time.perf_counter() - start > args.max_train_seconds:
                 print(f" stopping early at iteration {it} (--max-train-seconds {args.max_train_seconds})", flush=True)
@@ -299,15 +426,22 @@ def train(args, model, datasets, device):
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(args, it, total)
             per_token = per_token_loss(model, tokens, args)
-            loss = training_loss(per_token, answers, args.answer_loss_weight)
+            if args.packed:  # the answers differ per iteration (documents), the rows share them
+                answers, loss_mask = packed_label_masks(tokens, args.value_len)
+                loss = masked_training_loss(per_token, answers, args.answer_loss_weight, loss_mask)
+            else:
+                loss = training_loss(per_token, answers, args.answer_loss_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             if it % args.log_interval == 0 or it == 1 or it == total:
                 # Plain LM loss and the loss on the answer tokens (chance: ln of the value count).
-                value, answer_value = per_token.mean().item(), per_token[:, answers].mean().item()
-                densities = [a.last_index.density(seq_len).float().mean().item() for a in core_attentions(model)]
+                if args.packed:
+                    value, answer_value = per_token[loss_mask].mean().item(), per_token[answers].mean().item()
+                else:
+                    value, answer_value = per_token.mean().item(), per_token[:, answers].mean().item()
+                densities = layer_densities(model, seq_len, args)
                 curve.append({"iteration": it, "seq_len": seq_len, "loss": value, "answer_loss": answer_value})
                 density_log.append({"iteration": it, "seq_len": seq_len, "density_per_layer": densities})
                 print(f" iteration {it:>5}/{total} | seq {seq_len} | lm loss {value:.4f} | answer loss "
@@ -320,6 +454,8 @@ def train(args, model, datasets, device):
 @torch.no_grad()
 def held_out_losses(args, model, seq_len, device):
     """(plain LM loss, loss on the answer tokens alone) on held-out multi-needle sequences."""
+    if getattr(args, "packed", False):
+        return packed_held_out_losses(args, model, seq_len, device)
     cfg = corpus_config(args, seq_len)
     from megatron_mtraining.corpus import make_sequence
 
@@ -339,6 +475,8 @@ def retrieval_grid(args, model, device, coverage: bool = False):
     """Accuracy per (length, depth): one needle at that depth, queried at the end. ``coverage``:
     also the share of probes whose answer token each layer's index lets the answering query row
     attend to (in at least one head): whether the approximator found the needle."""
+    if getattr(args, "packed", False):
+        return packed_retrieval_grid(args, model, device, coverage)
     lengths = [int(x) for x in args.eval_lengths.split(",")]
     depths = [float(x) for x in args.eval_depths.split(",")]
     grid, covered = [], {}
@@ -353,11 +491,8 @@ def retrieval_grid(args, model, device, coverage: bool = False):
                 tokens = sample.tokens[None].to(device)
                 target = torch.zeros_like(tokens, dtype=torch.bool)
                 target[0, sample.target_positions.to(device)] = True
-                inputs = tokens[:, :-1]
-                position_ids = torch.arange(seq_len, device=device)[None]
                 # logits[:, p] predicts tokens[:, p + 1]; pad one column to align with tokens.
-                with autocast(args, device):
-                    predictions = model(inputs, position_ids, None).argmax(-1)
+                predictions = model_forward(model, tokens[:, :-1], args).argmax(-1)
                 predictions = torch.cat([predictions, torch.zeros_like(tokens[:, :1])], 1)
                 correct += retrieval_accuracy(predictions, tokens, target)
                 if coverage:
@@ -376,6 +511,76 @@ def retrieval_grid(args, model, device, coverage: bool = False):
     return result
 
 
+@torch.no_grad()
+def packed_held_out_losses(args, model, seq_len, device):
+    """``held_out_losses`` on held-out packed sequences (the LM loss leaves out the columns that
+    predict the next document's BOS)."""
+    cfg = packed_config(args, seq_len)
+    lm, answer = [], []
+    for i in range(args.held_out):
+        tokens = make_packed_sequence(cfg, HELD_OUT_START + i).tokens[None].to(device)
+        per_token = per_token_loss(model, tokens, args)
+        answers, loss_mask = packed_label_masks(tokens, args.value_len)
+        lm.append(per_token[loss_mask].mean().item())
+        answer.append(per_token[answers].mean().item())
+    return sum(lm) / len(lm), sum(answer) / len(answer)
+
+
+@torch.no_grad()
+def packed_retrieval_grid(args, model, device, coverage: bool = False, documents: bool = True):
+    """``retrieval_grid`` on packed probes (``make_packed_probe``): per (total length, depth of each
+    needle in its own document), the share of queries answered with their own document's value.
+    Every document after a probe's first has distractors (the same key, other values, in earlier
+    documents): ``distractor_rate`` is the share of those queries answered with a distractor's
+    value (chance: a distractor's share of the values). ``documents=False``: the same probes
+    without document masking (attention across documents)."""
+    lengths = [int(x) for x in args.eval_lengths.split(",")]
+    depths = [float(x) for x in args.eval_depths.split(",")]
+    grid, distractor_grid, covered = [], [], {}
+    queries = with_distractors = hits = 0
+    chance = 0.0
+    for seq_len in lengths:
+        cfg = packed_config(args, seq_len)
+        row, distractor_row = [], []
+        layer_hits = torch.zeros(args.num_layers)
+        cell_total = 0
+        for depth in depths:
+            correct = cell_queries = cell_distracted = cell_hits = 0
+            for i in range(args.eval_probes):
+                sample = make_packed_probe(cfg, HELD_OUT_START + i, depth)
+                tokens = sample.tokens[None].to(device)
+                predictions = model_forward(model, tokens[:, :-1], args, documents=documents).argmax(-1)[0].cpu()
+                # The answer token at position t is predicted at t - 1.
+                predicted = predictions[sample.target_positions - 1].view(sample.answers.shape)
+                correct += int((predicted == sample.answers).all(-1).sum())
+                cell_queries += len(sample.answers)
+                for q, values in enumerate(sample.distractors):
+                    if len(values):
+                        cell_distracted += 1
+                        cell_hits += int((predicted[q][None] == values).all(-1).any())
+                        chance += len(values) / cfg.num_values ** args.value_len
+                if coverage:
+                    rows = sample.target_positions.view(sample.answers.shape)[:, 0] - 1
+                    layer_hits += torch.tensor([float(a.last_index.covers(rows, sample.needle_positions, seq_len)
+                                                      .any(1)[0].float().sum()) for a in core_attentions(model)])
+            row.append(correct / cell_queries)
+            distractor_row.append(cell_hits / max(1, cell_distracted))
+            queries, with_distractors, hits = queries + cell_queries, with_distractors + cell_distracted, \
+                hits + cell_hits
+            cell_total += cell_queries
+        grid.append(row)
+        distractor_grid.append(distractor_row)
+        covered[seq_len] = (layer_hits / cell_total).tolist()
+    result = {"lengths": lengths, "depths": depths, "accuracy": grid,
+              "mean": sum(map(sum, grid)) / (len(lengths) * len(depths)),
+              "distractor_rate": hits / max(1, with_distractors), "distractor_grid": distractor_grid,
+              "distractor_chance": chance / max(1, with_distractors), "queries": queries,
+              "queries_with_distractors": with_distractors, "document_masking": documents}
+    if coverage:
+        result["needle_coverage_per_layer"] = covered
+    return result
+
+
 def run(args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":  # TF32 for what autocast leaves in fp32 (and for --no-bf16)
@@ -384,6 +589,12 @@ def run(args):
     schedule = phases(args.phases)
     max_len = max([s for s, _ in schedule] + [int(x) for x in args.eval_lengths.split(",")])
     shims = init_single_process(device)
+    if args.packed:
+        from megatron_mtraining.integration import packing
+
+        # Documents reach the layers as Megatron's --reset-attention-mask --reset-position-ids data
+        # do: model_forward restarts the position ids at each BOS, prepare_batch reads them.
+        packing.configure_packing(reset_attention_mask=True, reset_position_ids=True)
     try:
         model = build_model(args, args.run, max_len, device)
         with tempfile.TemporaryDirectory(prefix="mtraining-corpus-") as folder:
@@ -406,6 +617,8 @@ def run(args):
             # Loss on the held-out sequences' answer tokens (chance: ln of the value count).
             result["held_out_answer_loss_by_length"] = {n: ans for n, (_, ans) in losses.items()}
             result["retrieval_dense_inference"] = retrieval_grid(args, model, device)
+            if args.packed:  # the same probes with attention across documents: the distractors come into view
+                result["retrieval_no_document_mask"] = packed_retrieval_grid(args, model, device, documents=False)
         # MTraining's index at inference, for both models (the dense one never trained with it):
         # does the approximator find the needles the model retrieves?
         with index_override(model, "vs"):
@@ -418,10 +631,16 @@ def run(args):
               f"{result['held_out_answer_loss_by_length'][longest]:.4f}, chance "
               f"{math.log(corpus_config(args, longest).num_values):.4f}), retrieval (dense inference) "
               f"{result['retrieval_dense_inference']['mean']:.3f}", flush=True)
+        if args.packed:
+            print(f"[quality] {args.run}: distractor rate {result['retrieval_dense_inference']['distractor_rate']:.3f} "
+                  f"(without the document mask {result['retrieval_no_document_mask']['distractor_rate']:.3f}, "
+                  f"chance {result['retrieval_dense_inference']['distractor_chance']:.3f})", flush=True)
     finally:
         from megatron.core import parallel_state
         import torch.distributed as dist
 
+        if args.packed:
+            packing.reset_packing()
         parallel_state.destroy_model_parallel()
         if shims is not None:
             shims.remove()
@@ -442,6 +661,9 @@ def merge(args):
         sparse = json.load(f)
     if dense["run"] != "dense" or sparse["run"] != "mtraining":
         raise SystemExit("--merge expects the dense result first, then the mtraining one")
+    packed = bool(dense["settings"].get("packed"))
+    if packed != bool(sparse["settings"].get("packed")):
+        raise SystemExit("--merge: one run is --packed and the other is not")
     longest = min(dense.get("trained_length", 0), sparse.get("trained_length", 0)) or \
         max(r["seq_len"] for r in sparse["density_log"])
     final_density = [r for r in sparse["density_log"] if r["seq_len"] == longest][-1]["density_per_layer"]
@@ -480,14 +702,51 @@ def merge(args):
         "targets": {"final_loss_gap": "within 0.02", "retrieval_accuracy_gap": "<= 2 points",
                     "mean_density": "<= 0.10"},
     }
+    if packed:
+        summary.update(packed_summary(dense, sparse))
     result = {"benchmark": "quality", "summary": summary, "dense": dense, "mtraining": sparse}
-    out = args.out or os.path.join(RESULTS_DIR, "quality.json")
+    out = args.out or os.path.join(RESULTS_DIR, "quality_packed.json" if packed else "quality.json")
     write_json(out, result)
     plots = make_plots(result, os.path.splitext(out)[0])
     print(f"wrote {out} {' '.join(plots)}")
     for key, value in summary.items():
         if not isinstance(value, dict):
             print(f"{key:48s} {value:.4f}" if isinstance(value, float) else f"{key:48s} {value}")
+    if packed:
+        print(f"{'distractor_rate':48s} dense {summary['distractor_rate']['dense']:.4f}, "
+              f"MTraining {summary['distractor_rate']['mtraining']:.4f}")
+
+
+def packed_summary(dense, sparse):
+    """The summary keys of a packed merge (added to the unpacked ones, which keep their meaning;
+    ``mean_density`` then counts document-causal pairs)."""
+    grid = lambda run, name: run.get(name, {})
+    rate = lambda run, name: grid(run, name).get("distractor_rate")
+    return {
+        "packed": True,
+        "documents": dense["settings"]["documents"],
+        "min_document_len": dense["settings"]["min_document_len"],
+        # Queries answered with a distractor's value (a same-key needle of an earlier document),
+        # dense inference for both; ~0 with the document mask (the model cannot see them).
+        "distractor_rate": {"dense": rate(dense, "retrieval_dense_inference"),
+                            "mtraining": rate(sparse, "retrieval_dense_inference")},
+        "dense_distractor_rate": rate(dense, "retrieval_dense_inference"),
+        "mtraining_distractor_rate": rate(sparse, "retrieval_dense_inference"),
+        "mtraining_distractor_rate_sparse_inference": rate(sparse, "retrieval_sparse_inference"),
+        # A guess among the values hits a distractor this often (what a model that cannot see
+        # across documents, and does not know the answer, scores).
+        "distractor_chance": grid(dense, "retrieval_dense_inference").get("distractor_chance"),
+        # The same probes with attention across documents: what the mask keeps out.
+        "distractor_rate_without_document_mask": {"dense": rate(dense, "retrieval_no_document_mask"),
+                                                  "mtraining": rate(sparse, "retrieval_no_document_mask")},
+        "retrieval_accuracy_without_document_mask": {
+            "dense": grid(dense, "retrieval_no_document_mask").get("mean"),
+            "mtraining": grid(sparse, "retrieval_no_document_mask").get("mean")},
+        "density_of": "document-causal pairs",
+        "targets": {"final_loss_gap": "within 0.02", "retrieval_accuracy_gap": "<= 2 points",
+                    "mean_density": "<= 0.10 (of document-causal pairs)",
+                    "distractor_rate": "~0 for both (at most distractor_chance x the wrong answers)"},
+    }
 
 
 def _held_out(run, length):
@@ -504,6 +763,7 @@ def make_plots(result, stem):
         print("plots skipped: matplotlib is not installed")
         return []
     dense, sparse = result["dense"], result["mtraining"]
+    packed = bool(result["summary"].get("packed"))
     paths = []
 
     # Left: the LM loss; right: the loss on the answer tokens alone (where retrieval shows).
@@ -525,6 +785,8 @@ def make_plots(result, stem):
     grids = [("dense", dense["retrieval_dense_inference"]), ("MTraining", sparse["retrieval_dense_inference"]),
              ("MTraining, sparse inference", sparse["retrieval_sparse_inference"])]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    if packed:
+        fig.subplots_adjust(top=0.8)  # room for the suptitle below
     for ax, (title, g) in zip(axes, grids):
         im = ax.imshow(torch.tensor(g["accuracy"]).numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto")
         ax.set_xticks(range(len(g["depths"])), [f"{d:.0%}" for d in g["depths"]])
@@ -533,6 +795,10 @@ def make_plots(result, stem):
         ax.set_ylabel("context length")
         ax.set_title(f"{title}: {g['mean']:.2f}")
     fig.colorbar(im, ax=axes, shrink=0.8, label="retrieval accuracy")
+    if packed:
+        rates = result["summary"]["distractor_rate"]
+        fig.suptitle(f"packed: {dense['settings']['documents']} documents per sequence, needle depth within its "
+                     f"document; distractor rate dense {rates['dense']:.3f}, MTraining {rates['mtraining']:.3f}")
     paths.append(stem + "_retrieval.png")
     fig.savefig(paths[-1], dpi=120)
 
@@ -542,7 +808,7 @@ def make_plots(result, stem):
     for layer in range(layers):
         ax.plot([r["iteration"] for r in log], [r["density_per_layer"][layer] for r in log], label=f"layer {layer + 1}")
     ax.set_xlabel("iteration")
-    ax.set_ylabel("index density")
+    ax.set_ylabel("index density" + (" (of document-causal pairs)" if packed else ""))
     ax.set_title("MTraining index density per layer over training")
     ax.grid(alpha=0.3)
     ax.legend()

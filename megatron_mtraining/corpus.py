@@ -35,6 +35,13 @@ the filler at uniformly random, non-overlapping positions of the body. The query
 *retrieval targets*: predicting ``tokens[p]`` from ``tokens[:p]`` for such a ``p`` needs the needle,
 which only attention far back can reach. A needle's *depth* is its start position / ``seq_len``.
 
+Packed documents (``PackedConfig``): a sequence of several documents of varied lengths, each a
+self-contained sequence as above (``BOS``, its own needles, its own query block at its end), so a
+query's needle is in its own document, and a same-key needle of an earlier document (another
+value) is a distractor that attention masked at the document boundaries (``cu_seqlens``) cannot
+see. ``make_packed_probe`` is the packed needle-in-a-haystack probe: every document holds one
+needle with the same key and its own value.
+
 Randomness comes from NumPy ``Generator`` s seeded by ``SeedSequence([seed, stream, index])``: the
 result depends only on the config and the index (not on global RNG state, process or machine) for a
 given NumPy version.
@@ -54,7 +61,8 @@ import torch
 __all__ = [
     "PAD", "BOS", "KEY", "VAL", "QUERY", "ANS", "NUM_SPECIAL", "NEEDLE_FORMATS", "CorpusConfig", "RetrievalSample",
     "make_sequence", "make_needle_probe", "make_batch", "query_target_positions", "retrieval_accuracy",
-    "write_indexed_dataset",
+    "write_indexed_dataset", "PackedConfig", "PackedSample", "packed_document_lengths", "make_packed_sequence",
+    "make_packed_probe", "document_boundaries", "reset_position_ids", "answer_target_mask",
 ]
 
 PAD, BOS, KEY, VAL, QUERY, ANS = 0, 1, 2, 3, 4, 5
@@ -181,40 +189,69 @@ def _filler(config: CorpusConfig, rng: np.random.Generator, n: int) -> np.ndarra
     return flat[offsets[words[word_of_token]] + within]
 
 
+def _distinct_strings(config: CorpusConfig, rng: np.random.Generator, n: int, length: int) -> np.ndarray:
+    """``n`` pairwise distinct strings [n, length] of symbol tokens."""
+    space = config.num_symbols ** length
+    if space < 64 * n * n:
+        # Collisions would be common (up to every string in use: redrawing would never end), so draw
+        # distinct codes without replacement and write them in base num_symbols.
+        codes = rng.choice(space, n, replace=False)
+        powers = config.num_symbols ** np.arange(length - 1, -1, -1)
+        return config.symbol_start + (codes[:, None] // powers) % config.num_symbols
+    strings = rng.integers(config.symbol_start, config.vocab_size, (n, length))
+    while len(np.unique(strings, axis=0)) < n:  # rare (birthday bound < 1/128): redraw
+        strings = rng.integers(config.symbol_start, config.vocab_size, (n, length))
+    return strings
+
+
 def _distinct_keys(config: CorpusConfig, rng: np.random.Generator, n: int) -> np.ndarray:
     """``n`` pairwise distinct keys [n, key_len] of symbol tokens."""
-    space = config.num_symbols ** config.key_len
-    if space < 64 * n * n:
-        # Collisions would be common (up to every key in use: redrawing would never end), so draw
-        # distinct key codes without replacement and write them in base num_symbols.
-        codes = rng.choice(space, n, replace=False)
-        powers = config.num_symbols ** np.arange(config.key_len - 1, -1, -1)
-        return config.symbol_start + (codes[:, None] // powers) % config.num_symbols
-    keys = rng.integers(config.symbol_start, config.vocab_size, (n, config.key_len))
-    while len(np.unique(keys, axis=0)) < n:  # rare (birthday bound < 1/128): redraw
-        keys = rng.integers(config.symbol_start, config.vocab_size, (n, config.key_len))
-    return keys
+    return _distinct_strings(config, rng, n, config.key_len)
 
 
-def _assemble(config: CorpusConfig, rng: np.random.Generator, filler_before: np.ndarray,
-              query_order: np.ndarray, num_filler: int, filler: np.ndarray) -> RetrievalSample:
+def _records(config: CorpusConfig, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The tokens between KEY and VAL of needles with these keys and values: the fact token
+    (fact format: the n keys, then the n values, then the n * n facts, key-major), else key.. value.."""
+    if config.needle_format == "fact":
+        a = config.fact_alphabet
+        key_ids, value_ids = keys[:, :1] - config.symbol_start, values[:, :1] - config.symbol_start - a
+        return config.symbol_start + 2 * a + key_ids * a + value_ids
+    return np.concatenate([keys, values], axis=1)
+
+
+@dataclass
+class _Parts:
+    """A sequence with what it was made of: ``tokens`` int64 [seq_len]; ``keys`` [n, key_len] and
+    ``values`` [n, value_len] of its needles; ``needle_start`` [n] (each needle's KEY position);
+    ``query_order`` [q] (the needle each query asks for, in query order)."""
+
+    tokens: np.ndarray
+    keys: np.ndarray
+    values: np.ndarray
+    needle_start: np.ndarray
+    query_order: np.ndarray
+
+
+def _draw_needles(config: CorpusConfig, rng: np.random.Generator, n: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Keys [n, key_len] (pairwise distinct) and values [n, value_len] of ``n`` needles."""
+    if config.needle_format == "fact":
+        # Symbol range: n keys, then n values, then the n * n facts (key-major).
+        a = config.fact_alphabet
+        key_ids, value_ids = rng.choice(a, n, replace=False), rng.integers(0, a, n)
+        return (config.symbol_start + key_ids)[:, None], (config.symbol_start + a + value_ids)[:, None]
+    keys = _distinct_keys(config, rng, n)
+    return keys, rng.integers(config.symbol_start, config.vocab_size, (n, config.value_len))
+
+
+def _assemble_parts(config: CorpusConfig, filler_before: np.ndarray, query_order: np.ndarray, num_filler: int,
+                    filler: np.ndarray, keys: np.ndarray, values: np.ndarray) -> _Parts:
     """Splice needles into the filler and append the query block.
 
     ``filler_before[i]`` (ascending) is how many filler tokens precede needle ``i``; the needle then
     starts at ``1 + filler_before[i] + i * needle_len`` (after BOS and the earlier needles).
     """
     n, L = len(filler_before), config.needle_len
-    if config.needle_format == "fact":
-        # Symbol range: n keys, then n values, then the n * n facts (key-major).
-        a = config.fact_alphabet
-        key_ids, value_ids = rng.choice(a, n, replace=False), rng.integers(0, a, n)
-        keys = (config.symbol_start + key_ids)[:, None]
-        values = (config.symbol_start + a + value_ids)[:, None]
-        records = (config.symbol_start + 2 * a + key_ids * a + value_ids)[:, None]
-    else:
-        keys = _distinct_keys(config, rng, n)
-        values = rng.integers(config.symbol_start, config.vocab_size, (n, config.value_len))
-        records = np.concatenate([keys, values], axis=1)
+    records = _records(config, keys, values)
     tokens = np.empty(config.seq_len, dtype=np.int64)
     tokens[0] = BOS
     # Filler token j lands after BOS, after j earlier filler tokens and after every needle whose
@@ -231,12 +268,23 @@ def _assemble(config: CorpusConfig, rng: np.random.Generator, filler_before: np.
          np.full((len(query_order), 1), ANS)], axis=1)
     q_start = config.seq_len - queries.size
     tokens[q_start:] = queries.reshape(-1)
-    targets = query_target_positions(config, len(query_order))
+    return _Parts(tokens, keys, values, needle_start, query_order)
+
+
+def _sample(config: CorpusConfig, parts: _Parts) -> RetrievalSample:
+    targets = query_target_positions(config, len(parts.query_order))
     return RetrievalSample(
-        tokens=torch.from_numpy(tokens),
+        tokens=torch.from_numpy(parts.tokens),
         target_positions=torch.from_numpy(targets.astype(np.int64)),
-        needle_depths=torch.from_numpy((needle_start[query_order] / config.seq_len).astype(np.float32)),
+        needle_depths=torch.from_numpy((parts.needle_start[parts.query_order] / config.seq_len).astype(np.float32)),
     )
+
+
+def _assemble(config: CorpusConfig, rng: np.random.Generator, filler_before: np.ndarray,
+              query_order: np.ndarray, num_filler: int, filler: np.ndarray) -> RetrievalSample:
+    """Draw ``len(filler_before)`` needles from ``rng``, then ``_assemble_parts``."""
+    keys, values = _draw_needles(config, rng, len(filler_before))
+    return _sample(config, _assemble_parts(config, filler_before, query_order, num_filler, filler, keys, values))
 
 
 def query_target_positions(config: CorpusConfig, num_queries: int | None = None) -> np.ndarray:
@@ -251,16 +299,21 @@ def query_target_positions(config: CorpusConfig, num_queries: int | None = None)
             + (1 + config.key_len) + np.arange(config.value_len)).reshape(-1).astype(np.int64)
 
 
-def make_sequence(config: CorpusConfig, index: int) -> RetrievalSample:
-    """Sequence ``index``: ``num_needles`` needles at random depths, ``num_queries`` queries at the end."""
-    rng = _rng(config.seed, _SEQUENCE_STREAM, index)
+def _sequence_parts(config: CorpusConfig, rng: np.random.Generator) -> _Parts:
+    """The draws of ``make_sequence`` from ``rng`` (a packed document draws the same from its own)."""
     n, q = config.num_needles, config.num_queries
     num_filler = config.seq_len - 1 - n * config.needle_len - q * config.query_len
     filler = _filler(config, rng, num_filler)
     # Sorted uniform cut points in the filler give non-overlapping needles, uniform over the body.
     filler_before = np.sort(rng.integers(0, num_filler + 1, n))
     query_order = rng.choice(n, size=q, replace=False)
-    return _assemble(config, rng, filler_before, query_order, num_filler, filler)
+    keys, values = _draw_needles(config, rng, n)
+    return _assemble_parts(config, filler_before, query_order, num_filler, filler, keys, values)
+
+
+def make_sequence(config: CorpusConfig, index: int) -> RetrievalSample:
+    """Sequence ``index``: ``num_needles`` needles at random depths, ``num_queries`` queries at the end."""
+    return _sample(config, _sequence_parts(config, _rng(config.seed, _SEQUENCE_STREAM, index)))
 
 
 def make_needle_probe(config: CorpusConfig, index: int, depth: float) -> RetrievalSample:
@@ -323,36 +376,279 @@ def retrieval_accuracy(logits_or_predictions: torch.Tensor, tokens: torch.Tensor
     return float((wrong == 0).float().mean())
 
 
-def _sequence_tokens(config: CorpusConfig, index: int):
+# ---------------------------------------------------------------------------- packed documents
+
+
+@dataclass(frozen=True)
+class PackedConfig:
+    """Packed sequences: each sequence of ``seq_len`` tokens is several DOCUMENTS, each a
+    self-contained corpus sequence (``BOS``, filler with its own needles, its own query block at
+    its end; ``document_config``), so a query is answered from a needle of its own document.
+
+    A sequence holds ``min_documents..max_documents`` documents (uniform; fewer when
+    ``seq_len < max_documents * min_document_len``) of varied lengths: ``min_document_len`` each
+    plus a uniform random split of the rest. Documents are independent draws over the same small
+    key space, so a later document usually holds needles with the same key as an earlier one and
+    (mostly) another value: a DISTRACTOR, which only attention across documents could reach.
+    A document of ``L`` tokens has ``needles_per_1k * L / 1024`` needles (at least 2 where two
+    fit, at most one per distinct key, never more than fit) and ``min(queries, needles)`` queries. ``BOS`` opens
+    every document and appears nowhere else, so the documents can be read off the tokens
+    (``document_boundaries``)."""
+
+    vocab_size: int = 512
+    seq_len: int = 4096
+    min_documents: int = 3
+    max_documents: int = 8
+    min_document_len: int = 64
+    needles_per_1k: float = 48.0
+    queries: int = 6
+    key_len: int = 1
+    value_len: int = 1
+    lexicon_size: int = 256
+    seed: int = 1234
+    needle_format: str = "fact"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "min_documents", "max_documents", "min_document_len", "queries",
+                     "key_len", "value_len", "lexicon_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.needles_per_1k > 0:
+            raise ValueError(f"needles_per_1k must be positive, got {self.needles_per_1k!r}")
+        if self.min_documents > self.max_documents:
+            raise ValueError(f"min_documents ({self.min_documents}) must be <= max_documents ({self.max_documents})")
+        if self.seq_len < self.min_documents * self.min_document_len:
+            raise ValueError(f"seq_len={self.seq_len} is too short for {self.min_documents} documents of at least "
+                             f"{self.min_document_len} tokens")
+        self.document_config(self.min_document_len)  # the shortest document must be valid (ValueError otherwise)
+
+    def _corpus(self, seq_len: int, num_needles: int, num_queries: int) -> CorpusConfig:
+        return CorpusConfig(vocab_size=self.vocab_size, seq_len=seq_len, num_needles=num_needles,
+                            num_queries=num_queries, key_len=self.key_len, value_len=self.value_len,
+                            lexicon_size=self.lexicon_size, seed=self.seed, needle_format=self.needle_format)
+
+    @property
+    def num_keys(self) -> int:
+        """Distinct keys of the corpus (as ``CorpusConfig.num_keys``)."""
+        return self._corpus(1 << 20, 1, 1).num_keys
+
+    @property
+    def num_values(self) -> int:
+        """Choices for each answer token (as ``CorpusConfig.num_values``)."""
+        return self._corpus(1 << 20, 1, 1).num_values
+
+    def document_config(self, length: int) -> CorpusConfig:
+        """The corpus config of one document of ``length`` tokens (ValueError if none fits)."""
+        template = self._corpus(1 << 20, 1, 1)
+        needles = min(max(2, int(self.needles_per_1k * length / 1024)), template.num_keys)
+        fits = lambda n: 1 + n * template.needle_len + min(self.queries, n) * template.query_len <= length  # noqa: E731
+        while needles > 1 and not fits(needles):
+            needles -= 1
+        try:
+            return self._corpus(length, needles, min(self.queries, needles))
+        except ValueError as err:
+            raise ValueError(f"a document of {length} tokens holds no needle and query ({err}); raise "
+                             "min_document_len") from None
+
+
+@dataclass
+class PackedSample:
+    """One packed sequence (or probe) of several documents.
+
+    ``tokens`` int64 [seq_len]; ``cu_seqlens`` int32 [documents + 1], ``[0, e1, ..., seq_len]``
+    (document ``d`` is ``tokens[cu[d]:cu[d+1]]``); per query, in position order (every document's
+    queries end it): ``target_positions`` int64 [Q * value_len] (ascending, its answer tokens),
+    ``query_documents`` int64 [Q], ``answers`` int64 [Q, value_len] (the value of its needle, in
+    its own document), ``needle_positions`` int64 [Q] (the token of that needle holding the
+    answer: its fact token, or its first value token), ``distractors`` (a list of Q int64
+    tensors [n_q, value_len]: the values of needles with the query's key in EARLIER documents
+    whose value differs from the answer) and ``distractor_positions`` (list of int64 [n_q], their
+    answer-holding tokens)."""
+
+    tokens: torch.Tensor
+    cu_seqlens: torch.Tensor
+    target_positions: torch.Tensor
+    query_documents: torch.Tensor
+    answers: torch.Tensor
+    needle_positions: torch.Tensor
+    distractors: list
+    distractor_positions: list
+
+
+_PACKED_LAYOUT_STREAM, _PACKED_STREAM, _PACKED_PROBE_STREAM = 3, 4, 5
+
+
+def _document_rng(seed: int, stream: int, index: int, document: int) -> np.random.Generator:
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, stream, int(index), int(document)])))
+
+
+def _draw_lengths(config: PackedConfig, rng: np.random.Generator) -> np.ndarray:
+    k = int(rng.integers(config.min_documents, config.max_documents + 1))
+    k = min(k, config.seq_len // config.min_document_len)
+    free = config.seq_len - k * config.min_document_len
+    cuts = np.sort(rng.integers(0, free + 1, k - 1))
+    return config.min_document_len + np.diff(np.concatenate([[0], cuts, [free]])).astype(np.int64)
+
+
+def packed_document_lengths(config: PackedConfig, layout_index: int) -> np.ndarray:
+    """Document lengths (int64, summing to ``seq_len``) of layout ``layout_index``: a function of
+    ``(config, layout_index)`` only, so the rows of a micro-batch can share their documents
+    (MTraining's ``cu_seqlens`` is shared by the micro-batch) while their contents differ."""
+    return _draw_lengths(config, _rng(config.seed, _PACKED_LAYOUT_STREAM, layout_index))
+
+
+def _answer_column(config: CorpusConfig) -> int:
+    """Offset from a needle's KEY to the token holding its answer (fact token, or first value token)."""
+    return 1 + (0 if config.needle_format == "fact" else config.key_len)
+
+
+def _packed_sample(documents, lengths) -> PackedSample:
+    """Concatenate documents ``[(CorpusConfig, _Parts)]`` and collect the per-query records."""
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    tokens, targets, query_docs, answers, query_keys, needle_pos = [], [], [], [], [], []
+    needle_doc, needle_keys, needle_values, needle_at = [], [], [], []
+    for d, ((cfg, parts), start) in enumerate(zip(documents, starts)):
+        tokens.append(parts.tokens)
+        order = parts.query_order
+        targets.append(start + query_target_positions(cfg, len(order)))
+        query_docs.append(np.full(len(order), d, dtype=np.int64))
+        answers.append(parts.values[order])
+        query_keys.append(parts.keys[order])
+        held = start + parts.needle_start + _answer_column(cfg)
+        needle_pos.append(held[order])
+        needle_doc.append(np.full(len(parts.needle_start), d, dtype=np.int64))
+        needle_keys.append(parts.keys)
+        needle_values.append(parts.values)
+        needle_at.append(held)
+    query_docs, answers, query_keys = np.concatenate(query_docs), np.concatenate(answers), np.concatenate(query_keys)
+    needle_doc, needle_keys = np.concatenate(needle_doc), np.concatenate(needle_keys)
+    needle_values, needle_at = np.concatenate(needle_values), np.concatenate(needle_at)
+    # [Q, needles]: same key, earlier document, another value.
+    same_key = (query_keys[:, None, :] == needle_keys[None, :, :]).all(-1)
+    other_value = (answers[:, None, :] != needle_values[None, :, :]).any(-1)
+    distractor = same_key & other_value & (needle_doc[None, :] < query_docs[:, None])
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return PackedSample(
+        tokens=torch.from_numpy(np.concatenate(tokens)),
+        cu_seqlens=torch.from_numpy(cu),
+        target_positions=torch.from_numpy(np.concatenate(targets).astype(np.int64)),
+        query_documents=torch.from_numpy(query_docs),
+        answers=torch.from_numpy(answers.astype(np.int64)),
+        needle_positions=torch.from_numpy(np.concatenate(needle_pos).astype(np.int64)),
+        distractors=[torch.from_numpy(needle_values[row].astype(np.int64)) for row in distractor],
+        distractor_positions=[torch.from_numpy(needle_at[row].astype(np.int64)) for row in distractor],
+    )
+
+
+def make_packed_sequence(config: PackedConfig, index: int, layout_index: int | None = None) -> PackedSample:
+    """Packed sequence ``index``: the documents of layout ``layout_index`` (default ``index``; see
+    ``packed_document_lengths``), document ``d`` drawn as ``make_sequence`` draws a sequence, from
+    its own stream ``(seed, index, d)``."""
+    lengths = packed_document_lengths(config, index if layout_index is None else layout_index)
+    documents = []
+    for d, length in enumerate(lengths):
+        cfg = config.document_config(int(length))
+        documents.append((cfg, _sequence_parts(cfg, _document_rng(config.seed, _PACKED_STREAM, index, d))))
+    return _packed_sample(documents, lengths)
+
+
+def make_packed_probe(config: PackedConfig, index: int, depth: float) -> PackedSample:
+    """Packed needle-in-a-haystack probe: the documents of a layout drawn for this probe, each a
+    needle probe (``make_needle_probe``: one needle at ``depth`` of its own document, its query at
+    the document's end), all with the SAME key and pairwise DIFFERENT values. So every document
+    after the first has distractors: the same-key needles of all earlier documents. Layout,
+    haystacks, key and values depend on ``(seed, index)`` only, not on ``depth``. ValueError when
+    the layout has more documents than there are values."""
+    if not 0.0 <= depth < 1.0:
+        raise ValueError(f"depth must be in [0, 1), got {depth}")
+    rng = _rng(config.seed, _PACKED_PROBE_STREAM, index)
+    lengths = _draw_lengths(config, rng)
+    k = len(lengths)
+    if k > config.num_values:
+        raise ValueError(f"a probe of {k} documents needs {k} distinct values, the corpus has {config.num_values}; "
+                         "lower max_documents")
+    cfgs = [config._corpus(int(length), 1, 1) for length in lengths]
+    usable = [cfg.seq_len - 1 - cfg.needle_len - cfg.query_len for cfg in cfgs]
+    fillers = [_filler(cfg, rng, n) for cfg, n in zip(cfgs, usable)]
+    template = cfgs[0]
+    if config.needle_format == "fact":
+        a = template.fact_alphabet
+        key = np.full((k, 1), template.symbol_start + int(rng.integers(0, a)))
+        values = (template.symbol_start + a + rng.choice(a, k, replace=False))[:, None]
+    else:
+        key = np.repeat(_distinct_keys(template, rng, 1), k, axis=0)
+        values = _distinct_strings(template, rng, k, config.value_len)
+    documents = [(cfg, _assemble_parts(cfg, np.array([round(depth * n)]), np.array([0]), n, filler,
+                                       key[d:d + 1], values[d:d + 1]))
+                 for d, (cfg, n, filler) in enumerate(zip(cfgs, usable, fillers))]
+    return _packed_sample(documents, lengths)
+
+
+def document_boundaries(tokens: torch.Tensor) -> torch.Tensor:
+    """bool, the shape of ``tokens``: True where a document starts (a ``BOS`` token, and position 0)."""
+    starts = tokens == BOS
+    starts[..., 0] = True
+    return starts
+
+
+def reset_position_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """int64 position ids that restart at 0 at every document start (``document_boundaries``), as
+    Megatron's ``--reset-position-ids`` gives them: how the packed documents travel with a batch."""
+    starts = document_boundaries(tokens)
+    positions = torch.arange(tokens.shape[-1], device=tokens.device).expand_as(tokens)
+    first = torch.cummax(torch.where(starts, positions, torch.zeros_like(positions)), dim=-1).values
+    return positions - first
+
+
+def answer_target_mask(tokens: torch.Tensor, value_len: int) -> torch.Tensor:
+    """bool, the shape of ``tokens``: True at the answer (value) tokens of every query, i.e. the
+    ``value_len`` tokens before each ``ANS`` (which closes a query and appears nowhere else)."""
+    mask = torch.zeros_like(tokens, dtype=torch.bool)
+    for v in range(1, value_len + 1):
+        mask[..., :-v] |= tokens[..., v:] == ANS
+    return mask
+
+
+def _sequence_tokens(config, index: int, rows_per_layout: int = 1, start_index: int = 0):
     # A numpy array, not a tensor: tensors leave a worker process through one shared-memory
     # segment each (torch's multiprocessing pickler), which for ~10^5 short sequences stalls the
     # writer (a GPU run made no progress in 8 minutes); numpy arrays are pickled as plain bytes.
+    if isinstance(config, PackedConfig):
+        layout = start_index + (index - start_index) // rows_per_layout
+        return make_packed_sequence(config, index, layout).tokens.numpy()
     return make_sequence(config, index).tokens.numpy()
 
 
-def write_indexed_dataset(output_prefix: str, config: CorpusConfig, num_sequences: int, start_index: int = 0,
-                          workers: int = 1) -> str:
+def write_indexed_dataset(output_prefix: str, config, num_sequences: int, start_index: int = 0,
+                          workers: int = 1, rows_per_layout: int = 1) -> str:
     """Write ``make_sequence(config, start_index + i)`` for ``i < num_sequences`` as a Megatron indexed
     dataset (``output_prefix.bin`` / ``.idx``), one document per sequence; returns ``output_prefix``.
     ``workers > 1`` generates the sequences in that many processes (same file: each sequence depends
-    on its index only)."""
+    on its index only). A ``PackedConfig`` writes ``make_packed_sequence(config, start_index + i,
+    start_index + i // rows_per_layout)`` instead: each run of ``rows_per_layout`` consecutive
+    sequences (a micro-batch) shares one layout of documents, which ``BOS`` tokens mark."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
     if num_sequences <= 0:
         raise ValueError(f"num_sequences must be positive, got {num_sequences}")
+    if rows_per_layout <= 0:
+        raise ValueError(f"rows_per_layout must be positive, got {rows_per_layout}")
     # Same dtype choice as Megatron's preprocess_data.py: uint16 below 65500 ids, else int32.
     builder = IndexedDatasetBuilder(get_bin_path(output_prefix), dtype=DType.optimal_dtype(config.vocab_size))
     indices = range(start_index, start_index + num_sequences)
+    make = functools.partial(_sequence_tokens, config, rows_per_layout=rows_per_layout, start_index=start_index)
     pool = None
     if workers > 1 and num_sequences >= 64 * workers:
         import concurrent.futures
         import multiprocessing
 
         pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
-        sequences = pool.map(functools.partial(_sequence_tokens, config), indices,
-                             chunksize=max(16, num_sequences // (8 * workers)))
+        sequences = pool.map(make, indices, chunksize=max(16, num_sequences // (8 * workers)))
     else:
-        sequences = (_sequence_tokens(config, i) for i in indices)
+        sequences = (make(i) for i in indices)
     try:
         for tokens in sequences:
             builder.add_item(torch.as_tensor(tokens))

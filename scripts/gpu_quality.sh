@@ -4,6 +4,10 @@
 # trainings run side by side, one per GPU, from the same seed and data; then the merge writes
 # quality.json and the plots to $OUT (gpu_common.sh). QUALITY_FLAGS overrides the schedule / model
 # flags; QUALITY_TIMEOUT bounds each training.
+# PACKED=1: the packed-documents runs (issue 16; quality.py --packed: 3-8 documents per sequence,
+# attention masked at their boundaries through cu_seqlens in both runs), the same side-by-side
+# structure, merged into quality_packed.json (plots quality_packed_*.png). One device call on
+# 2 H200s: `PACKED=1 bash scripts/gpu_quality.sh`, carry [".whl"].
 # shellcheck source=SCRIPTDIR/gpu_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
 # An existing .venv is kept (REUSE_VENV=0 redoes the set-up): on a warm machine, RUNS=dense then
@@ -18,6 +22,19 @@ FLAGS=${QUALITY_FLAGS:---phases 128:800,1024:400,4096:400,32768:800 --tokens-per
 # the merge happens where both JSONs are (here, or later with quality.py --merge).
 # MT_VARIANT="--min-vertical 0" adds a second MTraining run with these extra flags, after the
 # first on the same GPU, merged against the same dense run into quality_${VARIANT_NAME}.json.
+PREFIX=quality
+if [ "${PACKED:-0}" = 1 ]; then
+  # The unpacked recipe's model and flags; the schedule starts at 512 tokens (3-8 documents of ~64-170
+  # tokens, like the unpacked first phase's 128) and keeps its tokens per iteration and iterations.
+  # Estimate from the notes above (~1 min up to 4K, ~0.15 s per 32K iteration, ~150 s per training
+  # with data and evaluation; attention within documents does less work than causal attention over
+  # the whole sequence, the evaluation adds one probe grid without the document mask): ~3-4 min per
+  # training, both side by side; the guards (280 s of training, 420 s per run) keep one call under
+  # 10 minutes with the set-up.
+  PREFIX=quality_packed
+  FLAGS=${QUALITY_FLAGS:---packed --documents 3:8 --phases 512:800,2048:400,8192:400,32768:800 --tokens-per-iteration 16384 --needles-per-1k 48 --queries 6 --needle-format fact --vocab-size 2048 --rotary-base 1000000 --answer-loss-weight 20 --lr 3e-3 --warmup 50 --eval-probes 16 --max-train-seconds 280}
+  QUALITY_TIMEOUT=${QUALITY_TIMEOUT:-420}
+fi
 RUNS=${RUNS:-dense mtraining}
 VARIANT_NAME=${VARIANT_NAME:-variant}
 if [ -n "${MT_VARIANT:-}" ]; then
@@ -29,8 +46,8 @@ NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 train() {  # train RUN OUTPUT_NAME EXTRA_FLAGS...: one training on this job's GPU
   local run=$1 name=$2; shift 2
   # shellcheck disable=SC2086  # FLAGS is a list of flags
-  timeout "${QUALITY_TIMEOUT:-520}" "$PY" benchmarks/quality.py --run "$run" --out "$OUT/quality_$name.json" $FLAGS "$@" \
-      > "$OUT/quality_$name.log" 2>&1
+  timeout "${QUALITY_TIMEOUT:-520}" "$PY" benchmarks/quality.py --run "$run" --out "$OUT/${PREFIX}_$name.json" $FLAGS "$@" \
+      > "$OUT/${PREFIX}_$name.log" 2>&1
 }
 for run in $RUNS; do
   gpu=$([ "$run" = dense ] || [ "$NGPU" -lt 2 ] && echo 0 || echo 1)
@@ -45,11 +62,11 @@ done
 wait
 for log in "$OUT"/quality_*.log; do echo "$(basename "$log"):"; grep -E "answer|phase" "$log" | tail -3; tail -2 "$log"; done
 cd "$OUT" || exit 1
-merge() { [ -f quality_dense.json ] && [ -f "quality_$1.json" ] \
-  && "$PY" "$REPO/benchmarks/quality.py" --merge quality_dense.json "quality_$1.json" --out "$2"; }
-merge mtraining quality.json && rm -f quality_mtraining.json
-merge "mtraining_$VARIANT_NAME" "quality_$VARIANT_NAME.json" && rm -f "quality_mtraining_$VARIANT_NAME.json"
-[ -f quality.json ] && rm -f quality_dense.json
+merge() { [ -f "${PREFIX}_dense.json" ] && [ -f "${PREFIX}_$1.json" ] \
+  && "$PY" "$REPO/benchmarks/quality.py" --merge "${PREFIX}_dense.json" "${PREFIX}_$1.json" --out "$2"; }
+merge mtraining "$PREFIX.json" && rm -f "${PREFIX}_mtraining.json"
+merge "mtraining_$VARIANT_NAME" "${PREFIX}_$VARIANT_NAME.json" && rm -f "${PREFIX}_mtraining_$VARIANT_NAME.json"
+[ -f "$PREFIX.json" ] && rm -f "${PREFIX}_dense.json"
 # The device tool returns at most 8 files: logs and plots travel packed.
 shopt -s nullglob  # the set-up log and the plots may be missing
 tar czf quality_logs.tgz -- quality_*.log setup_quality*.log *.png && rm -f -- quality_*.log *.png

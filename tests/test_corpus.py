@@ -1,5 +1,6 @@
 """Synthetic long-context retrieval corpus (megatron_mtraining.corpus)."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -317,3 +318,181 @@ def test_fact_probe_answers_its_needle():
         (start, value), = needles.values()
         assert queries[0][2] == value and s.tokens[s.target_positions[0]] == value[0]
         assert abs(start / cfg.seq_len - depth) < 0.01
+
+
+# ---------------------------------------------------------------------------- packed documents
+
+from megatron_mtraining.corpus import (  # noqa: E402
+    PackedConfig, answer_target_mask, document_boundaries, make_packed_probe, make_packed_sequence,
+    packed_document_lengths, reset_position_ids,
+)
+
+PACKED_CONFIGS = [
+    PackedConfig(vocab_size=2048, seq_len=2049, min_documents=3, max_documents=8),
+    PackedConfig(vocab_size=256, seq_len=700, min_documents=2, max_documents=5, min_document_len=80, seed=3,
+                 queries=3),
+    PackedConfig(vocab_size=512, seq_len=1500, min_documents=3, max_documents=6, needle_format="pair", key_len=2,
+                 value_len=2, needles_per_1k=16, min_document_len=128),
+]
+
+
+def check_packed(s: "PackedSample", cfg: PackedConfig, probe_depth=None):
+    """Every structural promise of a packed sample, checked against a parse of its tokens."""
+    tokens, cu = s.tokens, s.cu_seqlens.tolist()
+    assert tokens.shape == (cfg.seq_len,) and s.cu_seqlens.dtype == torch.int32
+    assert cu[0] == 0 and cu[-1] == cfg.seq_len
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    assert all(n >= cfg.min_document_len for n in lengths)
+    assert len(lengths) <= cfg.max_documents and len(lengths) >= min(cfg.min_documents,
+                                                                       cfg.seq_len // cfg.min_document_len)
+    # BOS opens every document and appears nowhere else: the documents can be read off the tokens.
+    assert torch.nonzero(tokens == BOS).flatten().tolist() == cu[:-1]
+    starts = document_boundaries(tokens)
+    assert torch.nonzero(starts).flatten().tolist() == cu[:-1]
+    expected_ids = torch.cat([torch.arange(n) for n in lengths])
+    assert torch.equal(reset_position_ids(tokens), expected_ids)
+    assert torch.equal(reset_position_ids(tokens[None].repeat(2, 1)), expected_ids[None].repeat(2, 1))
+    # Documents parse on their own; every query's answer is its own document's needle.
+    doc_of = torch.searchsorted(s.cu_seqlens.long(), torch.arange(cfg.seq_len), right=True) - 1
+    queries = []
+    for d, (a, b) in enumerate(zip(cu, cu[1:])):
+        dcfg = cfg.document_config(b - a) if probe_depth is None else dataclasses.replace(
+            cfg.document_config(b - a), num_needles=1, num_queries=1)
+        needles, doc_queries = parse(tokens[a:b], dcfg)
+        assert len(needles) == dcfg.num_needles and len(doc_queries) == dcfg.num_queries
+        for q_start, key, value in doc_queries:
+            assert needles[key][1] == value
+            queries.append((d, a + q_start, key, value, a + needles[key][0]))
+    Q, V = len(queries), cfg.value_len
+    assert s.query_documents.tolist() == [q[0] for q in queries]
+    assert s.answers.tolist() == [list(q[3]) for q in queries]
+    targets = [p + 1 + cfg.key_len + j for _, p, _, _, _ in queries for j in range(V)]
+    assert s.target_positions.tolist() == targets
+    assert torch.equal(tokens[s.target_positions].view(Q, V), s.answers)
+    assert torch.nonzero(answer_target_mask(tokens, V)).flatten().tolist() == targets
+    column = 1 + (0 if cfg.needle_format == "fact" else cfg.key_len)
+    assert s.needle_positions.tolist() == [q[4] + column for q in queries]
+    assert (doc_of[s.needle_positions] == s.query_documents).all()  # the needle is in the query's own document
+    # Distractors: exactly the needles with the query's key in EARLIER documents and another value.
+    all_needles = []
+    for d, (a, b) in enumerate(zip(cu, cu[1:])):
+        for i in torch.nonzero(tokens[a:b] == KEY).flatten().tolist():
+            if cfg.needle_format == "fact":
+                key, value = decode_fact(int(tokens[a + i + 1]), cfg.document_config(b - a))
+                key, value = (key,), (value,)
+            else:
+                key = tuple(tokens[a + i + 1:a + i + 1 + cfg.key_len].tolist())
+                value = tuple(tokens[a + i + 1 + cfg.key_len:a + i + 1 + cfg.key_len + V].tolist())
+            all_needles.append((d, key, value, a + i + column))
+    for j, (d, _, key, value, _) in enumerate(queries):
+        expected = [(n[3], n[2]) for n in all_needles if n[0] < d and n[1] == key and n[2] != value]
+        assert s.distractor_positions[j].tolist() == [e[0] for e in expected]
+        assert s.distractors[j].tolist() == [list(e[1]) for e in expected]
+        assert all(doc_of[p] < d for p in s.distractor_positions[j].tolist())
+    return queries
+
+
+@pytest.mark.parametrize("cfg", PACKED_CONFIGS, ids=["fact", "small", "pair"])
+def test_packed_sequence_documents(cfg):
+    distracted = 0
+    for index in range(4):
+        s = make_packed_sequence(cfg, index)
+        check_packed(s, cfg)
+        distracted += sum(len(d) > 0 for d in s.distractors)
+    if cfg.needle_format == "fact":  # a small key space: later documents reuse keys with other values
+        assert distracted > 0
+
+
+def test_packed_is_deterministic_and_layouts_are_shared():
+    cfg = PACKED_CONFIGS[0]
+    a, b = make_packed_sequence(cfg, 5), make_packed_sequence(cfg, 5)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.cu_seqlens, b.cu_seqlens)
+    assert a.cu_seqlens.tolist() == [0] + np.cumsum(packed_document_lengths(cfg, 5)).tolist()
+    # One layout, other contents (the rows of a micro-batch share their documents).
+    rows = [make_packed_sequence(cfg, i, layout_index=7) for i in (10, 11, 12)]
+    assert all(torch.equal(r.cu_seqlens, rows[0].cu_seqlens) for r in rows)
+    assert not torch.equal(rows[0].tokens, rows[1].tokens)
+    counts = {len(packed_document_lengths(cfg, i)) for i in range(60)}
+    assert counts == set(range(3, 9))  # 3-8 documents, every count drawn
+    lengths = np.concatenate([packed_document_lengths(cfg, i) for i in range(60)])
+    assert lengths.min() >= 64 and lengths.max() > 4 * lengths.min()  # varied lengths
+    other = make_packed_sequence(dataclasses.replace(cfg, seed=cfg.seed + 1), 5)
+    assert not torch.equal(other.tokens[:200], a.tokens[:200])
+
+
+@pytest.mark.parametrize("cfg", PACKED_CONFIGS, ids=["fact", "small", "pair"])
+def test_packed_probe_plants_distractors(cfg):
+    for index in range(3):
+        by_depth = {}
+        for depth in (0.0, 0.5, 0.95):
+            s = make_packed_probe(cfg, index, depth)
+            queries = check_packed(s, cfg, probe_depth=depth)
+            cu = s.cu_seqlens.tolist()
+            k = len(cu) - 1
+            assert len(queries) == k  # one needle and one query per document
+            assert len({q[2] for q in queries}) == 1  # all with the same key
+            assert len({q[3] for q in queries}) == k  # pairwise different values
+            for j, (d, _, _, _, needle_start) in enumerate(queries):
+                # The distractors of document d: the needles of every earlier document.
+                assert s.distractors[j].tolist() == s.answers[:d].tolist()
+                assert s.distractor_positions[j].tolist() == s.needle_positions[:d].tolist()
+                shortest = cfg.document_config(cfg.min_document_len)
+                usable = cu[d + 1] - cu[d] - 1 - shortest.needle_len - shortest.query_len
+                assert needle_start - cu[d] == 1 + round(depth * usable)
+            by_depth[depth] = s
+        # Layout, key and values do not depend on the depth.
+        assert all(torch.equal(s.cu_seqlens, by_depth[0.0].cu_seqlens) and torch.equal(s.answers, by_depth[0.0].answers)
+                   for s in by_depth.values())
+    with pytest.raises(ValueError, match="depth"):
+        make_packed_probe(PACKED_CONFIGS[0], 0, 1.0)
+    crowded = PackedConfig(vocab_size=128, seq_len=1000, min_documents=6, max_documents=6)  # 4 values
+    with pytest.raises(ValueError, match="distinct values"):
+        make_packed_probe(crowded, 0, 0.5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(min_documents=4, max_documents=3), "min_documents"),
+    (dict(seq_len=100, min_documents=3), "too short"),
+    (dict(min_document_len=7), "raise min_document_len"),
+    (dict(needles_per_1k=0), "needles_per_1k"),
+    (dict(needle_format="fact", key_len=2), "key_len=1"),
+])
+def test_packed_config_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PackedConfig(**kwargs)
+
+
+def test_packed_indexed_dataset_shares_layouts_per_micro_batch(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    cfg = PackedConfig(vocab_size=256, seq_len=513, min_documents=2, max_documents=4)
+    prefix = write_indexed_dataset(str(tmp_path / "packed"), cfg, num_sequences=12, start_index=100,
+                                   rows_per_layout=4)
+    ds = IndexedDataset(prefix)
+    assert len(ds) == 12
+    for i in range(12):
+        expected = make_packed_sequence(cfg, 100 + i, layout_index=100 + i // 4)
+        assert np.array_equal(ds[i].astype(np.int64), expected.tokens.numpy())
+    bos = [np.nonzero(ds[i] == BOS)[0].tolist() for i in range(12)]
+    assert all(bos[i] == bos[i - i % 4] for i in range(12))  # a micro-batch of 4 rows: one layout
+    assert bos[0] != bos[4] or bos[4] != bos[8]  # the next micro-batches: their own layouts
+
+
+def test_unpacked_corpus_unchanged_by_the_packed_additions():
+    """The packed additions split the sequence assembly into reusable parts: the unpacked
+    sequences and probes must stay bit for bit what they were (digest taken before the change)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for cfg in (CorpusConfig(vocab_size=128, seq_len=300, num_needles=6, num_queries=6, key_len=2, value_len=3, seed=7),
+                CorpusConfig(vocab_size=2048, seq_len=1025, num_needles=21, num_queries=6, key_len=1, value_len=1,
+                             needle_format="fact")):
+        for i in range(3):
+            digest.update(make_sequence(cfg, i).tokens.numpy().tobytes())
+            digest.update(make_needle_probe(cfg, i, 0.3).tokens.numpy().tobytes())
+    assert digest.hexdigest() == "3a602e9a3adbb8cec8acb14d154b1b2be14567e8fb40c8ce6f877ccabc1e2afd"
+    # answer_target_mask (packed runs read the answers off the tokens) agrees with the unpacked layout.
+    for cfg in CONFIGS:
+        s = make_sequence(cfg, 1)
+        assert torch.nonzero(answer_target_mask(s.tokens, cfg.value_len)).flatten().tolist() == \
+            s.target_positions.tolist()
