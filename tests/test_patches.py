@@ -453,6 +453,53 @@ def test_unstepped_distributed_optimizer_gets_states_before_a_load():
     assert entries and all(p.when(distrib) == (not distrib.HAVE_APEX_OR_TE) for p in entries)
 
 
+def test_resumed_torch_adam_keeps_the_checkpoint_step_one_tensor_per_parameter():
+    """Megatron's DistributedOptimizer without Apex/TE (torch's AdamW): the parameter-state loaders
+    must not overwrite the ``step`` that ``load_state_dict`` took from the checkpoint (megatron-core
+    copies a stale one, or raises KeyError 'step' where the source has none), and every parameter's
+    state needs its own ``step`` tensor (torch increments it in place once per parameter). The full
+    save / resume comparison is tests/test_resume_distrib_optimizer.py."""
+    import types
+
+    distrib = pytest.importorskip("megatron.core.optimizer.distrib_optimizer")
+    from megatron_mtraining.integration import patches
+
+    class Stand_in:  # the attributes Megatron's setter and the wrappers read
+        def __init__(self):
+            self.params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))]
+            self.optimizer = torch.optim.AdamW(self.params, lr=0.1, weight_decay=0.1)
+            self.model_param_group_index_map = {"a": (0, 0), "b": (0, 1)}
+            self.config = types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False)
+
+        def load_state_dict(self, step):  # what megatron-core's does with 'step' (torch: no copy)
+            shared = torch.tensor(float(step))
+            for param in self.params:
+                self.optimizer.state[param].update(step=shared, exp_avg=torch.zeros_like(param),
+                                                   exp_avg_sq=torch.zeros_like(param))
+
+    opt = Stand_in()
+    patches._make_load_state_dict_with_own_steps(Stand_in.load_state_dict)(opt, 2)
+    steps = [opt.optimizer.state[p]["step"] for p in opt.params]
+    assert [s.item() for s in steps] == [2.0, 2.0] and steps[0] is not steps[1]
+    for p in opt.params:
+        p.grad = torch.ones_like(p)
+    opt.optimizer.step()
+    assert [opt.optimizer.state[p]["step"].item() for p in opt.params] == [3.0, 3.0]
+
+    setter = patches._make_param_state_setter_keeping_step(
+        distrib.DistributedOptimizer._set_main_param_and_optimizer_states)
+    stale = {"param": torch.full((3,), 5.0), "exp_avg": torch.full((3,), 6.0), "exp_avg_sq": torch.full((3,), 7.0),
+             "step": torch.tensor(1.0)}                                     # dp_reshardable: a stale step
+    with torch.no_grad():  # as Megatron's loaders call it
+        setter(opt, "a", stale)
+    state = opt.optimizer.state[opt.params[0]]
+    assert state["step"].item() == 3.0 and torch.equal(state["exp_avg"], stale["exp_avg"])
+    assert torch.equal(opt.params[0].detach(), stale["param"])
+    with torch.no_grad():  # dp_zero_gather_scatter: no step at all
+        setter(opt, "b", {"param": torch.zeros(2), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)})
+    assert opt.optimizer.state[opt.params[1]]["step"].item() == 3.0
+
+
 def test_optimizer_patch_is_installed_and_removed_without_apex_or_te():
     distrib = pytest.importorskip("megatron.core.optimizer.distrib_optimizer")
     if distrib.HAVE_APEX_OR_TE:
@@ -460,11 +507,14 @@ def test_optimizer_patch_is_installed_and_removed_without_apex_or_te():
     from megatron_mtraining import MTrainingConfig
     from megatron_mtraining.integration import patches
 
-    original = distrib.DistributedOptimizer.sharded_state_dict
+    names = ("sharded_state_dict", "load_parameter_state_from_dp_zero", "_set_main_param_and_optimizer_states",
+             "load_state_dict")
+    originals = {name: vars(distrib.DistributedOptimizer)[name] for name in names}
     patches.install(MTrainingConfig())
     try:
-        assert getattr(distrib.DistributedOptimizer.sharded_state_dict, "__mtraining_patch__", False)
-        assert getattr(distrib.DistributedOptimizer.load_parameter_state_from_dp_zero, "__mtraining_patch__", False)
+        for name in names:
+            assert getattr(getattr(distrib.DistributedOptimizer, name), "__mtraining_patch__", False), name
     finally:
         patches.uninstall()
-    assert distrib.DistributedOptimizer.sharded_state_dict is original
+    for name in names:
+        assert vars(distrib.DistributedOptimizer)[name] is originals[name], name

@@ -1,0 +1,348 @@
+"""Checkpoint resume of megatron-core's DistributedOptimizer without Apex or Transformer Engine.
+
+The GPU machines have neither, so Megatron's DistributedOptimizer holds torch's AdamW. A resume of
+the real Megatron-LM tree (--use-distributed-optimizer --bf16 --ckpt-format torch_dist) gave
+iteration 3 equal to an uninterrupted run and iteration 4 far off: the resumed optimizer's ``step``
+was wrong (the dummy step's 1 instead of the checkpoint's, then one tensor shared by every
+parameter and incremented once per parameter). ``patches.py`` (its patches 5 to 7, on
+DistributedOptimizer) fixes it; here, on the CPU, as Megatron's checkpointing.py does it:
+
+train 2 steps, save (torch_dist: ``sharded_state_dict`` of the model and of the optimizer with the
+content metadata training passes, ``dist_checkpointing.save``; torch: ``state_dict`` and
+``save_parameter_state``), build a fresh model and optimizer, load (``sharded_state_dict(...,
+is_loading=True)``, ``dist_checkpointing.load``, ``load_state_dict``; torch: ``load_state_dict``
+and ``load_parameter_state``), and compare the main params, exp_avg, exp_avg_sq and step after the
+load, and everything after one more step, bit for bit with the uninterrupted run. A tiny bf16
+GPTModel in Float16Module and DistributedDataParallel, Adam with weight decay, DP 1 and 2 (gloo).
+
+megatron-core's optimizer and checkpoint code assume CUDA beyond what ``cpu_shims`` covers
+(``device='cuda'`` tensors, ``param.type() == 'torch.cuda.BFloat16Tensor'``, CUDA streams);
+``_apply_optimizer_cpu_shims`` covers them, in the spawned worker processes only.
+
+The last test runs this file again on megatron-core 0.19.1 from the Megatron-LM tree (the GPU
+machines' version); it skips without the tarball.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+import os
+import queue
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from dist_utils import run_distributed  # noqa: E402
+
+VOCAB, SEQ, BATCH = 128, 32, 2
+TIMEOUT = 240
+
+
+# ---------------------------------------------------------------------------- CUDA assumptions, on the CPU
+
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "ones_like", "empty_like")
+# Modules whose ``torch`` global is replaced by a proxy that builds 'cuda' tensors on the CPU.
+_CUDA_MODULES = ("megatron.core.utils", "megatron.core.optimizer.optimizer",
+                 "megatron.core.optimizer.distrib_optimizer", "megatron.core.optimizer.clip_grads",
+                 "megatron.core.optimizer.grad_scaler", "megatron.core.distributed.param_and_grad_buffer",
+                 "megatron.core.distributed.distributed_data_parallel",
+                 "megatron.core.dist_checkpointing.strategies.torch",
+                 "megatron.core.dist_checkpointing.strategies.filesystem_async",
+                 "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+                 "megatron.core.dist_checkpointing.strategies.async_utils")
+
+
+class _Stream:
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _CudaOnCpu(types.ModuleType):
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    def current_stream(self, *args, **kwargs):
+        return _Stream()
+
+    def current_device(self):
+        return "cpu"
+
+    def empty_cache(self):
+        pass
+
+    def synchronize(self, *args, **kwargs):
+        pass
+
+
+def _on_cpu(factory):
+    def build(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and (isinstance(device, int) or str(device).startswith("cuda")):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+    return build
+
+
+class _TorchOnCpu(types.ModuleType):
+    cuda = _CudaOnCpu("torch.cuda")
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        return _on_cpu(attr) if name in _FACTORIES else attr
+
+
+def _apply_optimizer_cpu_shims() -> None:
+    """Worker processes only: process-wide and never undone (the process ends with the test)."""
+    tensor_type = torch.Tensor.type
+
+    def cuda_type(self, *args, **kwargs):  # 'torch.BFloat16Tensor' -> 'torch.cuda.BFloat16Tensor'
+        out = tensor_type(self, *args, **kwargs)
+        if not args and not kwargs and self.device.type == "cpu":
+            return out.replace("torch.", "torch.cuda.", 1)
+        return out
+
+    torch.Tensor.type = cuda_type
+    for name in _CUDA_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        module.torch = _TorchOnCpu("torch")
+    # The torch_dist writer: a synchronous save puts its results in a queue and reads them back in
+    # this same process (a plain queue, not a Manager server process); megatron-core 0.16 writes from
+    # forked children, which a daemonic process (run_distributed's workers) may not have.
+    filesystem_async = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    for name in ("get_write_results_queue", "_get_write_results_queue"):
+        if hasattr(filesystem_async, name):
+            setattr(filesystem_async, name, lambda *args, **kwargs: queue.Queue())
+    multiprocessing.current_process()._config["daemon"] = False
+    if not getattr(filesystem_async, "HAVE_PSUTIL", True):  # only logs the writer's memory use
+        filesystem_async._process_memory = lambda: 0
+
+
+# ---------------------------------------------------------------------------- model, optimizer, training
+
+def _build():
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    torch.manual_seed(1234)
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                               gradient_accumulation_fusion=False, bias_dropout_fusion=False,
+                               masked_softmax_fusion=False, apply_rope_fusion=False, attention_dropout=0.0,
+                               hidden_dropout=0.0, bf16=True, params_dtype=torch.bfloat16)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, position_embedding_type="rope")
+    model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True,
+                                               overlap_grad_reduce=False, bucket_size=None)
+    model = DistributedDataParallel(config, ddp_config, model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
+                        clip_grad=1.0, bf16=True, use_distributed_optimizer=True), [model])
+    return model, optimizer
+
+
+def _train_step(model, optimizer, iteration: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * iteration + rank)  # each DP rank its own micro-batch
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = model(tokens, torch.arange(SEQ)[None].expand(BATCH, SEQ), None, labels=labels).float().mean()
+    loss.backward()
+    model.finish_grad_sync()
+    update_successful, grad_norm, _ = optimizer.step()
+    assert update_successful
+    return torch.tensor([loss.item(), float(grad_norm)], dtype=torch.float64)
+
+
+def _sharded_state_dict(model, optimizer, sharding: str, is_loading: bool):
+    """As megatron/training/checkpointing.py builds it for torch_dist (generate_state_dict with the
+    content metadata of _build_sharded_state_dict_metadata)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import unwrap_model
+
+    metadata = {"distrib_optim_sharding_type": sharding, "singleton_local_shards": False,
+                "chained_optim_avoid_prefix": True,
+                "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    if sharding == "fully_reshardable":
+        metadata["distrib_optim_fully_reshardable_mem_efficient"] = True  # its gloo path
+    state_dict = {"model": unwrap_model(model).sharded_state_dict(metadata=metadata)}
+    kwargs = dict(metadata=metadata, is_loading=True) if is_loading else dict(metadata=metadata)
+    state_dict["optimizer"] = optimizer.sharded_state_dict(state_dict, **kwargs)
+    return state_dict
+
+
+def _optimizer_state(optimizer):
+    """Every inner optimizer's main params and states, by (optimizer, group, index, key)."""
+    out = {}
+    for c, inner in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
+        for g, group in enumerate(inner.optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                out[f"{c}.{g}.{i}.param"] = param.detach().clone()
+                for key, value in inner.optimizer.state[param].items():
+                    if torch.is_tensor(value):
+                        out[f"{c}.{g}.{i}.{key}"] = value.detach().clone()
+    return out
+
+
+def _step_tensors(optimizer):
+    """(number of states with a step tensor, number of distinct step tensors)."""
+    steps = [inner.optimizer.state[p]["step"] for inner in getattr(optimizer, "chained_optimizers", [optimizer])
+             for group in inner.optimizer.param_groups for p in group["params"]]
+    return len(steps), len({id(s) for s in steps})
+
+
+def _model_params(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _resume_worker(rank, world_size, ckpt_root, cases):
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import distrib_optimizer
+
+    from megatron_mtraining import MTrainingConfig
+    from megatron_mtraining.integration import patches
+    from megatron_mtraining.integration.cpu_shims import apply_cpu_shims
+
+    shims = apply_cpu_shims()
+    _apply_optimizer_cpu_shims()
+    parallel_state.initialize_model_parallel()
+    patches.install(MTrainingConfig())  # as the launcher does, before anything is built
+    try:
+        assert not distrib_optimizer.HAVE_APEX_OR_TE
+        assert parallel_state.get_data_parallel_world_size() == world_size
+        return [_resume_case(rank, os.path.join(ckpt_root, f"{fmt}-{sharding}"), fmt, sharding)
+                for fmt, sharding in cases]
+    finally:
+        patches.uninstall()
+        parallel_state.destroy_model_parallel()
+        shims.remove()
+
+
+def _resume_case(rank, ckpt_dir, ckpt_format, sharding):
+    """Train 2 iterations, save, train 2 more; a fresh model and optimizer load the checkpoint and
+    train iterations 3 and 4 (what each run holds after the load and after iteration 3)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
+
+    if rank == 0:
+        os.makedirs(ckpt_dir)
+    dist.barrier()
+    out = {}
+    # The uninterrupted run, saving after iteration 2.
+    model, optimizer = _build()
+    out["ref_iters"] = [_train_step(model, optimizer, it, rank) for it in (1, 2)]
+    out["ref_loaded"] = _optimizer_state(optimizer)
+    if ckpt_format == "torch_dist":
+        dist_checkpointing.save(_sharded_state_dict(model, optimizer, sharding, False), ckpt_dir)
+    else:  # legacy torch: the optimizer's state_dict beside the model, the parameter state apart
+        if rank == 0:
+            torch.save({"model": unwrap_model(model).state_dict_for_save_checkpoint(),
+                        "optimizer": optimizer.state_dict()}, os.path.join(ckpt_dir, "model_optim_rng.pt"))
+        optimizer.save_parameter_state(os.path.join(ckpt_dir, "distrib_optim.pt"))
+    dist.barrier()
+    out["ref_iters"] += [_train_step(model, optimizer, 3, rank)]
+    out["ref_stepped"], out["ref_model"] = _optimizer_state(optimizer), _model_params(model)
+    out["ref_iters"] += [_train_step(model, optimizer, 4, rank)]
+
+    # The resumed run: a fresh model and an unstepped optimizer, loaded as checkpointing.py does.
+    model, optimizer = _build()
+    if ckpt_format == "torch_dist":
+        state_dict = dist_checkpointing.load(_sharded_state_dict(model, optimizer, sharding, True), ckpt_dir)
+        model.load_state_dict(state_dict["model"])
+        optimizer.load_state_dict(state_dict["optimizer"])
+    else:
+        state_dict = torch.load(os.path.join(ckpt_dir, "model_optim_rng.pt"), weights_only=False)
+        model.load_state_dict(state_dict["model"])
+        optimizer.load_state_dict(state_dict["optimizer"])
+        optimizer.load_parameter_state(os.path.join(ckpt_dir, "distrib_optim.pt"))
+    out["res_loaded"], out["res_steps"] = _optimizer_state(optimizer), _step_tensors(optimizer)
+    out["res_iters"] = [_train_step(model, optimizer, 3, rank)]
+    out["res_stepped"], out["res_model"] = _optimizer_state(optimizer), _model_params(model)
+    out["res_iters"] += [_train_step(model, optimizer, 4, rank)]
+    return out
+
+
+def _differences(ref, res):
+    keys = sorted(set(ref) | set(res))
+    return [(k, None if k not in ref or k not in res else (ref[k].double() - res[k].double()).abs().max().item())
+            for k in keys if k not in ref or k not in res or not torch.equal(ref[k], res[k])]
+
+
+def _check(out, what):
+    assert len(out["ref_loaded"]) == len(out["res_loaded"]) > 0, what
+    assert any(k.endswith(".exp_avg_sq") for k in out["ref_loaded"]), what
+    diffs = _differences(out["ref_loaded"], out["res_loaded"])
+    assert not diffs, f"{what}: main params / optimizer states after the load differ (key, max |diff|): {diffs[:6]}"
+    n_states, n_distinct = out["res_steps"]
+    assert n_distinct == n_states, f"{what}: {n_states} parameter states share {n_distinct} step tensor(s)"
+    diffs = _differences(out["ref_stepped"], out["res_stepped"])
+    assert not diffs, f"{what}: main params / optimizer states one step after the resume differ: {diffs[:6]}"
+    diffs = _differences(out["ref_model"], out["res_model"])
+    assert not diffs, f"{what}: model params one step after the resume differ: {diffs[:6]}"
+    # Iterations 3 and 4: lm loss and grad norm.
+    assert torch.equal(torch.stack(out["ref_iters"][2:]), torch.stack(out["res_iters"])), \
+        (what, out["ref_iters"][2:], out["res_iters"])
+
+
+def _run(tmp_path, world_size, cases):
+    results = run_distributed(_resume_worker, world_size, str(tmp_path), cases, timeout=TIMEOUT)
+    for rank, outs in enumerate(results):
+        for (ckpt_format, sharding), out in zip(cases, outs):
+            _check(out, f"{ckpt_format}/{sharding} DP={world_size} rank {rank}")
+
+
+def test_resume_equals_uninterrupted_run_one_rank(tmp_path):
+    """The GPU run's settings (torch_dist, its default dp_reshardable sharding, one rank): resumed
+    after iteration 2, the optimizer holds the uninterrupted run's main params, exp_avg, exp_avg_sq
+    and step (one step tensor per parameter), and iterations 3 and 4 are bit-identical."""
+    _run(tmp_path, 1, [("torch_dist", "dp_reshardable")])
+
+
+def test_resume_equals_uninterrupted_run_two_ranks(tmp_path):
+    """The same over DP = 2 (each rank one half of the optimizer state), for torch_dist's
+    dp_reshardable and fully_reshardable (--dist-ckpt-optim-fully-reshardable) and the legacy torch
+    format (whose load raised KeyError: 'step' on the GPU machines)."""
+    _run(tmp_path, 2, [("torch_dist", "dp_reshardable"), ("torch_dist", "fully_reshardable"),
+                       ("torch", "dp_zero_gather_scatter")])
+
+
+def test_this_file_on_megatron_core_0_19(tmp_path):
+    """The tests above on megatron-core 0.19.1 from the Megatron-LM tree (core_r0.19.0), the GPU
+    machines' version, with the one shim its imports need on Python 3.11 (``typing.override``)."""
+    import subprocess
+    import sys
+
+    from megatron_lm_tree import REPO, require_tarball, unpack
+
+    root = unpack(require_tarball("test_resume_distrib_optimizer.py on megatron-core 0.19.1"), tmp_path / "tree")
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import typing\nif not hasattr(typing, 'override'):\n"
+                                           "    typing.override = lambda function: function\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), str(root), str(REPO)]))
+    version = subprocess.run([sys.executable, "-c", "import megatron.core.package_info as p; print(p.__version__)"],
+                             env=env, capture_output=True, text=True, timeout=120)
+    assert version.stdout.strip().startswith("0.19"), version.stdout + version.stderr
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", __file__,
+                          "-k", "not on_megatron_core_0_19"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
