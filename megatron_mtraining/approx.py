@@ -29,11 +29,19 @@ of them if it is shorter), against its own keys only, causal by global position:
     document's rows are weighted ``last_q / rows`` so every document holds the same mass
     ``last_q`` whatever its length: a needle of a small document weighs as much, relative to
     its document, as one of a big document, and the mass of a big document cannot drown it.
-    Vertical columns and slash offsets are then selected from the union exactly as without
-    documents (top-p over the summed mass, ``last_q x scored documents``; the same clamps): the
-    selection keeps the top-p share of the AVERAGE document, as the unpacked selection keeps the
-    top-p share of the average last query. A document's columns are its own, so the vertical
-    statistic needs no further care; the slash statistic sums the weighted masses per offset;
+    Vertical columns are then selected from the union exactly as without documents (top-p over
+    the summed mass, ``last_q x scored documents``; the same clamps): the selection keeps the
+    top-p share of the AVERAGE document, as the unpacked selection keeps the top-p share of the
+    average last query. A document's columns are its own, so the vertical statistic needs no
+    further care;
+  * slash offsets, unlike columns, are shared by every document: an offset selected for one
+    document costs pairs in all of them. So the slash statistic re-weights each scored
+    document's masses by its share of the scored documents' tokens (``group_slash_weight``; the
+    total stays ``last_q x scored documents``): top-p then keeps that share of the attention
+    mass of the AVERAGE QUERY, as without documents. With equal weights a 1K-token document whose
+    attention spreads over its 16 offsets demanded ~15 of them, each of which also costs ~2/Lb
+    of the pairs of every long document of Lb blocks (session 9's packed quality run: 0.28 of
+    the document-causal pairs, mostly slashes);
   * documents of at most one block are not scored: all their pairs lie at block offset 0 or 1,
     so they are dense with the diagonal (always selected) and offset 1, which is made mandatory
     when one of them straddles a block boundary (at most one more block diagonal);
@@ -119,6 +127,7 @@ class _DocumentRows:
     tile_lo: torch.Tensor     # int32 [R / block_m]: first key position any row of the tile sees
     tile_hi: torch.Tensor     # int32 [R / block_m]: last key position any row of the tile sees (-1: none)
     block_m: int              # rows per tile (the Triton kernels' BLOCK_M)
+    group_slash_weight: torch.Tensor  # fp64 [groups]: the group's document's token share x scored documents
     total: torch.Tensor       # fp64 []: the mass of all rows, last_q x scored documents
     straddle: torch.Tensor    # bool []: a document of at most one block straddles a block boundary
 
@@ -171,11 +180,15 @@ def _document_rows(cu_seqlens: torch.Tensor, seq_len: int, config: MTrainingConf
     tiles_lo = torch.where(valid, row_start, seq_len).reshape(-1, block_m).amin(-1)
     tiles_hi = row_pos.reshape(-1, block_m).amax(-1)
     short = ~eligible & (starts // B != (ends - 1) // B)
+    slot_tokens = torch.where(slot_valid, slot_end - slot_start, 0).double()
+    token_share = slot_valid.sum() * slot_tokens / slot_tokens.sum().clamp(min=1)
+    group_slash_weight = token_share.repeat_interleave(groups_per_slot)
     rows = _DocumentRows(
         slot_start=slot_start, slot_valid=slot_valid, row_pos=row_pos.reshape(-1).to(torch.int32),
         row_start=row_start.reshape(-1).to(torch.int32), row_weight=row_weight.reshape(-1),
         row_group=row_group.reshape(-1).to(torch.int32), group_qb=group_qb.reshape(-1),
         tile_lo=tiles_lo.to(torch.int32), tile_hi=tiles_hi.to(torch.int32), block_m=block_m,
+        group_slash_weight=group_slash_weight,
         total=L * slot_valid.sum().double(), straddle=short.any())
     _ROWS_CACHE.append((weakref.ref(cu_seqlens), cu_seqlens._version, key, rows))
     del _ROWS_CACHE[:-_ROWS_KEEP]
@@ -437,12 +450,13 @@ def _document_statistics(q, k, config: MTrainingConfig, group, layout: str, soft
     else:
         vertical, block_mass = _torch_document_masses(q_grouped, k, key_pos, scale, B, row_max, inv_norm, rows)
 
-    # Slash: offset o of group j (query block qb_j) collects key block qb_j - o. A gather (pad
-    # column for blocks of other ranks and before the sequence) then a sum over the groups in
-    # order: deterministic, no float atomics. Groups in chunks to bound the temporary.
+    # Slash: offset o of group j (query block qb_j) collects key block qb_j - o, weighted by its
+    # document's token share (module docstring). A gather (pad column for blocks of other ranks
+    # and before the sequence) then a sum over the groups in order: deterministic, no float
+    # atomics. Groups in chunks to bound the temporary.
     n_kb = n_local // B
-    padded = torch.cat([block_mass.double(), block_mass.new_zeros(b, hq, block_mass.shape[2], 1, dtype=torch.float64)],
-                       -1)
+    weighted = block_mass.double() * rows.group_slash_weight[:, None]
+    padded = torch.cat([weighted, weighted.new_zeros(b, hq, block_mass.shape[2], 1)], -1)
     offsets = torch.arange(nb, device=q.device)
     slash = torch.zeros(b, hq, nb, dtype=torch.float64, device=q.device)
     groups = rows.group_qb.numel()

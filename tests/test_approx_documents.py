@@ -289,6 +289,33 @@ def test_statistics_hold_last_q_per_scored_document():
         torch.testing.assert_close(mass, torch.full_like(mass, want))
 
 
+def test_slash_statistic_weights_each_document_by_its_tokens():
+    """Slash offsets are shared by all documents, so each document's slash masses count by its
+    share of the scored tokens (the average query, as without documents): the packed statistic
+    is the token-weighted sum of each document's own unpacked statistic. Block-aligned documents,
+    so every document's offsets are its own block offsets."""
+    ends = (0, 64, 96, 256, N)  # 64, 32, 160 and 128 tokens, all scored
+    cfg = config(max_documents=16)
+    q, k = structured_qk()
+    _, slash, _ = vs_statistics(q, k, cfg, cu_seqlens=cu(ends))
+    lengths = [e - a for a, e in zip(ends[:-1], ends[1:])]
+    want = torch.zeros_like(slash)
+    for a, e in zip(ends[:-1], ends[1:]):
+        _, own, _ = vs_statistics(q[:, :, a:e], k[:, :, a:e], cfg)
+        want[..., :own.shape[-1]] += len(lengths) * (e - a) / sum(lengths) * own
+    torch.testing.assert_close(slash, want)
+    # Not the equal-weight sum (the two differ wherever documents weigh differently).
+    assert not torch.allclose(slash, _equal_weight_slash(q, k, cfg, ends, slash))
+
+
+def _equal_weight_slash(q, k, cfg, ends, like):
+    out = torch.zeros_like(like)
+    for a, e in zip(ends[:-1], ends[1:]):
+        own = vs_statistics(q[:, :, a:e], k[:, :, a:e], cfg)[1]
+        out[..., :own.shape[-1]] += own
+    return out
+
+
 # --------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("ends, message", [
     ((1, 100, N), "start at 0"), ((0, 100, N - 1), "end at"), ((0, 100, 100, N), "strictly increasing"),
