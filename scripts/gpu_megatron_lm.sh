@@ -7,7 +7,8 @@
 # without a stop. The per-iteration losses and gradient norms, as Megatron prints them (lm loss to
 # 7 significant digits, grad norm to 3 decimals), of the resumed run must equal the uninterrupted
 # run's (MTraining runs deterministic kernels by default, --mtraining-deterministic), and so must
-# the first N of the saving run.
+# the first N of the saving run. A run's second lm loss line is Megatron's average of its first
+# two iterations: scripts/compare_megatron_runs.py recovers each iteration's own value first.
 #
 # The tarball does not travel to the device machine by itself: copy it into the working tree
 # (an ignored folder) and carry that folder, with .whl (megatron-core's wheel, for the set-up):
@@ -226,79 +227,9 @@ for cp in $CP_SIZES; do
 done
 [ "$DRY" = 1 ] && exit 0
 
-# ---- the comparison ----
-"$PY" - "$RUNS" "$N" "$M" "$BUILD/ckpt" "${DONE[@]}" <<'EOF' | tee "$OUT/summary.txt"
-import os
-import re
-import sys
-
-runs, n, m, ckpt_root, names = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
-LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: (\S+) \|.*?grad norm: (\S+) \|")
-ok = True
-
-
-def read(name, mode):
-    path = os.path.join(runs, f"{name}_{mode}.log")
-    text = open(path, errors="replace").read() if os.path.exists(path) else ""
-    rc_path = os.path.join(runs, f"{name}_{mode}.rc")
-    rc = open(rc_path).read().strip() if os.path.exists(rc_path) else "not run"
-    return text, rc, {int(i): (loss, gnorm) for i, loss, gnorm in LINE.findall(text)}
-
-
-def check(label, good, detail=""):
-    global ok
-    ok &= bool(good)
-    print(f"  {'ok  ' if good else 'FAIL'} {label}{': ' + detail if detail else ''}")
-
-
-print(f"Real Megatron-LM core_r0.19.0: save at {n}, resume to {n + m}, against an uninterrupted {n + m}")
-full_losses = {}
-for name in names:
-    print(f"\n{name}")
-    logs = {mode: read(name, mode) for mode in ("save", "resume", "full")}
-    for mode, (text, rc, it) in logs.items():
-        check(f"{mode} run finished", rc == "0", f"rc={rc}, iterations {min(it) if it else '-'}..{max(it) if it else '-'}")
-        check(f"{mode} run enabled MTraining attention", "MTraining sparse attention enabled" in text)
-        check(f"{mode} run logged MTraining telemetry", "[MTraining] iteration" in text)
-    save, resume, full = (logs[k][2] for k in ("save", "resume", "full"))
-    full_losses[name] = full
-    tracker = os.path.join(ckpt_root, name, "latest_checkpointed_iteration.txt")
-    saved = open(tracker).read().strip() if os.path.exists(tracker) else "none"
-    check(f"checkpoint saved at iteration {n}",
-          re.search(rf"successfully saved checkpoint from iteration\s+{n} to", logs["save"][0]) and saved == str(n),
-          f"latest_checkpointed_iteration.txt: {saved}")
-    check(f"resumed run loaded the checkpoint of iteration {n}",
-          re.search(rf"successfully loaded checkpoint from .* at iteration {n}\b", logs["resume"][0]))
-    check(f"save run logged iterations 1..{n}", sorted(save) == list(range(1, n + 1)), str(sorted(save)))
-    check(f"resumed run logged iterations {n + 1}..{n + m}", sorted(resume) == list(range(n + 1, n + m + 1)), str(sorted(resume)))
-    check(f"uninterrupted run logged iterations 1..{n + m}", sorted(full) == list(range(1, n + m + 1)), str(sorted(full)))
-    print(f"    {'iter':>4}  {'uninterrupted: lm loss':>24} {'grad norm':>10}  {'save/resume: lm loss':>22} {'grad norm':>10}  same")
-    for i in range(1, n + m + 1):
-        other = (save if i <= n else resume).get(i)
-        base = full.get(i)
-        same = other is not None and other == base
-        print(f"    {i:>4}  {base[0] if base else '-':>24} {base[1] if base else '-':>10}  "
-              f"{other[0] if other else '-':>22} {other[1] if other else '-':>10}  {'yes' if same else 'NO'}")
-    check(f"save run = uninterrupted run, iterations 1..{n}", all(save.get(i) is not None and save.get(i) == full.get(i) for i in range(1, n + 1)))
-    diffs = [abs(float(resume[i][0]) - float(full[i][0])) for i in range(n + 1, n + m + 1) if i in resume and i in full]
-    check(f"resumed run = uninterrupted run, iterations {n + 1}..{n + m} (bit-identical at the printed digits)",
-          all(resume.get(i) is not None and resume.get(i) == full.get(i) for i in range(n + 1, n + m + 1)),
-          f"largest lm loss difference {max(diffs):.3e}" if diffs else "")
-
-print("\nFor information (not pass/fail):")
-for cp in sorted({name.rsplit("_cp", 1)[1] for name in names}):
-    a, b = full_losses.get(f"launcher_cp{cp}"), full_losses.get(f"fork_cp{cp}")
-    if a and b:
-        print(f"  CP={cp}: launcher and fork uninterrupted runs {'identical' if a == b else 'DIFFER'}")
-for entry in ("launcher", "fork"):
-    a, b = full_losses.get(f"{entry}_cp2"), full_losses.get(f"{entry}_cp1")
-    if a and b:
-        common = sorted(set(a) & set(b))
-        diff = max((abs(float(a[i][0]) - float(b[i][0])) / abs(float(b[i][0])) for i in common), default=float("nan"))
-        print(f"  {entry}: CP=2 vs CP=1 lm loss, largest relative difference {diff:.2e} over iterations {common}")
-print("\nRESULT:", "PASS" if ok and names else "FAIL")
-sys.exit(0 if ok and names else 1)
-EOF
+# ---- the comparison (scripts/compare_megatron_runs.py: it undoes Megatron's averaging of a run's
+# first two logged iterations before comparing) ----
+"$PY" "$REPO/scripts/compare_megatron_runs.py" "$RUNS" "$N" "$M" "$BUILD/ckpt" "${DONE[@]}" | tee "$OUT/summary.txt"
 status=${PIPESTATUS[0]}
 ls "$OUT" "$OUT/logs"
 exit "$status"
