@@ -167,6 +167,7 @@ class Variant:
     host_desc: bool = False    # TensorDescriptor arguments (else tl.make_tensor_descriptor in the kernel)
     num_warps: int = 4
     num_stages: int = 2
+    kernel: str = "triton"     # "triton": this file's kernels; else a launcher from register_variants
 
 
 VARIANTS: Dict[str, Variant] = {
@@ -203,9 +204,22 @@ def launch_spike(var: Variant, q, k, v, plan, out, lse, scale):
         num_warps=var.num_warps, num_stages=var.num_stages)
 
 
+# kernel name -> launch(var, q, k, v, plan, out, lse, scale) for variants other scripts add
+# (spike_gluon.py): they then run through this file's checks, timing and table.
+EXTRA_LAUNCHERS: Dict[str, object] = {}
+
+
+def register_variants(variants: Dict[str, Variant], launch) -> None:
+    for var in variants.values():
+        EXTRA_LAUNCHERS[var.kernel] = launch
+    VARIANTS.update(variants)
+
+
 def launcher(var: Variant):
     if var.production:
         return launch_production
+    if var.kernel != "triton":
+        return lambda *args: EXTRA_LAUNCHERS[var.kernel](var, *args)
     return lambda *args: launch_spike(var, *args)
 
 
@@ -402,7 +416,7 @@ def compile_sm90(names: List[str], head_dim: int = 128, block: int = 64) -> Dict
     out: Dict = {}
     for name in names:
         var = VARIANTS[name]
-        if var.production:
+        if var.production or var.kernel != "triton":
             continue
         tile = f"tensordesc<bf16[{block},{head_dim}]>" if var.host_desc else "*bf16"
         sig = {"Q": tile, "K": tile, "V": tile, "Out": tile, "Lse": "*fp32", "KVCnt": "*i32", "KVIdx": "*i32",
