@@ -240,7 +240,10 @@ def git_commit() -> Dict:
     """GIT_COMMIT when set (device copies may carry a stale .git), else HEAD and whether the
     tree has uncommitted changes."""
     if os.environ.get("GIT_COMMIT"):
-        return {"commit": os.environ["GIT_COMMIT"], "dirty": None}
+        commit = os.environ["GIT_COMMIT"]
+        if commit.endswith("+dirty"):  # scripts/gpu_common.sh: the tree differs from that HEAD
+            return {"commit": commit[:-len("+dirty")], "dirty": True}
+        return {"commit": commit, "dirty": None}
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def git(*cmd):

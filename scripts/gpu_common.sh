@@ -25,8 +25,15 @@ if ! mkdir -p "$OUT" || ! OUT=$(cd "$OUT" && pwd); then echo "cannot create OUT=
 cd "$REPO" || return 1
 
 if [ -z "${GIT_COMMIT:-}" ]; then
-  # Only this checkout's own .git: a copy inside another repository must not take its HEAD.
-  { [ -e .git ] && GIT_COMMIT=$(git rev-parse --short HEAD 2>/dev/null); } || GIT_COMMIT=unknown
+  # Only this checkout's own .git: a copy inside another repository must not take its HEAD. A
+  # device copy may carry the .git of an older checkout (seen: the session's first commit on every
+  # call): a tracked tree that differs from that HEAD is named "<HEAD>+dirty", never a clean commit
+  # it did not run. Device commands that know the commit pass GIT_COMMIT=<hash> themselves.
+  if [ -e .git ] && head=$(git rev-parse --short HEAD 2>/dev/null); then
+    if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then GIT_COMMIT=$head+dirty; else GIT_COMMIT=$head; fi
+  else
+    GIT_COMMIT=unknown
+  fi
 fi
 export OUT GIT_COMMIT PYTHONUNBUFFERED=1
 
