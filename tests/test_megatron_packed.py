@@ -455,23 +455,6 @@ def test_this_file_on_megatron_core_0_19(tmp_path):
     batches to the per-document split and whose RoPE takes more arguments. The tests above, again,
     on megatron-core 0.19.1 from the Megatron-LM tree (core_r0.19.0) on this Python (with the one shim
     its imports need on Python 3.11: ``typing.override``)."""
-    import os
-    import subprocess
-    import sys
+    from megatron_lm_tree import rerun_on_megatron_core_0_19
 
-    from megatron_lm_tree import REPO, require_tarball, unpack
-
-    root = unpack(require_tarball("test_megatron_packed.py on megatron-core 0.19.1"), tmp_path / "tree")
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text("import typing\nif not hasattr(typing, 'override'):\n"
-                                           "    typing.override = lambda function: function\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), str(root), str(REPO)]))
-    version = subprocess.run([sys.executable, "-c", "import megatron.core.package_info as p; print(p.__version__)"],
-                             env=env, capture_output=True, text=True, timeout=120)
-    assert version.stdout.strip().startswith("0.19"), version.stdout + version.stderr
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", __file__,
-                          "-k", "not on_megatron_core_0_19"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+    rerun_on_megatron_core_0_19(__file__, tmp_path)
