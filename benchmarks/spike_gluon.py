@@ -30,9 +30,10 @@ times them at 128K beside production:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
-from typing import Dict
+from typing import Dict, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,16 +72,13 @@ def _load_tile(k_desc, v_desc, k_smem, v_smem, ready, slot, row, pred):
 
 
 @gluon.jit
-def _slash_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, HQ, GROUP, N, NQB, MAX_S, qk_scale,
-                            HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
-    gl.static_assert(STAGES >= 2, "a slot is refilled once its PV product retires: 2 slots or more")
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    kv_row0 = (b * (HQ // GROUP) + h // GROUP) * N  # Q/O are [b*hq*N, d], K/V [b*hkv*N, d]
-    q_row = pid_bh * N + pid_m * BLOCK
-
+def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, ready, empty, q_bar, blocks,
+                       n_tiles, kv_row0, q_row, q_blk, lse_row, qk_scale, HEAD_DIM: gl.constexpr,
+                       BLOCK: gl.constexpr, STAGES: gl.constexpr, SELF_LOAD: gl.constexpr):
+    """One 64-row query tile on one warpgroup: its slash key blocks (``blocks[:n_tiles]``, K/V in
+    the ``STAGES`` slots of ``k_smem``/``v_smem``, each slot's arrival on ``ready``), then out and
+    lse. SELF_LOAD: this warpgroup also refills a slot once its PV product retires; else it
+    arrives on ``empty`` and a producer warp refills it."""
     # One warpgroup: the m64 wgmma atom over 4 warps, scores [BLOCK, BLOCK], output [BLOCK, HEAD_DIM].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK, 16])
@@ -91,25 +89,7 @@ def _slash_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, H
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    mbarrier.init(q_bar, count=1)
-
-    plan_row = pid_bh * NQB + pid_m
-    n_tiles = gl.load(KVCnt + plan_row)
-    blocks = KVIdx + plan_row * MAX_S
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
-    for i in gl.static_range(STAGES):  # every slot starts filling at once
-        j = gl.load(blocks + i, mask=i < n_tiles, other=0)
-        _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i, kv_row0 + j * BLOCK, i < n_tiles)
-
-    q_pos = pid_m * BLOCK + gl.arange(0, BLOCK, layout=rows_s)
+    q_pos = q_blk * BLOCK + gl.arange(0, BLOCK, layout=rows_s)
     m_i = gl.full([BLOCK], float("-inf"), gl.float32, layout=rows_s)
     l_i = gl.zeros([BLOCK], gl.float32, layout=rows_s)
 
@@ -137,44 +117,192 @@ def _slash_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, H
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
         # Tile t-1's K and V are read: its slot takes tile t-1+STAGES.
-        refill = t - 1 + STAGES
-        j_refill = gl.load(blocks + refill, mask=refill < n_tiles, other=0)
-        _load_tile(k_desc, v_desc, k_smem, v_smem, ready, prev, kv_row0 + j_refill * BLOCK, refill < n_tiles)
+        if SELF_LOAD:
+            refill = t - 1 + STAGES
+            j_refill = gl.load(blocks + refill, mask=refill < n_tiles, other=0)
+            _load_tile(k_desc, v_desc, k_smem, v_smem, ready, prev, kv_row0 + j_refill * BLOCK, refill < n_tiles)
+        else:
+            mbarrier.arrive(empty.index(prev), count=1)
     acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-    mbarrier.invalidate(q_bar)
 
     out = acc / gl.convert_layout(l_i, rows_o)[:, None]
     q_smem.store(out.to(q_desc.dtype))  # Q is no longer read: its slot stages the output
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [q_row, 0], q_smem)
-    gl.store(Lse + pid_bh * N + q_pos, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    gl.store(Lse + lse_row + q_pos, (m_i + gl.log2(l_i)) * 0.6931471805599453)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _slash_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, HQ, GROUP, N, NQB, MAX_S, qk_scale,
+                            HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+    """One 4-warp program per (query block, batch x query head): it loads and computes."""
+    gl.static_assert(STAGES >= 2, "a slot is refilled once its PV product retires: 2 slots or more")
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    kv_row0 = (b * (HQ // GROUP) + h // GROUP) * N  # Q/O are [b*hq*N, d], K/V [b*hkv*N, d]
+    q_row = pid_bh * N + pid_m * BLOCK
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(q_bar, count=1)
+
+    plan_row = pid_bh * NQB + pid_m
+    n_tiles = gl.load(KVCnt + plan_row)
+    blocks = KVIdx + plan_row * MAX_S
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row, 0], q_bar, q_smem)
+    for i in gl.static_range(STAGES):  # every slot starts filling at once
+        j = gl.load(blocks + i, mask=i < n_tiles, other=0)
+        _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i, kv_row0 + j * BLOCK, i < n_tiles)
+    _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, ready, ready, q_bar, blocks,
+                       n_tiles, kv_row0, q_row, pid_m, pid_bh * N, qk_scale, HEAD_DIM, BLOCK, STAGES, True)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+    mbarrier.invalidate(q_bar)
+
+
+@gluon.jit
+def _producer(k_desc, v_desc, k_smem, v_smem, ready, empty, blocks, n_tiles, kv_row0, BLOCK: gl.constexpr,
+              STAGES: gl.constexpr):
+    """The producer warp: both consumers' K/V tiles, each into its own ring, in their order."""
+    n_max = gl.maximum(n_tiles[0], n_tiles[1])
+    for t in range(n_max):
+        slot = t % STAGES
+        phase = (t // STAGES) & 1
+        for c in gl.static_range(2):
+            if t < n_tiles[c]:
+                # A fresh mbarrier counts as having completed the phase before 0: the first
+                # STAGES waits pass.
+                mbarrier.wait(empty[c].index(slot), phase ^ 1)
+                j = gl.load(blocks[c] + t)
+                _load_tile(k_desc, v_desc, k_smem[c], v_smem[c], ready[c], slot, kv_row0 + j * BLOCK, True)
+
+
+@gluon.jit
+def _slash_fwd_gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, HQ, GROUP, N, NQB, MAX_S, qk_scale,
+                               HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+    """Warp-specialised: one program per (two query blocks, batch x query head). Two consumer
+    warpgroups each attend one query block (the default partition and a 4-warp worker), a 1-warp
+    producer keeps both K/V rings full (gl.warp_specialize)."""
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    kv_row0 = (b * (HQ // GROUP) + h // GROUP) * N
+
+    q_smem0 = gl.allocate_shared_memory(q_desc.dtype, [BLOCK, HEAD_DIM], q_desc.layout)
+    q_smem1 = gl.allocate_shared_memory(q_desc.dtype, [BLOCK, HEAD_DIM], q_desc.layout)
+    k_smem0 = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
+    k_smem1 = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem0 = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
+    v_smem1 = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
+    ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready0.index(i), count=1)
+        mbarrier.init(ready1.index(i), count=1)
+        mbarrier.init(empty0.index(i), count=1)
+        mbarrier.init(empty1.index(i), count=1)
+    for c in gl.static_range(2):
+        mbarrier.init(q_bars.index(c), count=1)
+
+    q_blk0 = 2 * pid_m
+    rows0 = pid_bh * NQB + q_blk0
+    n0 = gl.load(KVCnt + rows0)
+    n1 = gl.load(KVCnt + rows0 + 1)
+    blocks0 = KVIdx + rows0 * MAX_S
+    blocks1 = blocks0 + MAX_S
+    q_row0 = pid_bh * N + q_blk0 * BLOCK
+    for c in gl.static_range(2):
+        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bars.index(0), q_smem0)
+    tma.async_copy_global_to_shared(q_desc, [q_row0 + BLOCK, 0], q_bars.index(1), q_smem1)
+
+    lse_row = pid_bh * N
+    gl.warp_specialize([
+        (_attend_query_tile, (q_desc, k_desc, v_desc, o_desc, Lse, q_smem0, k_smem0, v_smem0, ready0, empty0,
+                              q_bars.index(0), blocks0, n0, kv_row0, q_row0, q_blk0, lse_row, qk_scale, HEAD_DIM,
+                              BLOCK, STAGES, False)),
+        (_attend_query_tile, (q_desc, k_desc, v_desc, o_desc, Lse, q_smem1, k_smem1, v_smem1, ready1, empty1,
+                              q_bars.index(1), blocks1, n1, kv_row0, q_row0 + BLOCK, q_blk0 + 1, lse_row, qk_scale,
+                              HEAD_DIM, BLOCK, STAGES, False)),
+        (_producer, (k_desc, v_desc, (k_smem0, k_smem1), (v_smem0, v_smem1), (ready0, ready1), (empty0, empty1),
+                     (blocks0, blocks1), (n0, n1), kv_row0, BLOCK, STAGES)),
+    ], [4, 1], [168, 24])
 
 
 def tile_layout(block: int, head_dim: int):
     return gl.NVMMASharedLayout.get_default_for([block, head_dim], gl.bfloat16)
 
 
-def launch_gluon(var: "harness.Variant", q, k, v, plan, out, lse, scale):
+@dataclasses.dataclass(frozen=True)
+class GluonVariant(harness.Variant):
+    kernel: str = "gluon"
+    warp_specialized: bool = False  # two consumer warpgroups and a producer warp per program
+    maxnreg: Optional[int] = None   # registers per thread the warp-specialised kernel divides
+
+
+def gluon_kernel(var: GluonVariant):
+    return _slash_fwd_gluon_ws_kernel if var.warp_specialized else _slash_fwd_gluon_kernel
+
+
+def launch_gluon(var: GluonVariant, q, k, v, plan, out, lse, scale):
     """The Gluon kernel on contiguous [b, h, n, d] bf16 tensors (as the harness makes them)."""
     b, hq, n, d = q.shape
     hkv, B = k.shape[1], plan.block_size
     layout = tile_layout(B, d)
     descs = [TensorDescriptor.from_tensor(x.view(-1, d), [B, d], layout) for x in (q, k, v, out)]
-    return _slash_fwd_gluon_kernel[(n // B, b * hq)](
+    query_blocks_per_program = 2 if var.warp_specialized else 1
+    if (n // B) % query_blocks_per_program:
+        raise ValueError(f"{n // B} query blocks do not pair up for the warp-specialised kernel")
+    options = {"maxnreg": var.maxnreg} if var.maxnreg else {}
+    return gluon_kernel(var)[(n // B // query_blocks_per_program, b * hq)](
         *descs, lse, plan.kv_count, plan.kv_blocks, hq, hq // hkv, n, n // B, plan.kv_blocks.shape[-1],
-        scale * LOG2E, HEAD_DIM=d, BLOCK=B, STAGES=var.num_stages, num_warps=var.num_warps)
+        scale * LOG2E, HEAD_DIM=d, BLOCK=B, STAGES=var.num_stages, num_warps=var.num_warps, **options)
 
 
-GLUON_VARIANTS: Dict[str, "harness.Variant"] = {
-    "g_s2": harness.Variant("Gluon: TMA ring of 2, async wgmma, softmax(t) over PV(t-1) (80 KB)", num_stages=2,
-                            kernel="gluon"),
-    "g_s3": harness.Variant("Gluon: as g_s2 with a ring of 3 (112 KB: still two programs per SM)", num_stages=3,
-                            kernel="gluon"),
+GLUON_VARIANTS: Dict[str, GluonVariant] = {
+    "g_s2": GluonVariant("Gluon: TMA ring of 2, async wgmma, softmax(t) over PV(t-1) (80 KB)", num_stages=2),
+    "g_s3": GluonVariant("Gluon: as g_s2 with a ring of 3 (112 KB: still two programs per SM)", num_stages=3),
+    "g_ws_s2": GluonVariant("Gluon, warp-specialised: two consumer warpgroups (one query block each) and a TMA "
+                            "producer warp, rings of 2 (160 KB: one program per SM)", num_stages=2,
+                            warp_specialized=True, maxnreg=168),
+    "g_ws_s3": GluonVariant("Gluon, warp-specialised as g_ws_s2, rings of 3 (224 KB)", num_stages=3,
+                            warp_specialized=True, maxnreg=168),
 }
+
+
+def ptxas_report(ptx: str) -> Dict:
+    """ptxas -v on the PTX: registers, spills, and whether it serialised the wgmma groups (C7513 /
+    C7514: an instruction touches the registers of a group in flight, so every wgmma waits)."""
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, timeout=120)
+    text = proc.stdout + proc.stderr
+    regs = [int(x) for x in __import__("re").findall(r"Used (\d+) registers", text)]
+    return {"ptxas_ok": proc.returncode == 0, "registers": max(regs) if regs else None,
+            "spills": "0 bytes spill stores, 0 bytes spill loads" not in text,
+            "wgmma_serialized": "C7513" in text or "C7514" in text}
 
 
 def compile_sm90(names, head_dim: int = 128, block: int = 64) -> Dict:
@@ -191,15 +319,15 @@ def compile_sm90(names, head_dim: int = 128, block: int = 64) -> Dict:
     for name in names:
         var = GLUON_VARIANTS[name]
         entry = out[name] = {}
-        src = GluonASTSource(_slash_fwd_gluon_kernel, sig,
-                             {"HEAD_DIM": head_dim, "BLOCK": block, "STAGES": var.num_stages})
-        kernel = harness.attempt(entry, "compile", lambda: triton.compile(
-            src, target=GPUTarget("cuda", 90, 32), options={"num_warps": var.num_warps}))
+        src = GluonASTSource(gluon_kernel(var), sig, {"HEAD_DIM": head_dim, "BLOCK": block, "STAGES": var.num_stages})
+        options = {"num_warps": var.num_warps, **({"maxnreg": var.maxnreg} if var.maxnreg else {})}
+        kernel = harness.attempt(entry, "compile", lambda: triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                                                          options=options))
         if kernel is not None:
             ptx = kernel.asm["ptx"]
             entry.update(shared_bytes=kernel.metadata.shared, num_warps=kernel.metadata.num_warps,
                          wgmma=ptx.count("wgmma.mma_async"), tma_loads=ptx.count("cp.async.bulk.tensor"),
-                         local_memory_in_ttgir="ttg.local_alloc" in kernel.asm["ttgir"])
+                         **ptxas_report(ptx))
     return out
 
 
