@@ -134,6 +134,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--dense-max-seq-length", type=int, default=0,
+                   help="MTraining run: phases of at most this many tokens attend densely "
+                        "(MTrainingConfig.dense_max_seq_length; 0: never)")
     p.add_argument("--last-q", type=int, default=128)
     p.add_argument("--min-vertical", type=int, default=VERTICAL_FLOOR,
                    help="lower clamp of each head's vertical budget (MTrainingConfig.min_vertical; "
@@ -222,7 +225,8 @@ def packed_config(args, seq_len: int) -> PackedConfig:
 
 def mtraining_config(args, run: str) -> MTrainingConfig:
     return MTrainingConfig(index="dense" if run == "dense" else "vs", top_p=args.top_p, last_q=args.last_q,
-                           block_size=args.block_size, min_vertical=args.min_vertical)
+                           block_size=args.block_size, min_vertical=args.min_vertical,
+                           dense_max_seq_length=args.dense_max_seq_length)
 
 
 # ---------------------------------------------------------------------------- set-up

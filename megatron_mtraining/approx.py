@@ -566,7 +566,8 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
                       layout: str = "striped", softmax_scale: Optional[float] = None,
                       backend: str = "auto", cu_seqlens: Optional[torch.Tensor] = None) -> VSIndex:
     """The index for one layer: ``config.index`` picks "vs" (approximated from q and k), "dense"
-    (all blocks) or "fixed" (fixed budgets). q ``[b, hq, n_local, d]``, k ``[b, hkv, n_local, d]``
+    (all blocks) or "fixed" (fixed budgets); a sequence of at most ``config.dense_max_seq_length``
+    tokens gets the dense index whatever the builder. q ``[b, hq, n_local, d]``, k ``[b, hkv, n_local, d]``
     are this rank's post-RoPE tokens in ``layout`` order (``group=None``: the full sequence on
     one device). Returns the same ``VSIndex`` on every rank. ``backend`` computes the statistics:
     "auto" (fused Triton kernels on CUDA, PyTorch elsewhere), "triton" or "torch".
@@ -590,7 +591,7 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, seq_len, "approximate_index: cu_seqlens")
     b, hq = q.shape[:2]
-    if config.index == "dense":
+    if config.index == "dense" or seq_len <= config.dense_max_seq_length:
         return VSIndex.dense(b, hq, seq_len, config.block_size, device=q.device)
     if config.index == "fixed":
         return fixed_index(b, hq, seq_len, config, device=q.device)

@@ -37,6 +37,13 @@ class MTrainingConfig:
     layout: token layout across context-parallel ranks, "striped" (balanced) or "zigzag".
     inner_ring_size: ranks per inner (intra-node) ring; None runs one flat ring.
     index: index builder, "vs" (approximated), "dense" (all blocks) or "fixed".
+    dense_max_seq_length: sequences of at most this many tokens (the whole sequence, over all CP
+        ranks) get the dense index, whatever ``index`` says; 0 (default) never. For short-to-long
+        schedules that train from scratch: sparse attention from the first step kept a small model
+        from ever forming its retrieval circuit (packed quality benchmark, 1-3 documents per
+        sequence, first phase at 512 tokens: retrieval 0.27 against dense 0.62; the recipes that
+        start at 1-3 blocks, where the index is dense anyway, learn it). MTraining's paper
+        continues pretrained models, where this is not needed.
     deterministic: backward without atomics, bit-identical from run to run. The sparse kernels'
         backward always is (split reductions, no atomics). False lets layers with a dense index
         (``index="dense"``, or the dense layers) run the dense kernels (cuDNN / flash), whose
@@ -56,6 +63,7 @@ class MTrainingConfig:
     layout: str = "striped"
     inner_ring_size: Optional[int] = None
     index: str = "vs"
+    dense_max_seq_length: int = 0
     deterministic: bool = True
 
     def __post_init__(self):
@@ -70,7 +78,8 @@ class MTrainingConfig:
             fail(f"top_p must be in (0, 1], got {self.top_p}")
         if int(self.last_q) <= 0:
             fail(f"last_q must be positive, got {self.last_q}")
-        for name in ("max_vertical", "max_slash", "min_vertical", "min_slash", "sink_tokens", "local_window"):
+        for name in ("max_vertical", "max_slash", "min_vertical", "min_slash", "sink_tokens", "local_window",
+                     "dense_max_seq_length"):
             if int(getattr(self, name)) < 0:
                 fail(f"{name} must be >= 0, got {getattr(self, name)}")
         if int(self.max_documents) < 1:

@@ -18,9 +18,9 @@ CFG = MTrainingConfig(block_size=64, top_p=0.9, last_q=32, max_vertical=48, max_
                       min_slash=1, sink_tokens=3, local_window=2)
 
 
-def config():
+def config(**overrides):
     # block_size 16 keeps CPU shapes small; MTrainingConfig only allows 64/128, so bypass it.
-    cfg = MTrainingConfig(**{**CFG.__dict__, "block_size": 64})
+    cfg = MTrainingConfig(**{**CFG.__dict__, **overrides, "block_size": 64})
     object.__setattr__(cfg, "block_size", B)
     return cfg
 
@@ -151,6 +151,36 @@ def test_dense_and_fixed_builders():
     big = fixed_index(1, 2, 4096, MTrainingConfig(max_slash=16, max_vertical=64, min_vertical=0))
     big.validate(4096)
     assert torch.all(big.n_slash == 16) and torch.all(big.n_vertical == 64)
+
+
+def test_sequences_up_to_dense_max_seq_length_get_the_dense_index():
+    """--mtraining-dense-max-seq-length: the vs and fixed builders give the dense index to a
+    sequence of at most that many tokens (the whole sequence: over CP ranks too), and build their
+    own index above it."""
+    q, k = structured_qk(384)
+    dense = VSIndex.dense(q.shape[0], 4, 384, B)
+    sparse = approximate_index(q, k, config())
+    assert not torch.equal(sparse.n_slash, dense.n_slash)  # the vs index is sparse here
+    for builder in ("vs", "fixed"):
+        got = approximate_index(q, k, config(index=builder, dense_max_seq_length=384))
+        assert torch.equal(got.n_slash, dense.n_slash) and torch.equal(got.n_vertical, dense.n_vertical), builder
+        assert torch.equal(got.slash[..., :24], dense.slash[..., :24]), builder
+    assert torch.equal(approximate_index(q, k, config(dense_max_seq_length=383)).n_slash, sparse.n_slash)
+
+
+def _dense_max_worker(rank, world):
+    import torch.distributed as dist
+    q, k = structured_qk(384)
+    shard = lambda x: shard_sequence(x, 2, "striped", world, rank, B)  # noqa: E731
+    # 384 tokens over 2 ranks, 192 each: the bound counts the whole sequence, not a rank's share.
+    return [approximate_index(shard(q), shard(k), config(dense_max_seq_length=bound), group=dist.group.WORLD,
+                              layout="striped").n_slash for bound in (384, 300)]
+
+
+def test_dense_max_seq_length_counts_the_whole_cp_sequence():
+    for at_384, at_300 in run_distributed(_dense_max_worker, 2, timeout=120):
+        assert torch.all(at_384 == 384 // B)
+        assert not torch.all(at_300 == 384 // B)
 
 
 def test_maxima_larger_than_the_sequence_clamp():

@@ -54,10 +54,11 @@ def test_every_flag_reaches_the_config():
                  "--mtraining-min-vertical", "8", "--mtraining-min-slash", "2", "--mtraining-sink-tokens", "2",
                  "--mtraining-local-window", "3", "--mtraining-layout", "zigzag", "--mtraining-inner-ring-size", "4",
                  "--mtraining-index", "fixed", "--mtraining-dense-layers", "2", "--mtraining-log-interval", "10",
-                 "--no-mtraining-deterministic")
+                 "--mtraining-dense-max-seq-length", "8192", "--no-mtraining-deterministic")
     assert MTrainingConfig.from_args(args) == MTrainingConfig(
         top_p=0.5, last_q=32, block_size=128, max_vertical=512, max_slash=64, min_vertical=8, min_slash=2,
-        sink_tokens=2, local_window=3, layout="zigzag", inner_ring_size=4, index="fixed", deterministic=False)
+        sink_tokens=2, local_window=3, layout="zigzag", inner_ring_size=4, index="fixed", dense_max_seq_length=8192,
+        deterministic=False)
     assert integration_options(args) == dict(enabled=True, dense_layers=2, log_interval=10)
     assert parse("--no-mtraining-deterministic", "--mtraining-deterministic").mtraining_deterministic is True
 
@@ -100,6 +101,7 @@ def test_argparse_rejects_bad_values(argv, capsys):
     (("--mtraining-max-vertical", "4", "--mtraining-min-vertical", "8"),
      ["--mtraining-max-vertical", "--mtraining-min-vertical"]),
     (("--mtraining-inner-ring-size", "0"), ["--mtraining-inner-ring-size"]),
+    (("--mtraining-dense-max-seq-length", "-1"), ["--mtraining-dense-max-seq-length"]),
 ])
 def test_invalid_config_errors_name_the_flag(argv, flags):
     with pytest.raises(ValueError) as err:

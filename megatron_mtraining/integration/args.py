@@ -56,6 +56,10 @@ def add_mtraining_args(parser):
     group.add_argument("--mtraining-index", type=str, default=d["index"], choices=INDEX_BUILDERS,
                        help="Index builder: vs (approximated vertical-slash), dense (all blocks) or fixed "
                        f"(default: {d['index']}).")
+    group.add_argument("--mtraining-dense-max-seq-length", type=int, default=d["dense_max_seq_length"],
+                       help="Sequences of at most N tokens attend densely (the dense index), e.g. the short "
+                       "phases of a short-to-long schedule trained from scratch; 0 is never "
+                       f"(default: {d['dense_max_seq_length']}).")
     group.add_argument("--mtraining-dense-layers", type=int, default=0,
                        help="The first N transformer layers keep dense attention (default: 0).")
     group.add_argument("--mtraining-log-interval", type=int, default=0,
