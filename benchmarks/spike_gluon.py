@@ -73,12 +73,19 @@ def _load_tile(k_desc, v_desc, k_smem, v_smem, ready, slot, row, pred):
 
 @gluon.jit
 def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, ready, empty, q_bar, blocks,
-                       n_tiles, kv_row0, q_row, q_blk, lse_row, qk_scale, HEAD_DIM: gl.constexpr,
-                       BLOCK: gl.constexpr, STAGES: gl.constexpr, SELF_LOAD: gl.constexpr):
+                       n_tiles, kv_row0, q_row, q_blk, lse_row, qk_scale, turn_mine, turn_other, paired,
+                       HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                       SELF_LOAD: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr):
     """One 64-row query tile on one warpgroup: its slash key blocks (``blocks[:n_tiles]``, K/V in
     the ``STAGES`` slots of ``k_smem``/``v_smem``, each slot's arrival on ``ready``), then out and
     lse. SELF_LOAD: this warpgroup also refills a slot once its PV product retires; else it
-    arrives on ``empty`` and a producer warp refills it."""
+    arrives on ``empty`` and a producer warp refills it.
+
+    PINGPONG (two consumer warpgroups, FA3's schedule): the two take turns to issue their wgmma
+    groups, so one's softmax runs while the other's products occupy the tensor cores. Iteration
+    k's issue waits on ``turn_mine`` and then arrives on ``turn_other``, for the first ``paired``
+    iterations only (the shorter list's count: the longer one then runs alone). FIRST: this
+    warpgroup issues first (a fresh mbarrier's wait on parity 1 passes)."""
     # One warpgroup: the m64 wgmma atom over 4 warps, scores [BLOCK, BLOCK], output [BLOCK, HEAD_DIM].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK, 16])
@@ -106,10 +113,15 @@ def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_sm
         slot = t % STAGES
         prev = (t - 1) % STAGES
         mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        if PINGPONG:
+            k = t - 1
+            mbarrier.wait(turn_mine, (k & 1) ^ (1 if FIRST else 0), pred=k < paired)
         # Tile t's scores, then tile t-1's PV product, both in flight.
         s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)),
                           gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout), use_acc=False, is_async=True)
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn_other, count=1, pred=t - 1 < paired)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the scores (issued first) only
         # Tile t's softmax on this warpgroup while the tensor cores run tile t-1's PV product.
         p, alpha, m_i, l_i = _fold_scores(s, q_pos, gl.load(blocks + t) * BLOCK, m_i, l_i, qk_scale, BLOCK, cols_s)
@@ -164,7 +176,8 @@ def _slash_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, H
         j = gl.load(blocks + i, mask=i < n_tiles, other=0)
         _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i, kv_row0 + j * BLOCK, i < n_tiles)
     _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, ready, ready, q_bar, blocks,
-                       n_tiles, kv_row0, q_row, pid_m, pid_bh * N, qk_scale, HEAD_DIM, BLOCK, STAGES, True)
+                       n_tiles, kv_row0, q_row, pid_m, pid_bh * N, qk_scale, q_bar, q_bar, 0, HEAD_DIM, BLOCK, STAGES,
+                       True, False, True)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(q_bar)
@@ -189,10 +202,12 @@ def _producer(k_desc, v_desc, k_smem, v_smem, ready, empty, blocks, n_tiles, kv_
 
 @gluon.jit
 def _slash_fwd_gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, HQ, GROUP, N, NQB, MAX_S, qk_scale,
-                               HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+                               HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                               PINGPONG: gl.constexpr):
     """Warp-specialised: one program per (two query blocks, batch x query head). Two consumer
     warpgroups each attend one query block (the default partition and a 4-warp worker), a 1-warp
-    producer keeps both K/V rings full (gl.warp_specialize)."""
+    producer keeps both K/V rings full (gl.warp_specialize); PINGPONG: the consumers take turns
+    to issue their products (``_attend_query_tile``)."""
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // HQ
@@ -210,6 +225,7 @@ def _slash_fwd_gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx
     empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready0.index(i), count=1)
         mbarrier.init(ready1.index(i), count=1)
@@ -217,6 +233,7 @@ def _slash_fwd_gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx
         mbarrier.init(empty1.index(i), count=1)
     for c in gl.static_range(2):
         mbarrier.init(q_bars.index(c), count=1)
+        mbarrier.init(turns.index(c), count=1)
 
     q_blk0 = 2 * pid_m
     rows0 = pid_bh * NQB + q_blk0
@@ -231,13 +248,15 @@ def _slash_fwd_gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx
     tma.async_copy_global_to_shared(q_desc, [q_row0 + BLOCK, 0], q_bars.index(1), q_smem1)
 
     lse_row = pid_bh * N
+    paired = gl.minimum(n0, n1) - 1  # loop iterations both consumers have
     gl.warp_specialize([
         (_attend_query_tile, (q_desc, k_desc, v_desc, o_desc, Lse, q_smem0, k_smem0, v_smem0, ready0, empty0,
-                              q_bars.index(0), blocks0, n0, kv_row0, q_row0, q_blk0, lse_row, qk_scale, HEAD_DIM,
-                              BLOCK, STAGES, False)),
+                              q_bars.index(0), blocks0, n0, kv_row0, q_row0, q_blk0, lse_row, qk_scale,
+                              turns.index(0), turns.index(1), paired, HEAD_DIM, BLOCK, STAGES, False, PINGPONG, True)),
         (_attend_query_tile, (q_desc, k_desc, v_desc, o_desc, Lse, q_smem1, k_smem1, v_smem1, ready1, empty1,
                               q_bars.index(1), blocks1, n1, kv_row0, q_row0 + BLOCK, q_blk0 + 1, lse_row, qk_scale,
-                              HEAD_DIM, BLOCK, STAGES, False)),
+                              turns.index(1), turns.index(0), paired, HEAD_DIM, BLOCK, STAGES, False, PINGPONG,
+                              False)),
         (_producer, (k_desc, v_desc, (k_smem0, k_smem1), (v_smem0, v_smem1), (ready0, ready1), (empty0, empty1),
                      (blocks0, blocks1), (n0, n1), kv_row0, BLOCK, STAGES)),
     ], [4, 1], [168, 24])
@@ -252,6 +271,7 @@ class GluonVariant(harness.Variant):
     kernel: str = "gluon"
     warp_specialized: bool = False  # two consumer warpgroups and a producer warp per program
     maxnreg: Optional[int] = None   # registers per thread the warp-specialised kernel divides
+    pingpong: bool = False          # the two consumers take turns to issue their products
 
 
 def gluon_kernel(var: GluonVariant):
@@ -268,6 +288,8 @@ def launch_gluon(var: GluonVariant, q, k, v, plan, out, lse, scale):
     if (n // B) % query_blocks_per_program:
         raise ValueError(f"{n // B} query blocks do not pair up for the warp-specialised kernel")
     options = {"maxnreg": var.maxnreg} if var.maxnreg else {}
+    if var.warp_specialized:
+        options["PINGPONG"] = var.pingpong
     return gluon_kernel(var)[(n // B // query_blocks_per_program, b * hq)](
         *descs, lse, plan.kv_count, plan.kv_blocks, hq, hq // hkv, n, n // B, plan.kv_blocks.shape[-1],
         scale * LOG2E, HEAD_DIM=d, BLOCK=B, STAGES=var.num_stages, num_warps=var.num_warps, **options)
@@ -281,6 +303,8 @@ GLUON_VARIANTS: Dict[str, GluonVariant] = {
                             warp_specialized=True, maxnreg=168),
     "g_ws_s3": GluonVariant("Gluon, warp-specialised as g_ws_s2, rings of 3 (224 KB)", num_stages=3,
                             warp_specialized=True, maxnreg=168),
+    "g_pp_s3": GluonVariant("Gluon, warp-specialised as g_ws_s3, the consumers ping-pong (take turns to issue "
+                            "their products)", num_stages=3, warp_specialized=True, maxnreg=168, pingpong=True),
 }
 
 
@@ -319,7 +343,12 @@ def compile_sm90(names, head_dim: int = 128, block: int = 64) -> Dict:
     for name in names:
         var = GLUON_VARIANTS[name]
         entry = out[name] = {}
-        src = GluonASTSource(gluon_kernel(var), sig, {"HEAD_DIM": head_dim, "BLOCK": block, "STAGES": var.num_stages})
+        constexprs = {"HEAD_DIM": head_dim, "BLOCK": block, "STAGES": var.num_stages}
+        kernel_sig = dict(sig)
+        if var.warp_specialized:
+            constexprs["PINGPONG"] = var.pingpong
+            kernel_sig["PINGPONG"] = "constexpr"
+        src = GluonASTSource(gluon_kernel(var), kernel_sig, constexprs)
         options = {"num_warps": var.num_warps, **({"maxnreg": var.maxnreg} if var.maxnreg else {})}
         kernel = harness.attempt(entry, "compile", lambda: triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                                                           options=options))
