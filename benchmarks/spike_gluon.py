@@ -75,7 +75,8 @@ def _load_tile(k_desc, v_desc, k_smem, v_smem, ready, slot, row, pred):
 def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, ready, empty, q_bar, blocks,
                        n_tiles, kv_row0, q_row, q_blk, lse_row, qk_scale, turn_mine, turn_other, paired,
                        HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                       SELF_LOAD: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr):
+                       SELF_LOAD: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr,
+                       Q_IN_REGS: gl.constexpr):
     """One 64-row query tile on one warpgroup: its slash key blocks (``blocks[:n_tiles]``, K/V in
     the ``STAGES`` slots of ``k_smem``/``v_smem``, each slot's arrival on ``ready``), then out and
     lse. SELF_LOAD: this warpgroup also refills a slot once its PV product retires; else it
@@ -85,7 +86,11 @@ def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_sm
     groups, so one's softmax runs while the other's products occupy the tensor cores. Iteration
     k's issue waits on ``turn_mine`` and then arrives on ``turn_other``, for the first ``paired``
     iterations only (the shorter list's count: the longer one then runs alone). FIRST: this
-    warpgroup issues first (a fresh mbarrier's wait on parity 1 passes)."""
+    warpgroup issues first (a fresh mbarrier's wait on parity 1 passes).
+
+    Q_IN_REGS: the scores' A operand (Q) comes from registers, loaded once: a 64x64 score tile
+    with both operands in shared memory reads ~32 FLOP per byte, about the tensor cores' rate
+    against 128 B/clock of shared memory; from registers only K is read (64 FLOP/byte)."""
     # One warpgroup: the m64 wgmma atom over 4 warps, scores [BLOCK, BLOCK], output [BLOCK, HEAD_DIM].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK, 16])
@@ -102,8 +107,12 @@ def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_sm
 
     # Tile 0's scores and softmax (alpha is 0 there: the empty accumulator stays 0).
     mbarrier.wait(q_bar, 0)
+    if Q_IN_REGS:
+        q_op = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    else:
+        q_op = q_smem
     mbarrier.wait(ready.index(0), 0)
-    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout),
+    s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout),
                       use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
     p, alpha, m_i, l_i = _fold_scores(s, q_pos, gl.load(blocks) * BLOCK, m_i, l_i, qk_scale, BLOCK, cols_s)
@@ -117,7 +126,7 @@ def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_sm
             k = t - 1
             mbarrier.wait(turn_mine, (k & 1) ^ (1 if FIRST else 0), pred=k < paired)
         # Tile t's scores, then tile t-1's PV product, both in flight.
-        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)),
+        s = warpgroup_mma(q_op, k_smem.index(slot).permute((1, 0)),
                           gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout), use_acc=False, is_async=True)
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         if PINGPONG:
@@ -148,7 +157,8 @@ def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_sm
 
 @gluon.jit
 def _slash_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, HQ, GROUP, N, NQB, MAX_S, qk_scale,
-                            HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+                            HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                            Q_IN_REGS: gl.constexpr):
     """One 4-warp program per (query block, batch x query head): it loads and computes."""
     gl.static_assert(STAGES >= 2, "a slot is refilled once its PV product retires: 2 slots or more")
     pid_m = gl.program_id(0)
@@ -177,7 +187,7 @@ def _slash_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, H
         _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i, kv_row0 + j * BLOCK, i < n_tiles)
     _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, ready, ready, q_bar, blocks,
                        n_tiles, kv_row0, q_row, pid_m, pid_bh * N, qk_scale, q_bar, q_bar, 0, HEAD_DIM, BLOCK, STAGES,
-                       True, False, True)
+                       True, False, True, Q_IN_REGS)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(q_bar)
@@ -203,7 +213,7 @@ def _producer(k_desc, v_desc, k_smem, v_smem, ready, empty, blocks, n_tiles, kv_
 @gluon.jit
 def _slash_fwd_gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, HQ, GROUP, N, NQB, MAX_S, qk_scale,
                                HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                               PINGPONG: gl.constexpr):
+                               PINGPONG: gl.constexpr, Q_IN_REGS: gl.constexpr):
     """Warp-specialised: one program per (two query blocks, batch x query head). Two consumer
     warpgroups each attend one query block (the default partition and a 4-warp worker), a 1-warp
     producer keeps both K/V rings full (gl.warp_specialize); PINGPONG: the consumers take turns
@@ -252,11 +262,12 @@ def _slash_fwd_gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx
     gl.warp_specialize([
         (_attend_query_tile, (q_desc, k_desc, v_desc, o_desc, Lse, q_smem0, k_smem0, v_smem0, ready0, empty0,
                               q_bars.index(0), blocks0, n0, kv_row0, q_row0, q_blk0, lse_row, qk_scale,
-                              turns.index(0), turns.index(1), paired, HEAD_DIM, BLOCK, STAGES, False, PINGPONG, True)),
+                              turns.index(0), turns.index(1), paired, HEAD_DIM, BLOCK, STAGES, False, PINGPONG, True,
+                              Q_IN_REGS)),
         (_attend_query_tile, (q_desc, k_desc, v_desc, o_desc, Lse, q_smem1, k_smem1, v_smem1, ready1, empty1,
                               q_bars.index(1), blocks1, n1, kv_row0, q_row0 + BLOCK, q_blk0 + 1, lse_row, qk_scale,
                               turns.index(1), turns.index(0), paired, HEAD_DIM, BLOCK, STAGES, False, PINGPONG,
-                              False)),
+                              False, Q_IN_REGS)),
         (_producer, (k_desc, v_desc, (k_smem0, k_smem1), (v_smem0, v_smem1), (ready0, ready1), (empty0, empty1),
                      (blocks0, blocks1), (n0, n1), kv_row0, BLOCK, STAGES)),
     ], [4, 1], [168, 24])
@@ -272,6 +283,7 @@ class GluonVariant(harness.Variant):
     warp_specialized: bool = False  # two consumer warpgroups and a producer warp per program
     maxnreg: Optional[int] = None   # registers per thread the warp-specialised kernel divides
     pingpong: bool = False          # the two consumers take turns to issue their products
+    q_in_regs: bool = False         # the scores' Q operand from registers (else shared memory)
 
 
 def gluon_kernel(var: GluonVariant):
@@ -288,6 +300,7 @@ def launch_gluon(var: GluonVariant, q, k, v, plan, out, lse, scale):
     if (n // B) % query_blocks_per_program:
         raise ValueError(f"{n // B} query blocks do not pair up for the warp-specialised kernel")
     options = {"maxnreg": var.maxnreg} if var.maxnreg else {}
+    options["Q_IN_REGS"] = var.q_in_regs
     if var.warp_specialized:
         options["PINGPONG"] = var.pingpong
     return gluon_kernel(var)[(n // B // query_blocks_per_program, b * hq)](
@@ -305,6 +318,7 @@ GLUON_VARIANTS: Dict[str, GluonVariant] = {
                             warp_specialized=True, maxnreg=168),
     "g_pp_s3": GluonVariant("Gluon, warp-specialised as g_ws_s3, the consumers ping-pong (take turns to issue "
                             "their products)", num_stages=3, warp_specialized=True, maxnreg=168, pingpong=True),
+    "g_s3_qreg": GluonVariant("Gluon: as g_s3 with Q in registers for the scores", num_stages=3, q_in_regs=True),
 }
 
 
@@ -343,8 +357,8 @@ def compile_sm90(names, head_dim: int = 128, block: int = 64) -> Dict:
     for name in names:
         var = GLUON_VARIANTS[name]
         entry = out[name] = {}
-        constexprs = {"HEAD_DIM": head_dim, "BLOCK": block, "STAGES": var.num_stages}
-        kernel_sig = dict(sig)
+        constexprs = {"HEAD_DIM": head_dim, "BLOCK": block, "STAGES": var.num_stages, "Q_IN_REGS": var.q_in_regs}
+        kernel_sig = dict(sig, Q_IN_REGS="constexpr")
         if var.warp_specialized:
             constexprs["PINGPONG"] = var.pingpong
             kernel_sig["PINGPONG"] = "constexpr"

@@ -22,7 +22,7 @@ def test_gluon_variants_compile_for_sm90a_with_two_programs_per_sm(tmp_path):
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     compiled = json.loads(out.read_text())["variants"]
-    assert set(compiled) == {"g_s2", "g_s3", "g_ws_s2", "g_ws_s3", "g_pp_s3"}
+    assert set(compiled) == {"g_s2", "g_s3", "g_ws_s2", "g_ws_s3", "g_pp_s3", "g_s3_qreg"}
     for name, entry in compiled.items():
         assert "errors" not in entry, (name, entry.get("errors"))
         assert entry["ptxas_ok"] and not entry["spills"] and not entry["wgmma_serialized"], (name, entry)
