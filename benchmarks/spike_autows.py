@@ -516,6 +516,8 @@ def parse_args(argv=None):
                    help="tiny fp32 shapes in the CPU interpreter (implied without a GPU)")
     p.add_argument("--compile-sm90", action="store_true",
                    help="only cross-compile the spike variants for sm_90 (no GPU needed); report ttg.warp_specialize")
+    p.add_argument("--block", type=int, choices=(64, 128),
+                   help="index block size: the fixed index and the plan are built at it (default 64)")
     for name in ("heads", "kv_heads", "head_dim", "warmup", "reps", "input_sets"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int)
     for name in ("density", "check_density", "variant_timeout"):
@@ -531,6 +533,8 @@ def make_config(args, device) -> Config:
         raise SystemExit(f"spike_autows.py: unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     values = dict(SMOKE_DEFAULTS if smoke else GPU_DEFAULTS)
     values.update({k: v for k, v in vars(args).items() if k in values and v is not None})
+    if getattr(args, "block", None):
+        values["block"] = args.block
     return Config(variants=names, smoke=smoke, dtype=torch.float32 if smoke else torch.bfloat16, **values)
 
 

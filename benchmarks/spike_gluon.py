@@ -73,13 +73,13 @@ def _load_tile(k_desc, v_desc, k_smem, v_smem, ready, slot, row, pred):
 
 @gluon.jit
 def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, ready, empty, q_bar, blocks,
-                       n_tiles, kv_row0, q_row, q_blk, lse_row, qk_scale, turn_mine, turn_other, paired,
-                       HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                       n_tiles, kv_row0, q_row, q_first, lse_row, qk_scale, turn_mine, turn_other, paired,
+                       HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        SELF_LOAD: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr,
                        Q_IN_REGS: gl.constexpr):
-    """One 64-row query tile on one warpgroup: its slash key blocks (``blocks[:n_tiles]``, K/V in
-    the ``STAGES`` slots of ``k_smem``/``v_smem``, each slot's arrival on ``ready``), then out and
-    lse. SELF_LOAD: this warpgroup also refills a slot once its PV product retires; else it
+    """One 64-row query tile (BLOCK_M rows from position ``q_first``) on one warpgroup: its slash
+    key blocks (``blocks[:n_tiles]``, BLOCK_N keys each, K/V in the ``STAGES`` slots of
+    ``k_smem``/``v_smem``, each slot's arrival on ``ready``), then out and lse. SELF_LOAD: this warpgroup also refills a slot once its PV product retires; else it
     arrives on ``empty`` and a producer warp refills it.
 
     PINGPONG (two consumer warpgroups, FA3's schedule): the two take turns to issue their wgmma
@@ -91,9 +91,9 @@ def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_sm
     Q_IN_REGS: the scores' A operand (Q) comes from registers, loaded once: a 64x64 score tile
     with both operands in shared memory reads ~32 FLOP per byte, about the tensor cores' rate
     against 128 B/clock of shared memory; from registers only K is read (64 FLOP/byte)."""
-    # One warpgroup: the m64 wgmma atom over 4 warps, scores [BLOCK, BLOCK], output [BLOCK, HEAD_DIM].
+    # One warpgroup: the m64 wgmma atom over 4 warps, scores [BLOCK_M, BLOCK_N], output [BLOCK_M, HEAD_DIM].
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK, 16])
+                                                       instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -101,9 +101,9 @@ def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_sm
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
-    q_pos = q_blk * BLOCK + gl.arange(0, BLOCK, layout=rows_s)
-    m_i = gl.full([BLOCK], float("-inf"), gl.float32, layout=rows_s)
-    l_i = gl.zeros([BLOCK], gl.float32, layout=rows_s)
+    q_pos = q_first + gl.arange(0, BLOCK_M, layout=rows_s)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=rows_s)
 
     # Tile 0's scores and softmax (alpha is 0 there: the empty accumulator stays 0).
     mbarrier.wait(q_bar, 0)
@@ -112,12 +112,12 @@ def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_sm
     else:
         q_op = q_smem
     mbarrier.wait(ready.index(0), 0)
-    s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout),
+    s = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout),
                       use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    p, alpha, m_i, l_i = _fold_scores(s, q_pos, gl.load(blocks) * BLOCK, m_i, l_i, qk_scale, BLOCK, cols_s)
+    p, alpha, m_i, l_i = _fold_scores(s, q_pos, gl.load(blocks) * BLOCK_N, m_i, l_i, qk_scale, BLOCK_N, cols_s)
     p_op = gl.convert_layout(p.to(q_desc.dtype), p_layout)
-    acc = gl.zeros([BLOCK, HEAD_DIM], gl.float32, layout=o_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=o_layout)
     for t in range(1, n_tiles):
         slot = t % STAGES
         prev = (t - 1) % STAGES
@@ -127,13 +127,13 @@ def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_sm
             mbarrier.wait(turn_mine, (k & 1) ^ (1 if FIRST else 0), pred=k < paired)
         # Tile t's scores, then tile t-1's PV product, both in flight.
         s = warpgroup_mma(q_op, k_smem.index(slot).permute((1, 0)),
-                          gl.zeros([BLOCK, BLOCK], gl.float32, layout=s_layout), use_acc=False, is_async=True)
+                          gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout), use_acc=False, is_async=True)
         acc = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn_other, count=1, pred=t - 1 < paired)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the scores (issued first) only
         # Tile t's softmax on this warpgroup while the tensor cores run tile t-1's PV product.
-        p, alpha, m_i, l_i = _fold_scores(s, q_pos, gl.load(blocks + t) * BLOCK, m_i, l_i, qk_scale, BLOCK, cols_s)
+        p, alpha, m_i, l_i = _fold_scores(s, q_pos, gl.load(blocks + t) * BLOCK_N, m_i, l_i, qk_scale, BLOCK_N, cols_s)
         p_op = gl.convert_layout(p.to(q_desc.dtype), p_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
@@ -141,7 +141,7 @@ def _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_sm
         if SELF_LOAD:
             refill = t - 1 + STAGES
             j_refill = gl.load(blocks + refill, mask=refill < n_tiles, other=0)
-            _load_tile(k_desc, v_desc, k_smem, v_smem, ready, prev, kv_row0 + j_refill * BLOCK, refill < n_tiles)
+            _load_tile(k_desc, v_desc, k_smem, v_smem, ready, prev, kv_row0 + j_refill * BLOCK_N, refill < n_tiles)
         else:
             mbarrier.arrive(empty.index(prev), count=1)
     acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
@@ -186,8 +186,8 @@ def _slash_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, H
         j = gl.load(blocks + i, mask=i < n_tiles, other=0)
         _load_tile(k_desc, v_desc, k_smem, v_smem, ready, i, kv_row0 + j * BLOCK, i < n_tiles)
     _attend_query_tile(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, ready, ready, q_bar, blocks,
-                       n_tiles, kv_row0, q_row, pid_m, pid_bh * N, qk_scale, q_bar, q_bar, 0, HEAD_DIM, BLOCK, STAGES,
-                       True, False, True, Q_IN_REGS)
+                       n_tiles, kv_row0, q_row, pid_m * BLOCK, pid_bh * N, qk_scale, q_bar, q_bar, 0, HEAD_DIM, BLOCK,
+                       BLOCK, STAGES, True, False, True, Q_IN_REGS)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(q_bar)
@@ -261,13 +261,13 @@ def _slash_fwd_gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx
     paired = gl.minimum(n0, n1) - 1  # loop iterations both consumers have
     gl.warp_specialize([
         (_attend_query_tile, (q_desc, k_desc, v_desc, o_desc, Lse, q_smem0, k_smem0, v_smem0, ready0, empty0,
-                              q_bars.index(0), blocks0, n0, kv_row0, q_row0, q_blk0, lse_row, qk_scale,
-                              turns.index(0), turns.index(1), paired, HEAD_DIM, BLOCK, STAGES, False, PINGPONG, True,
-                              Q_IN_REGS)),
+                              q_bars.index(0), blocks0, n0, kv_row0, q_row0, q_blk0 * BLOCK, lse_row, qk_scale,
+                              turns.index(0), turns.index(1), paired, HEAD_DIM, BLOCK, BLOCK, STAGES, False, PINGPONG,
+                              True, Q_IN_REGS)),
         (_attend_query_tile, (q_desc, k_desc, v_desc, o_desc, Lse, q_smem1, k_smem1, v_smem1, ready1, empty1,
-                              q_bars.index(1), blocks1, n1, kv_row0, q_row0 + BLOCK, q_blk0 + 1, lse_row, qk_scale,
-                              turns.index(1), turns.index(0), paired, HEAD_DIM, BLOCK, STAGES, False, PINGPONG,
-                              False, Q_IN_REGS)),
+                              q_bars.index(1), blocks1, n1, kv_row0, q_row0 + BLOCK, (q_blk0 + 1) * BLOCK, lse_row,
+                              qk_scale, turns.index(1), turns.index(0), paired, HEAD_DIM, BLOCK, BLOCK, STAGES, False,
+                              PINGPONG, False, Q_IN_REGS)),
         (_producer, (k_desc, v_desc, (k_smem0, k_smem1), (v_smem0, v_smem1), (ready0, ready1), (empty0, empty1),
                      (blocks0, blocks1), (n0, n1), kv_row0, BLOCK, STAGES)),
     ], [4, 1], [168, 24])
@@ -277,6 +277,70 @@ def tile_layout(block: int, head_dim: int):
     return gl.NVMMASharedLayout.get_default_for([block, head_dim], gl.bfloat16)
 
 
+@gluon.jit
+def _ring_producer(k_desc, v_desc, k_smem, v_smem, ready, empty, blocks, n_tiles, kv_row0, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr):
+    """The producer warp of one shared ring: every K/V tile of the list, once its slot is empty."""
+    for t in range(n_tiles):
+        slot = t % STAGES
+        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh mbarrier passes parity 1
+        _load_tile(k_desc, v_desc, k_smem, v_smem, ready, slot, kv_row0 + gl.load(blocks + t) * BLOCK_N, True)
+
+
+@gluon.jit
+def _slash_fwd_gluon_wide_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, HQ, GROUP, N, NQB, MAX_S,
+                                 qk_scale, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                                 PINGPONG: gl.constexpr, Q_IN_REGS: gl.constexpr):
+    """128-token index blocks (FA3's tile shape): one program per (query block, batch x query
+    head); two consumer warpgroups take 64 of its query rows each and share every 128-key K/V
+    tile, so each tile is read once per 128 query rows (half the bytes per pair of the 64-row
+    kernels); a producer warp fills the ring, and a slot is empty once both consumers release it."""
+    HALF: gl.constexpr = BLOCK // 2
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // HQ
+    h = pid_bh % HQ
+    kv_row0 = (b * (HQ // GROUP) + h // GROUP) * N
+    q_row0 = pid_bh * N + pid_m * BLOCK
+
+    q_smem0 = gl.allocate_shared_memory(q_desc.dtype, [HALF, HEAD_DIM], q_desc.layout)
+    q_smem1 = gl.allocate_shared_memory(q_desc.dtype, [HALF, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
+    for c in gl.static_range(2):
+        mbarrier.init(q_bars.index(c), count=1)
+        mbarrier.init(turns.index(c), count=1)
+
+    plan_row = pid_bh * NQB + pid_m
+    n_tiles = gl.load(KVCnt + plan_row)
+    blocks = KVIdx + plan_row * MAX_S
+    for c in gl.static_range(2):
+        mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bars.index(0), q_smem0)
+    tma.async_copy_global_to_shared(q_desc, [q_row0 + HALF, 0], q_bars.index(1), q_smem1)
+
+    lse_row = pid_bh * N
+    q_first = pid_m * BLOCK
+    gl.warp_specialize([
+        (_attend_query_tile, (q_desc, k_desc, v_desc, o_desc, Lse, q_smem0, k_smem, v_smem, ready, empty,
+                              q_bars.index(0), blocks, n_tiles, kv_row0, q_row0, q_first, lse_row, qk_scale,
+                              turns.index(0), turns.index(1), n_tiles - 1, HEAD_DIM, HALF, BLOCK, STAGES, False,
+                              PINGPONG, True, Q_IN_REGS)),
+        (_attend_query_tile, (q_desc, k_desc, v_desc, o_desc, Lse, q_smem1, k_smem, v_smem, ready, empty,
+                              q_bars.index(1), blocks, n_tiles, kv_row0, q_row0 + HALF, q_first + HALF, lse_row,
+                              qk_scale, turns.index(1), turns.index(0), n_tiles - 1, HEAD_DIM, HALF, BLOCK, STAGES,
+                              False, PINGPONG, False, Q_IN_REGS)),
+        (_ring_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, blocks, n_tiles, kv_row0, BLOCK, STAGES)),
+    ], [4, 1], [232, 24])
+
+
 @dataclasses.dataclass(frozen=True)
 class GluonVariant(harness.Variant):
     kernel: str = "gluon"
@@ -284,9 +348,12 @@ class GluonVariant(harness.Variant):
     maxnreg: Optional[int] = None   # registers per thread the warp-specialised kernel divides
     pingpong: bool = False          # the two consumers take turns to issue their products
     q_in_regs: bool = False         # the scores' Q operand from registers (else shared memory)
+    wide: bool = False              # 128-token index blocks: two consumers share each 128-key tile
 
 
 def gluon_kernel(var: GluonVariant):
+    if var.wide:
+        return _slash_fwd_gluon_wide_kernel
     return _slash_fwd_gluon_ws_kernel if var.warp_specialized else _slash_fwd_gluon_kernel
 
 
@@ -294,9 +361,14 @@ def launch_gluon(var: GluonVariant, q, k, v, plan, out, lse, scale):
     """The Gluon kernel on contiguous [b, h, n, d] bf16 tensors (as the harness makes them)."""
     b, hq, n, d = q.shape
     hkv, B = k.shape[1], plan.block_size
-    layout = tile_layout(B, d)
-    descs = [TensorDescriptor.from_tensor(x.view(-1, d), [B, d], layout) for x in (q, k, v, out)]
-    query_blocks_per_program = 2 if var.warp_specialized else 1
+    if (B == 128) != var.wide:
+        raise ValueError(f"variant for {'128' if var.wide else '64'}-token blocks run on a plan of {B}-token "
+                         "blocks (spike_autows.py --block)")
+    q_rows = B // 2 if var.wide else B
+    q_layout, kv_layout = tile_layout(q_rows, d), tile_layout(B, d)
+    q_desc, o_desc = (TensorDescriptor.from_tensor(x.view(-1, d), [q_rows, d], q_layout) for x in (q, out))
+    k_desc, v_desc = (TensorDescriptor.from_tensor(x.view(-1, d), [B, d], kv_layout) for x in (k, v))
+    query_blocks_per_program = 2 if var.warp_specialized and not var.wide else 1
     if (n // B) % query_blocks_per_program:
         raise ValueError(f"{n // B} query blocks do not pair up for the warp-specialised kernel")
     options = {"maxnreg": var.maxnreg} if var.maxnreg else {}
@@ -304,8 +376,9 @@ def launch_gluon(var: GluonVariant, q, k, v, plan, out, lse, scale):
     if var.warp_specialized:
         options["PINGPONG"] = var.pingpong
     return gluon_kernel(var)[(n // B // query_blocks_per_program, b * hq)](
-        *descs, lse, plan.kv_count, plan.kv_blocks, hq, hq // hkv, n, n // B, plan.kv_blocks.shape[-1],
-        scale * LOG2E, HEAD_DIM=d, BLOCK=B, STAGES=var.num_stages, num_warps=var.num_warps, **options)
+        q_desc, k_desc, v_desc, o_desc, lse, plan.kv_count, plan.kv_blocks, hq, hq // hkv, n, n // B,
+        plan.kv_blocks.shape[-1], scale * LOG2E, HEAD_DIM=d, BLOCK=B, STAGES=var.num_stages,
+        num_warps=var.num_warps, **options)
 
 
 GLUON_VARIANTS: Dict[str, GluonVariant] = {
@@ -319,6 +392,12 @@ GLUON_VARIANTS: Dict[str, GluonVariant] = {
     "g_pp_s3": GluonVariant("Gluon, warp-specialised as g_ws_s3, the consumers ping-pong (take turns to issue "
                             "their products)", num_stages=3, warp_specialized=True, maxnreg=168, pingpong=True),
     "g_s3_qreg": GluonVariant("Gluon: as g_s3 with Q in registers for the scores", num_stages=3, q_in_regs=True),
+    # --block 128 only (the fixed index and the plan at 128-token blocks)
+    "g128_s2": GluonVariant("Gluon, B = 128: two consumer warpgroups (64 query rows each) share every 128-key "
+                            "tile, producer warp, ring of 2 (160 KB)", num_stages=2, warp_specialized=True,
+                            maxnreg=168, wide=True),
+    "g128_pp_s2": GluonVariant("Gluon, B = 128 as g128_s2, the consumers ping-pong", num_stages=2,
+                               warp_specialized=True, maxnreg=168, wide=True, pingpong=True),
 }
 
 
@@ -349,16 +428,20 @@ def compile_sm90(names, head_dim: int = 128, block: int = 64) -> Dict:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    desc = f"tensordesc<bf16[{block},{head_dim}],{tile_layout(block, head_dim)!r}>"
-    sig = {"q_desc": desc, "k_desc": desc, "v_desc": desc, "o_desc": desc, "Lse": "*fp32", "KVCnt": "*i32",
-           "KVIdx": "*i32", **{p: "i32" for p in ("HQ", "GROUP", "N", "NQB", "MAX_S")}, "qk_scale": "fp32",
-           **{p: "constexpr" for p in ("HEAD_DIM", "BLOCK", "STAGES")}}
+    def desc(rows):
+        return f"tensordesc<bf16[{rows},{head_dim}],{tile_layout(rows, head_dim)!r}>"
+
+    scalars = {"Lse": "*fp32", "KVCnt": "*i32", "KVIdx": "*i32", **{p: "i32" for p in ("HQ", "GROUP", "N", "NQB", "MAX_S")},
+               "qk_scale": "fp32", **{p: "constexpr" for p in ("HEAD_DIM", "BLOCK", "STAGES")}}
     out: Dict = {}
     for name in names:
         var = GLUON_VARIANTS[name]
         entry = out[name] = {}
-        constexprs = {"HEAD_DIM": head_dim, "BLOCK": block, "STAGES": var.num_stages, "Q_IN_REGS": var.q_in_regs}
-        kernel_sig = dict(sig, Q_IN_REGS="constexpr")
+        kv_rows = 128 if var.wide else block
+        q_rows = kv_rows // 2 if var.wide else kv_rows
+        constexprs = {"HEAD_DIM": head_dim, "BLOCK": kv_rows, "STAGES": var.num_stages, "Q_IN_REGS": var.q_in_regs}
+        kernel_sig = {"q_desc": desc(q_rows), "k_desc": desc(kv_rows), "v_desc": desc(kv_rows),
+                      "o_desc": desc(q_rows), **scalars, "Q_IN_REGS": "constexpr"}
         if var.warp_specialized:
             constexprs["PINGPONG"] = var.pingpong
             kernel_sig["PINGPONG"] = "constexpr"
