@@ -37,7 +37,8 @@ from typing import Dict, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import spike_autows as harness  # noqa: E402  (sets TRITON_INTERPRET on a GPU-less run; --compile-sm90 keeps it off)
+import spike_autows as harness  # noqa: E402
+import torch  # noqa: E402  (sets TRITON_INTERPRET on a GPU-less run; --compile-sm90 keeps it off)
 import triton  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
@@ -288,23 +289,37 @@ def _ring_producer(k_desc, v_desc, k_smem, v_smem, ready, empty, blocks, n_tiles
 
 
 @gluon.jit
-def _slash_fwd_gluon_wide_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, HQ, GROUP, N, NQB, MAX_S,
-                                 qk_scale, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                                 PINGPONG: gl.constexpr, Q_IN_REGS: gl.constexpr):
-    """128-token index blocks (FA3's tile shape): one program per (query block, batch x query
-    head); two consumer warpgroups take 64 of its query rows each and share every 128-key K/V
-    tile, so each tile is read once per 128 query rows (half the bytes per pair of the 64-row
-    kernels); a producer warp fills the ring, and a slot is empty once both consumers release it."""
-    HALF: gl.constexpr = BLOCK // 2
-    pid_m = gl.program_id(0)
-    pid_bh = gl.program_id(1)
-    b = pid_bh // HQ
-    h = pid_bh % HQ
-    kv_row0 = (b * (HQ // GROUP) + h // GROUP) * N
-    q_row0 = pid_bh * N + pid_m * BLOCK
+def _slash_fwd_gluon_shared_kv_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, HQ, GROUP, N, NQB, MAX_S,
+                                      qk_scale, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                                      PINGPONG: gl.constexpr, Q_IN_REGS: gl.constexpr, SHARE_HEADS: gl.constexpr):
+    """Two consumer warpgroups share every K/V tile of one key-block list, so each tile is read
+    once for 128 query rows (half the bytes per pair of the 64-row kernels); a producer warp fills
+    the ring, and a slot is empty once both consumers release it.
 
-    q_smem0 = gl.allocate_shared_memory(q_desc.dtype, [HALF, HEAD_DIM], q_desc.layout)
-    q_smem1 = gl.allocate_shared_memory(q_desc.dtype, [HALF, HEAD_DIM], q_desc.layout)
+    SHARE_HEADS False (128-token index blocks, FA3's tile shape): one program per (query block,
+    batch x query head); the consumers take 64 of its query rows each. SHARE_HEADS True (64-token
+    blocks): one program per (query block, two query heads of one GQA group); each consumer takes
+    one head. Valid only where the two heads' key-block lists are equal (the fixed index; the host
+    checks): an upper bound for sharing K/V across heads."""
+    ROWS: gl.constexpr = BLOCK if SHARE_HEADS else BLOCK // 2
+    pid_m = gl.program_id(0)
+    if SHARE_HEADS:
+        bh0 = 2 * gl.program_id(1)
+        bh1 = bh0 + 1
+        first1 = pid_m * BLOCK
+    else:
+        bh0 = gl.program_id(1)
+        bh1 = bh0
+        first1 = pid_m * BLOCK + ROWS
+    b = bh0 // HQ
+    h = bh0 % HQ
+    kv_row0 = (b * (HQ // GROUP) + h // GROUP) * N
+    first0 = pid_m * BLOCK
+    q_row0 = bh0 * N + first0
+    q_row1 = bh1 * N + first1
+
+    q_smem0 = gl.allocate_shared_memory(q_desc.dtype, [ROWS, HEAD_DIM], q_desc.layout)
+    q_smem1 = gl.allocate_shared_memory(q_desc.dtype, [ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -318,25 +333,23 @@ def _slash_fwd_gluon_wide_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVI
         mbarrier.init(q_bars.index(c), count=1)
         mbarrier.init(turns.index(c), count=1)
 
-    plan_row = pid_bh * NQB + pid_m
+    plan_row = bh0 * NQB + pid_m
     n_tiles = gl.load(KVCnt + plan_row)
     blocks = KVIdx + plan_row * MAX_S
     for c in gl.static_range(2):
         mbarrier.expect(q_bars.index(c), q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row0, 0], q_bars.index(0), q_smem0)
-    tma.async_copy_global_to_shared(q_desc, [q_row0 + HALF, 0], q_bars.index(1), q_smem1)
+    tma.async_copy_global_to_shared(q_desc, [q_row1, 0], q_bars.index(1), q_smem1)
 
-    lse_row = pid_bh * N
-    q_first = pid_m * BLOCK
     gl.warp_specialize([
         (_attend_query_tile, (q_desc, k_desc, v_desc, o_desc, Lse, q_smem0, k_smem, v_smem, ready, empty,
-                              q_bars.index(0), blocks, n_tiles, kv_row0, q_row0, q_first, lse_row, qk_scale,
-                              turns.index(0), turns.index(1), n_tiles - 1, HEAD_DIM, HALF, BLOCK, STAGES, False,
+                              q_bars.index(0), blocks, n_tiles, kv_row0, q_row0, first0, bh0 * N, qk_scale,
+                              turns.index(0), turns.index(1), n_tiles - 1, HEAD_DIM, ROWS, BLOCK, STAGES, False,
                               PINGPONG, True, Q_IN_REGS)),
         (_attend_query_tile, (q_desc, k_desc, v_desc, o_desc, Lse, q_smem1, k_smem, v_smem, ready, empty,
-                              q_bars.index(1), blocks, n_tiles, kv_row0, q_row0 + HALF, q_first + HALF, lse_row,
-                              qk_scale, turns.index(1), turns.index(0), n_tiles - 1, HEAD_DIM, HALF, BLOCK, STAGES,
-                              False, PINGPONG, False, Q_IN_REGS)),
+                              q_bars.index(1), blocks, n_tiles, kv_row0, q_row1, first1, bh1 * N, qk_scale,
+                              turns.index(1), turns.index(0), n_tiles - 1, HEAD_DIM, ROWS, BLOCK, STAGES, False,
+                              PINGPONG, False, Q_IN_REGS)),
         (_ring_producer, (k_desc, v_desc, k_smem, v_smem, ready, empty, blocks, n_tiles, kv_row0, BLOCK, STAGES)),
     ], [4, 1], [232, 24])
 
@@ -349,11 +362,12 @@ class GluonVariant(harness.Variant):
     pingpong: bool = False          # the two consumers take turns to issue their products
     q_in_regs: bool = False         # the scores' Q operand from registers (else shared memory)
     wide: bool = False              # 128-token index blocks: two consumers share each 128-key tile
+    share_heads: bool = False       # 64-token blocks: two GQA heads (equal lists) share each K/V tile
 
 
 def gluon_kernel(var: GluonVariant):
-    if var.wide:
-        return _slash_fwd_gluon_wide_kernel
+    if var.wide or var.share_heads:
+        return _slash_fwd_gluon_shared_kv_kernel
     return _slash_fwd_gluon_ws_kernel if var.warp_specialized else _slash_fwd_gluon_kernel
 
 
@@ -364,18 +378,30 @@ def launch_gluon(var: GluonVariant, q, k, v, plan, out, lse, scale):
     if (B == 128) != var.wide:
         raise ValueError(f"variant for {'128' if var.wide else '64'}-token blocks run on a plan of {B}-token "
                          "blocks (spike_autows.py --block)")
+    if var.share_heads:
+        rows = plan.kv_count.reshape(b, hq, -1)
+        lists = plan.kv_blocks.reshape(b, hq, rows.shape[-1], -1)
+        if (hq // hkv) % 2 or not (torch.equal(rows[:, 0::2], rows[:, 1::2])
+                                   and torch.equal(lists[:, 0::2], lists[:, 1::2])):
+            raise ValueError("share_heads needs head pairs of one GQA group with equal key-block lists")
     q_rows = B // 2 if var.wide else B
     q_layout, kv_layout = tile_layout(q_rows, d), tile_layout(B, d)
     q_desc, o_desc = (TensorDescriptor.from_tensor(x.view(-1, d), [q_rows, d], q_layout) for x in (q, out))
     k_desc, v_desc = (TensorDescriptor.from_tensor(x.view(-1, d), [B, d], kv_layout) for x in (k, v))
-    query_blocks_per_program = 2 if var.warp_specialized and not var.wide else 1
-    if (n // B) % query_blocks_per_program:
-        raise ValueError(f"{n // B} query blocks do not pair up for the warp-specialised kernel")
     options = {"maxnreg": var.maxnreg} if var.maxnreg else {}
     options["Q_IN_REGS"] = var.q_in_regs
     if var.warp_specialized:
         options["PINGPONG"] = var.pingpong
-    return gluon_kernel(var)[(n // B // query_blocks_per_program, b * hq)](
+    if var.wide or var.share_heads:
+        options["SHARE_HEADS"] = var.share_heads
+        grid = (n // B, b * hq // (2 if var.share_heads else 1))
+    elif var.warp_specialized:  # two query blocks per program
+        if (n // B) % 2:
+            raise ValueError(f"{n // B} query blocks do not pair up for the warp-specialised kernel")
+        grid = (n // B // 2, b * hq)
+    else:
+        grid = (n // B, b * hq)
+    return gluon_kernel(var)[grid](
         q_desc, k_desc, v_desc, o_desc, lse, plan.kv_count, plan.kv_blocks, hq, hq // hkv, n, n // B,
         plan.kv_blocks.shape[-1], scale * LOG2E, HEAD_DIM=d, BLOCK=B, STAGES=var.num_stages,
         num_warps=var.num_warps, **options)
@@ -398,6 +424,12 @@ GLUON_VARIANTS: Dict[str, GluonVariant] = {
                             maxnreg=168, wide=True),
     "g128_pp_s2": GluonVariant("Gluon, B = 128 as g128_s2, the consumers ping-pong", num_stages=2,
                                warp_specialized=True, maxnreg=168, wide=True, pingpong=True),
+    "g128_pp_s3": GluonVariant("Gluon, B = 128 as g128_pp_s2 with a ring of 3 (224 KB)", num_stages=3,
+                               warp_specialized=True, maxnreg=168, wide=True, pingpong=True),
+    # --block 64, the fixed index only (equal lists within a GQA group): the bound for sharing K/V across heads
+    "g_heads_pp_s3": GluonVariant("Gluon, B = 64: two query heads of one GQA group share every K/V tile "
+                                  "(ping-pong consumers, producer warp, ring of 3)", num_stages=3,
+                                  warp_specialized=True, maxnreg=168, pingpong=True, share_heads=True),
 }
 
 
@@ -445,6 +477,9 @@ def compile_sm90(names, head_dim: int = 128, block: int = 64) -> Dict:
         if var.warp_specialized:
             constexprs["PINGPONG"] = var.pingpong
             kernel_sig["PINGPONG"] = "constexpr"
+        if var.wide or var.share_heads:
+            constexprs["SHARE_HEADS"] = var.share_heads
+            kernel_sig["SHARE_HEADS"] = "constexpr"
         src = GluonASTSource(gluon_kernel(var), kernel_sig, constexprs)
         options = {"num_warps": var.num_warps, **({"maxnreg": var.maxnreg} if var.maxnreg else {})}
         kernel = harness.attempt(entry, "compile", lambda: triton.compile(src, target=GPUTarget("cuda", 90, 32),

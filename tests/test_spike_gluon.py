@@ -22,11 +22,12 @@ def test_gluon_variants_compile_for_sm90a_with_two_programs_per_sm(tmp_path):
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     compiled = json.loads(out.read_text())["variants"]
-    assert set(compiled) == {"g_s2", "g_s3", "g_ws_s2", "g_ws_s3", "g_pp_s3", "g_s3_qreg", "g128_s2", "g128_pp_s2"}
+    assert set(compiled) == {"g_s2", "g_s3", "g_ws_s2", "g_ws_s3", "g_pp_s3", "g_s3_qreg", "g128_s2", "g128_pp_s2",
+                             "g128_pp_s3", "g_heads_pp_s3"}
     for name, entry in compiled.items():
         assert "errors" not in entry, (name, entry.get("errors"))
         assert entry["ptxas_ok"] and not entry["spills"] and not entry["wgmma_serialized"], (name, entry)
-        if name.startswith(("g_ws", "g_pp", "g128")):  # two consumer warpgroups + a producer warp, one program per SM
+        if name.startswith(("g_ws", "g_pp", "g128", "g_heads")):  # two consumer warpgroups + a producer warp, one program per SM
             assert entry["num_warps"] == 12 and entry["shared_bytes"] <= 227 * 1024, entry
             # B = 64: per consumer 8 + 4 wgmma per tile, in 2 places; B = 128: 8 + 8
             assert entry["wgmma"] == (64 if name.startswith("g128") else 48), entry
