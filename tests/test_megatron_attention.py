@@ -252,6 +252,33 @@ def test_dense_layers_run_the_dense_kernels_unless_deterministic():
     set_mtraining_config(MTrainingConfig(), dense_layers=0)
 
 
+@pytest.mark.parametrize("bound,dense_kernels", [(128, True), (127, False), (0, False)])
+def test_short_sequences_run_the_dense_kernels_unless_deterministic(monkeypatch, bound, dense_kernels):
+    """--mtraining-dense-max-seq-length: a sequence of at most that many tokens is a dense layer
+    (the dense kernels when the backward need not be deterministic, exact causal attention)."""
+    import megatron_mtraining.integration.attention as mt_attention
+
+    set_mtraining_config(MTrainingConfig(index="vs", deterministic=False, dense_max_seq_length=bound))
+    attn = make_attention()
+    q, k, v = qkv()  # [s, b, heads, d], 128 tokens
+    q_bhsd = q.permute(1, 2, 0, 3)  # as the forward asks it
+    assert attn.uses_dense_kernels(None, q_bhsd) is dense_kernels
+    set_mtraining_config(MTrainingConfig(index="vs", deterministic=True, dense_max_seq_length=bound))
+    assert not make_attention().uses_dense_kernels(None, q_bhsd)
+    set_mtraining_config(MTrainingConfig(index="vs", deterministic=False, dense_max_seq_length=bound))
+    calls = []
+    sparse = mt_attention.sparse_attention
+    monkeypatch.setattr(mt_attention, "sparse_attention", lambda *a, **kw: calls.append(1) or sparse(*a, **kw))
+    out = attn(q, k, v, None)
+    assert calls == ([] if dense_kernels else [1])
+    if dense_kernels:
+        qb, kb, vb = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qb, kb.repeat_interleave(2, dim=1), vb.repeat_interleave(2, dim=1), is_causal=True)
+        assert rel_err(out, ref.permute(2, 0, 1, 3).reshape(128, 1, 64)) < 1e-5
+    set_mtraining_config(MTrainingConfig())
+
+
 @pytest.mark.parametrize("layout", ["striped", "zigzag"])
 def test_dense_kernels_over_cp_only_on_the_zigzag_ring(layout):
     """Over CP the dense kernels need the zigzag ring (striped steps are block-causal) and, on

@@ -316,9 +316,12 @@ class MTrainingAttention(MegatronModule):
         its fp32 steps would materialise the scores; the striped ring's steps are block-causal).
         Elsewhere the sparse kernels run the all-blocks index. Their backward is not guaranteed
         deterministic, so ``deterministic=True`` (the default) keeps the sparse kernels too.
-        Decided from this layer's own settings, not the indexer's (a custom indexer keeps none)."""
+        Decided from this layer's own settings, not the indexer's (a custom indexer keeps none).
+        A sequence of at most ``dense_max_seq_length`` tokens (over CP) is dense too. ``q`` is
+        ``[b, heads, s_local, hn]``, as the forward holds it."""
         cfg = self.mtraining_config
-        if not (self.dense or cfg.index == "dense") or cfg.deterministic:
+        short = cfg.dense_max_seq_length > 0 and q.shape[2] * _group_size(group) <= cfg.dense_max_seq_length
+        if not (self.dense or cfg.index == "dense" or short) or cfg.deterministic:
             return False
         if group is None:
             return True
