@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from typing import Dict, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import spike_autows as harness  # noqa: E402
-import torch  # noqa: E402  (sets TRITON_INTERPRET on a GPU-less run; --compile-sm90 keeps it off)
+import spike_autows as harness  # noqa: E402  (sets TRITON_INTERPRET on a GPU-less run; --compile-sm90 keeps it off)
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
@@ -61,6 +64,15 @@ def _fold_scores(s, q_pos, k_first, m_i, l_i, qk_scale, BLOCK: gl.constexpr, col
     p = gl.exp2(s * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _barriers(COUNT: gl.constexpr, N: gl.constexpr):
+    """N mbarriers, each completing a phase after COUNT arrivals."""
+    bars = gl.allocate_shared_memory(gl.int64, [N, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(N):
+        mbarrier.init(bars.index(i), count=COUNT)
+    return bars
 
 
 @gluon.jit
@@ -172,11 +184,8 @@ def _slash_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx, H
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    mbarrier.init(q_bar, count=1)
+    ready = _barriers(1, STAGES)
+    q_bar = _barriers(1, 1).index(0)
 
     plan_row = pid_bh * NQB + pid_m
     n_tiles = gl.load(KVCnt + plan_row)
@@ -231,20 +240,12 @@ def _slash_fwd_gluon_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt, KVIdx
     k_smem1 = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
     v_smem0 = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
     v_smem1 = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
-    ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready0.index(i), count=1)
-        mbarrier.init(ready1.index(i), count=1)
-        mbarrier.init(empty0.index(i), count=1)
-        mbarrier.init(empty1.index(i), count=1)
-    for c in gl.static_range(2):
-        mbarrier.init(q_bars.index(c), count=1)
-        mbarrier.init(turns.index(c), count=1)
+    ready0 = _barriers(1, STAGES)
+    ready1 = _barriers(1, STAGES)
+    empty0 = _barriers(1, STAGES)
+    empty1 = _barriers(1, STAGES)
+    q_bars = _barriers(1, 2)
+    turns = _barriers(1, 2)
 
     q_blk0 = 2 * pid_m
     rows0 = pid_bh * NQB + q_blk0
@@ -322,16 +323,10 @@ def _slash_fwd_gluon_shared_kv_kernel(q_desc, k_desc, v_desc, o_desc, Lse, KVCnt
     q_smem1 = gl.allocate_shared_memory(q_desc.dtype, [ROWS, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
-    for c in gl.static_range(2):
-        mbarrier.init(q_bars.index(c), count=1)
-        mbarrier.init(turns.index(c), count=1)
+    ready = _barriers(1, STAGES)
+    empty = _barriers(2, STAGES)  # both consumers release a slot
+    q_bars = _barriers(1, 2)
+    turns = _barriers(1, 2)
 
     plan_row = bh0 * NQB + pid_m
     n_tiles = gl.load(KVCnt + plan_row)
@@ -436,9 +431,6 @@ GLUON_VARIANTS: Dict[str, GluonVariant] = {
 def ptxas_report(ptx: str) -> Dict:
     """ptxas -v on the PTX: registers, spills, and whether it serialised the wgmma groups (C7513 /
     C7514: an instruction touches the registers of a group in flight, so every wgmma waits)."""
-    import subprocess
-    import tempfile
-
     from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -448,7 +440,7 @@ def ptxas_report(ptx: str) -> Dict:
         proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
                               capture_output=True, text=True, timeout=120)
     text = proc.stdout + proc.stderr
-    regs = [int(x) for x in __import__("re").findall(r"Used (\d+) registers", text)]
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", text)]
     return {"ptxas_ok": proc.returncode == 0, "registers": max(regs) if regs else None,
             "spills": "0 bytes spill stores, 0 bytes spill loads" not in text,
             "wgmma_serialized": "C7513" in text or "C7514" in text}
