@@ -14,6 +14,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -277,6 +278,25 @@ def run_metadata(device: torch.device) -> Dict:
     }
     meta.update(git_commit())
     return meta
+
+
+def ptxas_report(ptx: str) -> Dict:
+    """ptxas -v on sm_90a PTX (no GPU needed): registers, spills, and whether it serialised the
+    wgmma groups (C7513 / C7514: an instruction touches the registers of a group in flight, so
+    every wgmma waits: a kernel that compiles and runs, only slower)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, timeout=120)
+    text = proc.stdout + proc.stderr
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", text)]
+    return {"ptxas_ok": proc.returncode == 0, "registers": max(regs) if regs else None,
+            "spills": "0 bytes spill stores, 0 bytes spill loads" not in text,
+            "wgmma_serialized": "C7513" in text or "C7514" in text}
 
 
 def tflops(flops: float, ms: Optional[float]) -> Optional[float]:

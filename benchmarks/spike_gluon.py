@@ -32,15 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from typing import Dict, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import spike_autows as harness  # noqa: E402  (sets TRITON_INTERPRET on a GPU-less run; --compile-sm90 keeps it off)
+from common import ptxas_report  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.experimental import gluon  # noqa: E402
@@ -426,24 +424,6 @@ GLUON_VARIANTS: Dict[str, GluonVariant] = {
                                   "(ping-pong consumers, producer warp, ring of 3)", num_stages=3,
                                   warp_specialized=True, maxnreg=168, pingpong=True, share_heads=True),
 }
-
-
-def ptxas_report(ptx: str) -> Dict:
-    """ptxas -v on the PTX: registers, spills, and whether it serialised the wgmma groups (C7513 /
-    C7514: an instruction touches the registers of a group in flight, so every wgmma waits)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        proc = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, timeout=120)
-    text = proc.stdout + proc.stderr
-    regs = [int(x) for x in re.findall(r"Used (\d+) registers", text)]
-    return {"ptxas_ok": proc.returncode == 0, "registers": max(regs) if regs else None,
-            "spills": "0 bytes spill stores, 0 bytes spill loads" not in text,
-            "wgmma_serialized": "C7513" in text or "C7514" in text}
 
 
 def compile_sm90(names, head_dim: int = 128, block: int = 64) -> Dict:

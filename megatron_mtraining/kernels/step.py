@@ -6,12 +6,20 @@ plan; single-device attention is the one-step case.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+
 import torch
 
 from .torch_step import vs_attention_bwd_torch, vs_attention_fwd_torch
 from .triton_fwd import interpreting
 
 BACKENDS = ("auto", "triton", "torch")
+# The forward on the "triton" backend: the Hopper kernel (kernels/hopper_fwd.py) where it covers
+# the call, else the Triton kernel. MTRAINING_FORWARD_KERNEL=triton or =hopper forces one.
+FORWARD_KERNELS = ("auto", "triton", "hopper")
+FORWARD_KERNEL_ENV = "MTRAINING_FORWARD_KERNEL"
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -26,9 +34,46 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+@functools.lru_cache(maxsize=None)
+def hopper_device_reason(device: torch.device) -> str:
+    """Why the Hopper forward cannot run on ``device`` ('' when it can): it needs an sm_90 GPU
+    (H100, H200, GH200, H20) and Triton's Gluon dialect (Triton >= 3.5)."""
+    if device.type != "cuda" or interpreting():
+        return f"not a CUDA device ({device}{', TRITON_INTERPRET=1' if interpreting() else ''})"
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        return f"compute capability {capability[0]}.{capability[1]} (sm_90 only)"
+    try:
+        have_gluon = importlib.util.find_spec("triton.experimental.gluon.language.nvidia.hopper") is not None
+    except ModuleNotFoundError:
+        have_gluon = False
+    return "" if have_gluon else "this Triton has no Gluon (triton.experimental.gluon)"
+
+
+def forward_kernel(q, k, v, plan, out) -> str:
+    """The forward that runs this step on the "triton" backend: "hopper" or "triton"."""
+    choice = os.environ.get(FORWARD_KERNEL_ENV, "auto") or "auto"
+    if choice not in FORWARD_KERNELS:
+        raise ValueError(f"{FORWARD_KERNEL_ENV} must be one of {FORWARD_KERNELS}, got {choice!r}")
+    if choice == "triton":
+        return "triton"
+    reason = hopper_device_reason(q.device)
+    if not reason:
+        from .hopper_fwd import unsupported_reason
+        reason = unsupported_reason(q, k, v, plan, out)
+    if not reason:
+        return "hopper"
+    if choice == "hopper":
+        raise ValueError(f"{FORWARD_KERNEL_ENV}=hopper, but the Hopper forward cannot run this call: {reason}")
+    return "triton"
+
+
 def step_forward(backend: str, q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool) -> None:
     """Write (or merge, with ``accumulate``) this step's attention into ``out`` and fp32 ``lse``."""
-    if backend == "triton":
+    if backend == "triton" and forward_kernel(q, k, v, plan, out) == "hopper":
+        from .hopper_fwd import vs_attention_fwd_hopper
+        vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale, accumulate)
+    elif backend == "triton":
         from .triton_fwd import vs_attention_fwd_triton
         vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale, accumulate)
     else:

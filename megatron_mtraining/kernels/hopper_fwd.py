@@ -1,0 +1,327 @@
+"""Hopper (sm_90) forward of vertical-slash attention, in Gluon: the Triton forward's function,
+plan and interface (``vs_attention_fwd_triton``), with the tensor cores kept busy.
+
+Why a second kernel (benchmarks/NOTES.md, issue 17, spikes M1 and M10): Triton's forward runs
+QK^T -> softmax -> PV one after the other in its single warpgroup, so the tensor cores idle while
+exp2 runs. Here one warpgroup issues S_t = Q K_t^T and O += P_{t-1} V_{t-1} as two asynchronous
+wgmma groups, waits for the scores only, and runs tile t's softmax while the tensor cores run
+tile t-1's PV product (FA3's intra-warpgroup pipelining); K/V tiles stream into a ring of
+STAGES shared-memory slots two tiles ahead. Spike M10 measured this on the slash loop at 1.09-1.16x
+Triton's rate, bit for bit the same result.
+
+One 4-warp program per (64 query rows, batch x query head). Its tiles are 64 keys each: first
+the slash key blocks of its query block (``BLOCK // 64`` tiles per block), then the plan's columns
+in 64-column slots. Every tile is one copy of 64 K rows and 64 V rows by ``cp.async``, from row
+indices: a slash tile's are consecutive, a column tile's are gathered (TMA cannot gather on
+sm_90), so strided views (Megatron's [s, b, h, d]) and columns take the same path. Every tile goes
+through one exact, branch-free mask: causal (and, with documents, same-document) by position, and
+for column tiles the step's column word (live: not read through a selected slash block). Rows
+with no key yet keep m = -inf and contribute nothing, so empty lists, ring steps and document
+edges need no special case.
+
+Covered: sm_90 GPUs, bf16/fp16, head_dim 64 or 128, index blocks of 64 or 128 tokens, the merge
+mode of ring attention. Everything else runs the Triton forward (``step.forward_kernel`` decides).
+Gluon has no CPU interpreter: on the CPU this kernel is cross-compiled for sm_90a in the tests
+(no spills, no serialised wgmma); its numbers are tested on the GPU against the reference and the
+Triton forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from .triton_fwd import LOG2E, column_arguments, document_arguments, int64_offsets, plan_tensors
+
+TILE = gl.constexpr(64)  # query rows per program (one warpgroup's m64 wgmma) and keys per tile
+STAGES = 3  # K/V ring slots: 16 KB (Q) + 3 x 32 KB = 112 KB, two programs per SM
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+@gluon.jit
+def _wide(x, INT64: gl.constexpr):
+    """``x`` in int64 when element offsets can pass 2^31 (``int64_offsets``)."""
+    if INT64:
+        x = x.to(gl.int64)
+    return x
+
+
+@gluon.jit
+def _tile_rows(u, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK: gl.constexpr,
+               INT64: gl.constexpr, rows_layout: gl.constexpr):
+    """Local key rows of tile ``u`` (anything past the list: never copied). Loaded a while before
+    the copy is issued, so that the gather's latency hides behind the tile in flight."""
+    offs = gl.arange(0, TILE, layout=rows_layout)
+    j = gl.load(KVIdx + list_row + u // (BLOCK // TILE), mask=u < n_slash, other=0)
+    c = c_begin + (u - n_slash) * TILE + offs
+    # Column slots past the limit gather row 0; their bit in the column word is never read.
+    col_rows = gl.load(Cols + col_row + c, mask=(u >= n_slash) & (u < n_tiles) & (c < n_cols), other=0)
+    return _wide(gl.where(u >= n_slash, col_rows, j * BLOCK + (u % (BLOCK // TILE)) * TILE + offs), INT64)
+
+
+@gluon.jit
+def _issue_tile(u, n_tiles, rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM: gl.constexpr,
+                STAGES: gl.constexpr, copy_layout: gl.constexpr):
+    """Start copying tile ``u``'s K and V rows into slot ``u % STAGES`` and close one cp.async group
+    (an empty one past the list, so that the group count stays one per tile)."""
+    if u < n_tiles:
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy_layout))[None, :]
+        slot = u % STAGES
+        async_copy.async_copy_global_to_shared(k_smem.index(slot), k_base + rows[:, None] * stride_kn + offs_d)
+        async_copy.async_copy_global_to_shared(v_smem.index(slot), v_base + rows[:, None] * stride_vn + offs_d)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _tile_scalars(t, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c_begin, BLOCK: gl.constexpr,
+                  HAS_COLS: gl.constexpr):
+    """What tile ``t``'s mask needs, as scalars: (position of its first key if a slash tile, its
+    column word if a column tile). Loaded one tile ahead: the two loads depend on each other."""
+    j = gl.load(KVIdx + list_row + t // (BLOCK // TILE), mask=t < n_slash, other=0)
+    k_first = gl.load(KBlk + j) * BLOCK + (t % (BLOCK // TILE)) * TILE
+    if HAS_COLS:
+        word = gl.load(Words + word_row + (c_begin + (t - n_slash) * TILE) // 64,
+                       mask=(t >= n_slash) & (t < n_tiles), other=0)
+    else:
+        word = gl.to_tensor(0).to(gl.int64)
+    return k_first, word
+
+
+@gluon.jit
+def _fold_tile(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag, m_i, l_i, qk_scale, ColPos,
+               col_row, c_begin, n_cols, BLOCK: gl.constexpr, DOCS: gl.constexpr, HAS_COLS: gl.constexpr,
+               cols_layout: gl.constexpr):
+    """Mask tile ``t``'s raw scores ``s`` and fold them into the online softmax (base 2):
+    (p, alpha, m, l). Masks only where needed, as the Triton forward: a slash tile by position on
+    the diagonal (and, with documents, where it starts before the block's last document); a column
+    tile by its column word, and by position only where ``diag`` (column_words.py) says so. The
+    scale (> 0) goes inside exp2's argument."""
+    offs = gl.arange(0, TILE, layout=cols_layout)
+    if t < n_slash:
+        needs = k_first + TILE > q_first
+        if DOCS:
+            needs = needs | (k_first < doc_mask_below)
+        if needs:
+            k_pos = k_first + offs
+            keep = k_pos[None, :] <= q_pos[:, None]
+            if DOCS:
+                keep = keep & (k_pos[None, :] >= q_doc[:, None])
+            s = gl.where(keep, s, float("-inf"))
+    else:
+        if HAS_COLS:
+            c0 = c_begin + (t - n_slash) * TILE  # a multiple of 64: the tile is one column word
+            live = (((word >> offs.to(gl.int64)) & 1) != 0) & (c0 + offs < n_cols)
+            s = gl.where(live[None, :], s, float("-inf"))
+            if diag:
+                c_pos = gl.load(ColPos + col_row + c0 + offs, mask=c0 + offs < n_cols, other=0).to(gl.int32)
+                keep = c_pos[None, :] <= q_pos[:, None]
+                if DOCS:
+                    keep = keep & (c_pos[None, :] >= q_doc[:, None])
+                s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay exact zeros
+    p = gl.exp2(s * qk_scale - m_safe[:, None])
+    alpha = gl.exp2(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _vs_attn_fwd_sm90_kernel(
+    Q, K, V, Out, Lse,
+    QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, ColPos, Words, Diag, DocStart, DocLast, ColStart,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_lb, stride_lh,
+    qk_scale,
+    HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS,
+    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
+    INT64: gl.constexpr, DOCS: gl.constexpr, HAS_COLS: gl.constexpr, SMEM_LAYOUT: gl.constexpr,
+):
+    gl.static_assert(STAGES >= 2, "a slot is refilled once its PV product retires: 2 slots or more")
+    gl.static_assert(BLOCK % TILE == 0, "index blocks are whole 64-key tiles")
+    # cp.async: 16-byte pieces, a warp covers whole rows; wgmma: the m64 atom over 4 warps.
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, TILE, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows_c: gl.constexpr = gl.SliceLayout(1, copy_layout)
+
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = _wide(pid_bh // HQ, INT64)
+    h = _wide(pid_bh % HQ, INT64)
+    kvh = h // GROUP
+    q_local_blk = pid_m // (BLOCK // TILE)
+    q_blk = gl.load(QBlk + q_local_blk)
+    bh = _wide(pid_bh, INT64)  # times the plan's row lengths
+    plan_row = bh * NQB + q_local_blk
+    list_row = plan_row * MAX_S
+    n_slash = gl.load(KVCnt + plan_row) * (BLOCK // TILE)
+    if HAS_COLS:
+        n_cols = gl.load(ColLimit + plan_row)
+        diag = gl.load(Diag + plan_row) != 0
+        if DOCS:  # columns of earlier documents are skipped whole tiles at a time
+            c_begin = (gl.load(ColStart + plan_row) // TILE) * TILE
+        else:
+            c_begin = n_cols * 0
+        n_tiles = n_slash + (gl.maximum(n_cols - c_begin, 0) + TILE - 1) // TILE
+    else:
+        n_cols = n_slash * 0
+        diag = n_cols != 0
+        c_begin = n_cols
+        n_tiles = n_slash
+    col_row = bh * MAX_V
+    word_row = plan_row * N_WORDS
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [TILE, HEAD_DIM], SMEM_LAYOUT)
+    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, TILE, HEAD_DIM], SMEM_LAYOUT)
+    v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, TILE, HEAD_DIM], SMEM_LAYOUT)
+
+    # Q joins tile 0's copy group; every slot starts filling at once.
+    rows = pid_m * TILE + gl.arange(0, TILE, layout=rows_c)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy_layout))
+    async_copy.async_copy_global_to_shared(
+        q_smem, Q + b * stride_qb + h * stride_qh + _wide(rows, INT64)[:, None] * stride_qn + offs_d[None, :])
+    for i in gl.static_range(STAGES):
+        kv_rows = _tile_rows(i, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK, INT64,
+                             rows_c)
+        _issue_tile(i, n_tiles, kv_rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM, STAGES,
+                    copy_layout)
+
+    q_first = q_blk * BLOCK + (pid_m % (BLOCK // TILE)) * TILE
+    q_pos = q_first + gl.arange(0, TILE, layout=rows_s)
+    if DOCS:
+        q_doc = gl.load(DocStart + q_pos)
+        doc_mask_below = gl.load(DocLast + q_blk)
+    else:
+        q_doc = q_pos
+        doc_mask_below = q_blk
+    m_i = gl.full([TILE], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.zeros([TILE], gl.float32, layout=rows_s)
+    acc = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=o_layout)
+    if n_tiles > 0:
+        # Tile 0 alone (the accumulator is still empty), then per tile t: S_t and PV_{t-1} in flight.
+        k_first, word = _tile_scalars(0, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c_begin, BLOCK,
+                                      HAS_COLS)
+        async_copy.wait_group(STAGES - 1)
+        gl.thread_barrier()  # every thread's copies have landed
+        fence_async_shared()  # cp.async writes (generic proxy) before wgmma reads (async proxy)
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([TILE, TILE], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        next_first, next_word = _tile_scalars(1, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c_begin,
+                                              BLOCK, HAS_COLS)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        p, alpha, m_i, l_i = _fold_tile(s, 0, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag, m_i,
+                                        l_i, qk_scale, ColPos, col_row, c_begin, n_cols, BLOCK, DOCS, HAS_COLS,
+                                        cols_s)
+        p_op = gl.convert_layout(p.to(Q.dtype.element_ty), p_layout)
+        for t in range(1, n_tiles):
+            k_first = next_first
+            word = next_word
+            # Loads for later: the next tile's mask scalars, and the rows of the tile this
+            # iteration's end starts copying.
+            next_first, next_word = _tile_scalars(t + 1, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row,
+                                                  c_begin, BLOCK, HAS_COLS)
+            kv_rows = _tile_rows(t - 1 + STAGES, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols,
+                                 BLOCK, INT64, rows_c)
+            async_copy.wait_group(STAGES - 2)  # tile t (groups complete in order)
+            gl.thread_barrier()
+            fence_async_shared()
+            s = warpgroup_mma(q_smem, k_smem.index(t % STAGES).permute((1, 0)),
+                              gl.zeros([TILE, TILE], gl.float32, s_layout), use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_op, v_smem.index((t - 1) % STAGES), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the scores (issued first) only
+            p, alpha, m_i, l_i = _fold_tile(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag, m_i,
+                                            l_i, qk_scale, ColPos, col_row, c_begin, n_cols, BLOCK, DOCS, HAS_COLS,
+                                            cols_s)
+            p_op = gl.convert_layout(p.to(Q.dtype.element_ty), p_layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
+            # Every warp's share of PV_{t-1} has retired: tile t-1's slot takes tile t-1+STAGES.
+            gl.thread_barrier()
+            _issue_tile(t - 1 + STAGES, n_tiles, kv_rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem,
+                        HEAD_DIM, STAGES, copy_layout)
+        acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    async_copy.wait_group(0)  # no copy outlives the program
+
+    has_key = l_i > 0
+    l_safe = gl.where(has_key, l_i, 1.0)
+    lse = gl.convert_layout(gl.where(has_key, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf")), rows_c)
+    out = gl.convert_layout(acc / gl.convert_layout(l_safe, rows_o)[:, None], copy_layout)
+    o_ptrs = Out + b * stride_ob + h * stride_oh + _wide(rows, INT64)[:, None] * stride_on + offs_d[None, :]
+    l_ptrs = Lse + b * stride_lb + h * stride_lh + rows
+    if ACCUMULATE:
+        # Merge with the previous steps' partial result through log-sum-exp, in fp32.
+        old_lse = gl.load(l_ptrs)
+        old_out = gl.load(o_ptrs).to(gl.float32)
+        mx = gl.maximum(old_lse, lse)
+        mx_safe = gl.where(mx == float("-inf"), 0.0, mx)
+        w_old = gl.exp(old_lse - mx_safe)
+        w_new = gl.exp(lse - mx_safe)
+        total = w_old + w_new
+        has_any = total > 0
+        total_safe = gl.where(has_any, total, 1.0)
+        out = (old_out * w_old[:, None] + out * w_new[:, None]) / total_safe[:, None]
+        lse = gl.where(has_any, mx_safe + gl.log(total_safe), float("-inf"))
+    gl.store(o_ptrs, out.to(Out.dtype.element_ty))
+    gl.store(l_ptrs, lse)
+
+
+def shared_layout(head_dim: int, dtype: torch.dtype):
+    """The wgmma-ready (swizzled) shared-memory layout of a [64, head_dim] tile."""
+    return gl.NVMMASharedLayout.get_default_for([TILE.value, head_dim], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def unsupported_reason(q, k, v, plan, out) -> str:
+    """Why this kernel cannot run these tensors ('' when it can); the device is checked by the caller."""
+    d = q.shape[-1]
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype} (bf16 or fp16 only)"
+    if d not in HEAD_DIMS:
+        return f"head_dim {d} (64 or 128 only)"
+    if plan.block_size % TILE.value:
+        return f"block size {plan.block_size} (a multiple of 64 only)"
+    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+        # cp.async moves 16-byte pieces: rows must start on 16 bytes.
+        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(s * x.element_size() % 16 for s in x.stride()[:-1]):
+            return f"{name}'s rows are not 16-byte aligned (strides {tuple(x.stride())})"
+    return ""
+
+
+def vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool) -> None:
+    """``vs_attention_fwd_triton``'s contract on an sm_90 GPU (``unsupported_reason`` must be '')."""
+    if not softmax_scale > 0:
+        raise ValueError(f"vs_attention_fwd_hopper: softmax_scale must be positive, got {softmax_scale}")
+    b, hq, nq, d = q.shape
+    B = plan.block_size
+    cols, col_pos, words, diag, n_words = column_arguments(plan)
+    doc_start, doc_last, col_start, docs = document_arguments(plan)
+    _vs_attn_fwd_sm90_kernel[(nq // TILE.value, b * hq)](
+        q, k, v, out, lse,
+        plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos, words,
+        diag, doc_start, doc_last, col_start,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        softmax_scale * LOG2E,
+        hq, hq // k.shape[1], nq // B, plan.kv_blocks.shape[-1], plan.cols.shape[-1], n_words,
+        BLOCK=B, HEAD_DIM=d, STAGES=STAGES, ACCUMULATE=accumulate,
+        INT64=int64_offsets(q, k, v, out, lse, *plan_tensors(plan)), DOCS=docs, HAS_COLS=plan.cols.shape[-1] > 0,
+        SMEM_LAYOUT=shared_layout(d, q.dtype), num_warps=4,
+    )
