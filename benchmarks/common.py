@@ -294,8 +294,10 @@ def ptxas_report(ptx: str) -> Dict:
                               capture_output=True, text=True, timeout=120)
     text = proc.stdout + proc.stderr
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", text)]
+    spilled = [int(x) for x in re.findall(r"(\d+) bytes spill stores", text)]
     return {"ptxas_ok": proc.returncode == 0, "registers": max(regs) if regs else None,
             "spills": "0 bytes spill stores, 0 bytes spill loads" not in text,
+            "spill_bytes": max(spilled) if spilled else None,
             "wgmma_serialized": "C7513" in text or "C7514" in text}
 
 

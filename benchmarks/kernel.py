@@ -37,15 +37,16 @@ from common import (describe_index, device_slug, fixed_vs_index, json_ready, ker
 
 from megatron_mtraining import reference_attention, sparse_attention  # noqa: E402
 from megatron_mtraining.kernels import resolve_backend, single_device_plan, step_backward  # noqa: E402
-from megatron_mtraining.kernels.step import FORWARD_KERNEL_ENV, FORWARD_KERNELS, forward_kernel  # noqa: E402
+from megatron_mtraining.kernels.step import (BACKWARD_KERNEL_ENV, FORWARD_KERNEL_ENV, KERNEL_CHOICES,  # noqa: E402
+                                             backward_kernel, forward_kernel)
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FWD_BWD_FLOP_FACTOR = 3.5   # backward = 2.5x forward (dQ, dK, dV and the recomputed scores)
 CHECK_TOLERANCE = 2e-2      # relative L2 of bf16 kernels against the fp32 reference
 # Profiled kernel name -> group of the breakdown (first match wins: '_dkdv_col' before '_dkdv').
-KERNEL_GROUPS = (("_vs_attn_fwd_kernel", "fwd"), ("_vs_attn_fwd_sm90_kernel", "fwd"),
-                 ("_dkdv_col_kernel", "dkdv_col"), ("_dkdv_kernel", "dkdv_block"), ("_dq_kernel", "dq"))
+KERNEL_GROUPS = (("_vs_attn_fwd_kernel", "fwd"), ("_vs_attn_fwd_sm90_kernel", "fwd"), ("_dkdv_col_kernel", "dkdv_col"),
+                 ("_dkdv_col_sm90_kernel", "dkdv_col"), ("_dkdv_kernel", "dkdv_block"), ("_dq_kernel", "dq"))
 
 
 @dataclasses.dataclass
@@ -67,7 +68,8 @@ class Config:
     skip: Sequence[str] = ()
     smoke: bool = False
     launch: str = ""  # "fwd:WxS,bwd:WxS" num_warps x num_stages overrides ("" = the defaults)
-    forward_kernel: str = "auto"  # kernels/step.py FORWARD_KERNELS: the GPU forward (auto: Hopper's on sm_90)
+    forward_kernel: str = "auto"  # kernels/step.py KERNEL_CHOICES: the GPU forward (auto: Hopper's on sm_90)
+    backward_kernel: str = "auto"  # the same for the backward's column gradients
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,9 +179,10 @@ def bench_ours(cfg: Config, index, seq_len: int, arg_sets, device: torch.device)
     def attn(q, k, v):
         return sparse_attention(q, k, v, index, scale, backend)
 
-    if backend == "triton":  # which forward ran (step.forward_kernel: Hopper's on sm_90 unless forced)
-        q, k, v, _ = arg_sets[0]
+    if backend == "triton":  # which kernels ran (step.py: Hopper's on sm_90 unless forced)
+        q, k, v, dout = arg_sets[0]
         attempt(section, "forward_kernel", lambda: forward_kernel(q, k, v, single_device_plan(index, seq_len), q))
+        attempt(section, "backward_kernel", lambda: backward_kernel(q, k, v, dout, single_device_plan(index, seq_len)))
     measure_pair(section, attn, arg_sets, cfg, device)
     timed(section, "plan", lambda: single_device_plan(index, seq_len), [()], cfg, device)
 
@@ -445,8 +448,10 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--density", type=float, default=0.05, help="target density of the fixed index")
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"), help="our kernels")
-    p.add_argument("--forward-kernel", default=os.environ.get(FORWARD_KERNEL_ENV, "auto"), choices=FORWARD_KERNELS,
+    p.add_argument("--forward-kernel", default=os.environ.get(FORWARD_KERNEL_ENV, "auto"), choices=KERNEL_CHOICES,
                    help=f"our GPU forward (sets {FORWARD_KERNEL_ENV}; auto: the Hopper kernel on sm_90 GPUs)")
+    p.add_argument("--backward-kernel", default=os.environ.get(BACKWARD_KERNEL_ENV, "auto"), choices=KERNEL_CHOICES,
+                   help=f"our GPU column gradients (sets {BACKWARD_KERNEL_ENV}; auto: the Hopper kernel on sm_90)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--input-sets", type=int, default=3, help="input sets rotated between repetitions")
@@ -521,7 +526,7 @@ def make_config(args) -> Config:
     return Config(seq_lens=[int(s) for s in args.seq_lens.split(",")], block_size=args.block_size,
                   density=args.density, seed=args.seed, backend=args.backend, warmup=args.warmup,
                   reps=args.reps, input_sets=args.input_sets, check_len=args.check_len, skip=skip,
-                  launch=args.launch, forward_kernel=args.forward_kernel)
+                  launch=args.launch, forward_kernel=args.forward_kernel, backward_kernel=args.backward_kernel)
 
 
 def output_path(args, device: torch.device) -> str:
@@ -536,6 +541,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = make_config(args)
     os.environ[FORWARD_KERNEL_ENV] = cfg.forward_kernel
+    os.environ[BACKWARD_KERNEL_ENV] = cfg.backward_kernel
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
     from megatron_mtraining.kernels import triton_fwd
     triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(cfg.launch))

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
-# One single-GPU device call for the Hopper kernels (issue 17; an sm_90 GPU: H100 or H200).
-# STAGES (default "tests kernel ab packed"):
+# Single-GPU device calls for the Hopper kernels (issue 17; an sm_90 GPU: H100 or H200). All the
+# stages take more than one call's 10 minutes: STAGES=tests in one call, the default in another.
+# STAGES (default "kernel ab packed"):
 #   tests   the Hopper kernels' tests and the kernel tests beside them, on the GPU
 #   kernel  benchmarks/kernel.py, the default forward (the Hopper kernel on sm_90): kernel_<device>.json
-#   ab      kernel.py at 128K with MTRAINING_FORWARD_KERNEL=triton, the same call's A/B:
-#           kernelrerun_tritonfwd_<device>.json
+#   ab      kernel.py at 128K with the Triton kernels only (MTRAINING_FORWARD_KERNEL and
+#           MTRAINING_BACKWARD_KERNEL = triton), the same call's A/B: kernelrerun_triton_<device>.json
 #   packed  benchmarks/packed.py at 128K: packed_<device>.json
 # Logs and results under $OUT (gpu_common.sh).
 # shellcheck source=SCRIPTDIR/gpu_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 setup_venv || exit 1
-stage() { case " ${STAGES:-tests kernel ab packed} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+stage() { case " ${STAGES:-kernel ab packed} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if stage tests; then
-  timeout "${TEST_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_hopper_fwd.py \
+  timeout "${TEST_TIMEOUT:-540}" "$PY" -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_hopper_kernels.py \
       tests/test_gpu.py tests/test_step.py tests/test_sparse_attention.py tests/test_documents.py} \
       > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; tail -3 "$OUT/tests.log"
@@ -24,7 +25,7 @@ if stage kernel; then
 fi
 if stage ab; then
   timeout 200 "$PY" benchmarks/kernel.py --seq-lens 131072 --skip flex,check --forward-kernel triton \
-      --out "$OUT/kernelrerun_tritonfwd_$DEVICE_SLUG.json" > "$OUT/kernel_ab.log" 2>&1
+      --backward-kernel triton --out "$OUT/kernelrerun_triton_$DEVICE_SLUG.json" > "$OUT/kernel_ab.log" 2>&1
   echo "kernel ab rc=$?"; tail -4 "$OUT/kernel_ab.log"
 fi
 if stage packed; then

@@ -1,15 +1,15 @@
-"""Cross-compile the Hopper forward (``kernels/hopper_fwd.py``) for sm_90a on a machine without a
-GPU, and report what ptxas says: the CPU half of its tests (Gluon has no interpreter).
+"""Cross-compile the Hopper kernels (``kernels/hopper_fwd.py``, ``kernels/hopper_bwd.py``) for sm_90a
+on a machine without a GPU, and report what ptxas says: the CPU half of their tests (Gluon has no
+interpreter).
 
 Run as a script in a process without TRITON_INTERPRET (the tests do that in a subprocess):
     python tests/sm90_compile.py [--out compile.json]
-Per configuration: compiled or the error, shared memory, warps, wgmma and cp.async counts,
-registers, spills, and whether ptxas serialised the wgmma groups (C7513/C7514).
+Per kernel and configuration: compiled or the error, shared memory, warps, wgmma and cp.async
+counts, registers, spills, and whether ptxas serialised the wgmma groups (C7513/C7514).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import sys
@@ -23,70 +23,91 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from common import ptxas_report  # noqa: E402
-from megatron_mtraining.kernels import hopper_fwd  # noqa: E402
-
-# The kernel's arguments in order (pointer element types; "i32" scalars), as the JIT sees them.
-POINTERS = {"Q": None, "K": None, "V": None, "Out": None, "Lse": "fp32", "QBlk": "i32", "KBlk": "i32", "KVCnt": "i32",
-            "KVIdx": "i32", "ColLimit": "i32", "Cols": "i32", "ColPos": "i64", "Words": "i64", "Diag": "i8",
-            "DocStart": "i32", "DocLast": "i32", "ColStart": "i32"}
-STRIDES = [f"stride_{t}{s}" for t, axes in (("q", "bhn"), ("k", "bhn"), ("v", "bhn"), ("o", "bhn"), ("l", "bh"))
-           for s in axes]
-SCALARS = ["HQ", "GROUP", "NQB", "MAX_S", "MAX_V", "N_WORDS"]
-CONSTEXPRS = ["BLOCK", "HEAD_DIM", "STAGES", "ACCUMULATE", "INT64", "DOCS", "HAS_COLS", "SMEM_LAYOUT"]
-
-# The configurations the tests require to compile cleanly: the default path (B 64, d 128, bf16,
-# columns), and one change at a time from it.
-BASE = dict(BLOCK=64, HEAD_DIM=128, ACCUMULATE=False, INT64=False, DOCS=False, HAS_COLS=True, dtype="bf16")
-CHANGES = [{}, {"ACCUMULATE": True}, {"DOCS": True}, {"HAS_COLS": False}, {"INT64": True}, {"BLOCK": 128},
-           {"HEAD_DIM": 64}, {"dtype": "fp16"}, {"DOCS": True, "ACCUMULATE": True, "INT64": True}]
+from megatron_mtraining.kernels import hopper_bwd, hopper_fwd  # noqa: E402
 
 
-def config_name(cfg: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in cfg.items() if BASE.get(k) != v) or "default"
+def _strides(*tensors: str) -> list:
+    return [f"stride_{t}{axis}" for t in tensors for axis in ("bh" if t == "l" else "bhn")]
 
 
-def compile_config(cfg: dict) -> dict:
-    dtype = cfg["dtype"]
-    names = list(POINTERS) + STRIDES + ["qk_scale"] + SCALARS + CONSTEXPRS
+# Per kernel: its function, its arguments in order (pointer element types, None = the input dtype;
+# "i32" / "fp32" scalars; "constexpr"), and the configurations the tests require to compile
+# cleanly: the default path (B 64, d 128, bf16, columns) and one change at a time from it.
+KERNELS = {
+    "fwd": dict(
+        fn=hopper_fwd._vs_attn_fwd_sm90_kernel,
+        args={"Q": None, "K": None, "V": None, "Out": None, "Lse": "*fp32", "QBlk": "*i32", "KBlk": "*i32",
+              "KVCnt": "*i32", "KVIdx": "*i32", "ColLimit": "*i32", "Cols": "*i32", "ColPos": "*i64",
+              "Words": "*i64", "Diag": "*i8", "DocStart": "*i32", "DocLast": "*i32", "ColStart": "*i32",
+              **{s: "i32" for s in _strides("q", "k", "v", "o", "l")}, "qk_scale": "fp32",
+              **{s: "i32" for s in ("HQ", "GROUP", "NQB", "MAX_S", "MAX_V", "N_WORDS")},
+              **{c: "constexpr" for c in ("BLOCK", "HEAD_DIM", "STAGES", "ACCUMULATE", "INT64", "DOCS", "HAS_COLS",
+                                          "SMEM_LAYOUT")}},
+        base=dict(BLOCK=64, HEAD_DIM=128, STAGES=hopper_fwd.STAGES, ACCUMULATE=False, INT64=False, DOCS=False,
+                  HAS_COLS=True),
+        changes=[{}, {"ACCUMULATE": True}, {"DOCS": True}, {"HAS_COLS": False}, {"INT64": True}, {"BLOCK": 128},
+                 {"HEAD_DIM": 64}, {"dtype": "fp16"}, {"DOCS": True, "ACCUMULATE": True, "INT64": True}]),
+    "dkdv_col": dict(
+        fn=hopper_bwd._dkdv_col_sm90_kernel,
+        args={"Q": None, "K": None, "V": None, "DO": None, "Lse": "*fp32", "Delta": "*fp32", "DKP": "*fp32",
+              "DVP": "*fp32", "QBlk": "*i32", "ColCnt": "*i32", "Cols": "*i32", "ColPos": "*i64", "Words": "*i64",
+              "HeadDiag": "*i8", "QFirst": "*i32", "QEnd": "*i32", "DocStart": "*i32",
+              **{s: "i32" for s in _strides("q", "k", "v", "o", "l")}, "qk_scale": "fp32", "sm_scale": "fp32",
+              **{s: "i32" for s in ("HQ", "GROUP", "NQB", "MAX_V", "MAX_V_PAD", "N_WORDS", "SPLITS", "BH")},
+              **{c: "constexpr" for c in ("BLOCK", "HEAD_DIM", "INT64", "DOCS", "SMEM_LAYOUT")}},
+        base=dict(BLOCK=64, HEAD_DIM=128, INT64=False, DOCS=False),
+        changes=[{}, {"DOCS": True}, {"INT64": True}, {"BLOCK": 128}, {"HEAD_DIM": 64}, {"dtype": "fp16"}]),
+}
+# The JIT's specialisation on a GPU: 16-byte aligned pointers, strides and row lengths divisible by
+# 16 (row strides of [b, h, n, d] views are multiples of d).
+DIVISIBLE = ("MAX_S", "MAX_V", "MAX_V_PAD")
+
+
+def compile_config(kernel: str, cfg: dict) -> dict:
+    spec = KERNELS[kernel]
+    dtype = cfg.get("dtype", "bf16")
     sig = {}
-    for name, elem in POINTERS.items():
-        if name == "Out" and cfg["ACCUMULATE"]:
-            elem = "fp32"  # ring attention merges into an fp32 out
-        sig[name] = "*" + (elem or dtype)
-    sig.update({s: "i32" for s in STRIDES + SCALARS})
-    sig["qk_scale"] = "fp32"
-    sig.update({c: "constexpr" for c in CONSTEXPRS})
-    constexprs = {k: cfg[k] for k in CONSTEXPRS if k not in ("STAGES", "SMEM_LAYOUT")}
-    constexprs["STAGES"] = hopper_fwd.STAGES
-    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
-    constexprs["SMEM_LAYOUT"] = hopper_fwd.shared_layout(cfg["HEAD_DIM"], torch_dtype)
-    # The JIT's specialisation on a GPU: 16-byte aligned pointers, strides and sizes divisible by 16
-    # (row strides of [b, h, n, d] views are multiples of d).
-    divisible = [n for n in names if sig[n].startswith("*") or n.startswith("stride_") or n in ("MAX_S", "MAX_V")]
+    for name, kind in spec["args"].items():
+        if kind is None:  # an input, or Out (fp32 when the ring merges into it)
+            kind = "*fp32" if name == "Out" and cfg.get("ACCUMULATE") else "*" + dtype
+        sig[name] = kind
+    names = list(sig)
+    constexprs = {k: v for k, v in cfg.items() if k != "dtype"}
+    constexprs["SMEM_LAYOUT"] = hopper_fwd.shared_layout(cfg["HEAD_DIM"], torch.bfloat16 if dtype == "bf16"
+                                                         else torch.float16)
+    divisible = [n for n in names if sig[n].startswith("*") or n.startswith("stride_") or n in DIVISIBLE]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    entry = {"config": cfg}
+    entry = {"kernel": kernel, "config": {**cfg, "dtype": dtype}}
     try:
-        kernel = triton.compile(GluonASTSource(hopper_fwd._vs_attn_fwd_sm90_kernel, sig, constexprs, attrs),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        compiled = triton.compile(GluonASTSource(spec["fn"], sig, constexprs, attrs),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     except Exception as e:  # noqa: BLE001  (reported, the test fails on it)
         entry["error"] = f"{type(e).__name__}: {e}"[:4000]
         return entry
-    ptx = kernel.asm["ptx"]
-    entry.update(shared_bytes=kernel.metadata.shared, num_warps=kernel.metadata.num_warps,
-                 wgmma=ptx.count("wgmma.mma_async"), cp_async=ptx.count("cp.async.cg.shared.global"),
-                 cp_async_16=ptx.count("cp.async.cg.shared.global") - ptx.count("0x10, 0x10;") == 0,
+    ptx = compiled.asm["ptx"]
+    copies = ptx.count("cp.async.cg.shared.global")
+    entry.update(shared_bytes=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
+                 wgmma=ptx.count("wgmma.mma_async"), cp_async=copies,
+                 cp_async_16=copies > 0 and copies == ptx.count("0x10, 0x10;"), bar_sync=ptx.count("bar.sync"),
                  **ptxas_report(ptx))
     return entry
+
+
+def config_name(kernel: str, cfg: dict) -> str:
+    base = KERNELS[kernel]["base"]
+    changed = ",".join(f"{k}={v}" for k, v in cfg.items() if base.get(k, "bf16" if k == "dtype" else None) != v)
+    return f"{kernel}:{changed or 'default'}"
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     results = {}
-    for change in CHANGES:
-        cfg = {**BASE, **change}
-        results[config_name(cfg)] = compile_config(cfg)
+    for kernel, spec in KERNELS.items():
+        for change in spec["changes"]:
+            cfg = {**spec["base"], **change}
+            results[config_name(kernel, cfg)] = compile_config(kernel, cfg)
     for name, entry in results.items():
-        print(name, {k: v for k, v in entry.items() if k != "config"})
+        print(name, {k: v for k, v in entry.items() if k not in ("config", "kernel")})
     if "--out" in argv:
         with open(argv[argv.index("--out") + 1], "w") as f:
             json.dump({"triton": triton.__version__, "configs": results}, f, indent=1, default=str)

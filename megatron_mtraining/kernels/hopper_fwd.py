@@ -224,19 +224,20 @@ def _vs_attn_fwd_sm90_kernel(
         next_first, next_word = _tile_scalars(1, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c_begin,
                                               BLOCK, HAS_COLS)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        p, alpha, m_i, l_i = _fold_tile(s, 0, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag, m_i,
-                                        l_i, qk_scale, ColPos, col_row, c_begin, n_cols, BLOCK, DOCS, HAS_COLS,
+        p, alpha, m_i, l_i = _fold_tile(s, 0, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag,
+                                        m_i, l_i, qk_scale, ColPos, col_row, c_begin, n_cols, BLOCK, DOCS, HAS_COLS,
                                         cols_s)
         p_op = gl.convert_layout(p.to(Q.dtype.element_ty), p_layout)
         for t in range(1, n_tiles):
             k_first = next_first
             word = next_word
             # Loads for later: the next tile's mask scalars, and the rows of the tile this
-            # iteration's end starts copying.
+            # iteration starts copying.
             next_first, next_word = _tile_scalars(t + 1, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row,
                                                   c_begin, BLOCK, HAS_COLS)
-            kv_rows = _tile_rows(t - 1 + STAGES, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols,
-                                 BLOCK, INT64, rows_c)
+            refill = t - 1 + STAGES
+            kv_rows = _tile_rows(refill, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK,
+                                 INT64, rows_c)
             async_copy.wait_group(STAGES - 2)  # tile t (groups complete in order)
             gl.thread_barrier()
             fence_async_shared()
@@ -244,16 +245,16 @@ def _vs_attn_fwd_sm90_kernel(
                               gl.zeros([TILE, TILE], gl.float32, s_layout), use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_smem.index((t - 1) % STAGES), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the scores (issued first) only
-            p, alpha, m_i, l_i = _fold_tile(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag, m_i,
-                                            l_i, qk_scale, ColPos, col_row, c_begin, n_cols, BLOCK, DOCS, HAS_COLS,
-                                            cols_s)
+            p, alpha, m_i, l_i = _fold_tile(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below,
+                                            diag, m_i, l_i, qk_scale, ColPos, col_row, c_begin, n_cols, BLOCK, DOCS,
+                                            HAS_COLS, cols_s)
             p_op = gl.convert_layout(p.to(Q.dtype.element_ty), p_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
             # Every warp's share of PV_{t-1} has retired: tile t-1's slot takes tile t-1+STAGES.
             gl.thread_barrier()
-            _issue_tile(t - 1 + STAGES, n_tiles, kv_rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem,
-                        HEAD_DIM, STAGES, copy_layout)
+            _issue_tile(refill, n_tiles, kv_rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM,
+                        STAGES, copy_layout)
         acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)  # no copy outlives the program
@@ -283,19 +284,22 @@ def _vs_attn_fwd_sm90_kernel(
 
 def shared_layout(head_dim: int, dtype: torch.dtype):
     """The wgmma-ready (swizzled) shared-memory layout of a [64, head_dim] tile."""
-    return gl.NVMMASharedLayout.get_default_for([TILE.value, head_dim], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([TILE.value, head_dim], element)
 
 
-def unsupported_reason(q, k, v, plan, out) -> str:
-    """Why this kernel cannot run these tensors ('' when it can); the device is checked by the caller."""
-    d = q.shape[-1]
-    if q.dtype not in DTYPES:
-        return f"dtype {q.dtype} (bf16 or fp16 only)"
+def unsupported_reason(plan, tensors: dict) -> str:
+    """Why the Hopper kernels cannot run a call on these tensors (name -> tensor; '' when they
+    can). The device is checked by the caller (``step.hopper_device_reason``)."""
+    first = next(iter(tensors.values()))
+    d = first.shape[-1]
+    if first.dtype not in DTYPES:
+        return f"dtype {first.dtype} (bf16 or fp16 only)"
     if d not in HEAD_DIMS:
         return f"head_dim {d} (64 or 128 only)"
     if plan.block_size % TILE.value:
         return f"block size {plan.block_size} (a multiple of 64 only)"
-    for name, x in (("q", q), ("k", k), ("v", v), ("out", out)):
+    for name, x in tensors.items():
         # cp.async moves 16-byte pieces: rows must start on 16 bytes.
         if x.stride(-1) != 1 or x.data_ptr() % 16 or any(s * x.element_size() % 16 for s in x.stride()[:-1]):
             return f"{name}'s rows are not 16-byte aligned (strides {tuple(x.stride())})"

@@ -16,10 +16,13 @@ from .torch_step import vs_attention_bwd_torch, vs_attention_fwd_torch
 from .triton_fwd import interpreting
 
 BACKENDS = ("auto", "triton", "torch")
-# The forward on the "triton" backend: the Hopper kernel (kernels/hopper_fwd.py) where it covers
-# the call, else the Triton kernel. MTRAINING_FORWARD_KERNEL=triton or =hopper forces one.
-FORWARD_KERNELS = ("auto", "triton", "hopper")
+# On the "triton" backend, where the Hopper kernels (Gluon, sm_90) cover a call they replace the
+# Triton ones: the forward (kernels/hopper_fwd.py) and the column gradients of the backward
+# (kernels/hopper_bwd.py). MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL = triton or
+# hopper force one ("hopper" fails with the reason where it cannot run).
+KERNEL_CHOICES = ("auto", "triton", "hopper")
 FORWARD_KERNEL_ENV = "MTRAINING_FORWARD_KERNEL"
+BACKWARD_KERNEL_ENV = "MTRAINING_BACKWARD_KERNEL"
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -34,9 +37,10 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+
 @functools.lru_cache(maxsize=None)
 def hopper_device_reason(device: torch.device) -> str:
-    """Why the Hopper forward cannot run on ``device`` ('' when it can): it needs an sm_90 GPU
+    """Why the Hopper kernels cannot run on ``device`` ('' when they can): they need an sm_90 GPU
     (H100, H200, GH200, H20) and Triton's Gluon dialect (Triton >= 3.5)."""
     if device.type != "cuda" or interpreting():
         return f"not a CUDA device ({device}{', TRITON_INTERPRET=1' if interpreting() else ''})"
@@ -50,22 +54,34 @@ def hopper_device_reason(device: torch.device) -> str:
     return "" if have_gluon else "this Triton has no Gluon (triton.experimental.gluon)"
 
 
-def forward_kernel(q, k, v, plan, out) -> str:
-    """The forward that runs this step on the "triton" backend: "hopper" or "triton"."""
-    choice = os.environ.get(FORWARD_KERNEL_ENV, "auto") or "auto"
-    if choice not in FORWARD_KERNELS:
-        raise ValueError(f"{FORWARD_KERNEL_ENV} must be one of {FORWARD_KERNELS}, got {choice!r}")
+def _kernel_choice(env: str, plan, tensors: dict) -> str:
+    """"hopper" or "triton" for one call of the "triton" backend (``env``: the variable that forces one)."""
+    choice = os.environ.get(env, "auto") or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{env} must be one of {KERNEL_CHOICES}, got {choice!r}")
     if choice == "triton":
         return "triton"
+    q = next(iter(tensors.values()))
     reason = hopper_device_reason(q.device)
     if not reason:
         from .hopper_fwd import unsupported_reason
-        reason = unsupported_reason(q, k, v, plan, out)
+        reason = unsupported_reason(plan, tensors)
     if not reason:
         return "hopper"
     if choice == "hopper":
-        raise ValueError(f"{FORWARD_KERNEL_ENV}=hopper, but the Hopper forward cannot run this call: {reason}")
+        raise ValueError(f"{env}=hopper, but the Hopper kernel cannot run this call: {reason}")
     return "triton"
+
+
+def forward_kernel(q, k, v, plan, out) -> str:
+    """The forward that runs this step on the "triton" backend: "hopper" or "triton"."""
+    return _kernel_choice(FORWARD_KERNEL_ENV, plan, dict(q=q, k=k, v=v, out=out))
+
+
+def backward_kernel(q, k, v, do, plan) -> str:
+    """The column gradients' kernel for this step on the "triton" backend: "hopper" or "triton"
+    (the rest of the backward is Triton's)."""
+    return _kernel_choice(BACKWARD_KERNEL_ENV, plan, dict(q=q, k=k, v=v, do=do))
 
 
 def step_forward(backend: str, q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool) -> None:
@@ -94,7 +110,8 @@ def step_backward(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softm
     """Add this step's gradients into fp32 ``dq``, ``dk``, ``dv`` (final ``lse`` and ``delta``)."""
     if backend == "triton":
         from .triton_bwd import vs_attention_bwd_triton
-        vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
+        vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale,
+                                column_kernel=backward_kernel(q, k, v, do, plan))
     else:
         vs_attention_bwd_torch(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
 
@@ -109,7 +126,8 @@ def single_step_backward(backend: str, q, k, v, do, lse, delta, plan, softmax_sc
     if backend == "triton":
         from .triton_bwd import vs_attention_bwd_triton
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale, accumulate_dq=False)
+        vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale, accumulate_dq=False,
+                                column_kernel=backward_kernel(q, k, v, do, plan))
     else:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         step_backward(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)

@@ -312,9 +312,11 @@ def _column_splits(nqb: int, programs_per_split: int, target: int) -> int:
 
 
 def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float,
-                            accumulate_dq: bool = True) -> None:
+                            accumulate_dq: bool = True, column_kernel: str = "triton") -> None:
     """Add this plan's gradients into fp32 ``dq`` ``[b,hq,nq,d]`` and ``dk``/``dv`` ``[b,hkv,nk,d]``.
     ``accumulate_dq=False`` (a single step) writes ``dq`` in its own dtype instead of adding.
+    ``column_kernel="hopper"`` computes the column gradients with ``hopper_bwd`` (sm_90; the
+    caller checks ``step.backward_kernel``): same partials, same reduction.
 
     ``lse`` and ``delta`` (fp32 ``[b, hq, nq]``, same strides) belong to the FINAL output.
     """
@@ -355,6 +357,8 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
 
     if max_v == 0:
         return
+    if column_kernel == "hopper":
+        block_col = 64  # the Hopper kernel's column tiles
     n_tiles = -(-max_v // block_col)
     max_v_pad = n_tiles * block_col
     splits = _column_splits(nqb, n_tiles * b * hq, cfg["COLUMN_PROGRAMS"])
@@ -362,12 +366,19 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     q_end = query_block_ends(plan, block_col) if docs else q_first  # read only with DOCS
     dk_part = torch.empty(splits, b * hq, max_v_pad, d, dtype=torch.float32, device=q.device)
     dv_part = torch.empty_like(dk_part)
-    _dkdv_col_kernel[(n_tiles, b * hq, splits)](
-        q, k, v, do, lse, delta, dk_part, dv_part,
-        plan.q_block_ids, plan.col_count, cols, col_pos, words, diag.amax(-1).contiguous(), q_first, q_end, doc_start,
-        *strides, qk_scale, softmax_scale,
-        hq, group, nqb, max_v, max_v_pad, n_words, splits, b * hq,
-        BLOCK=B, BLOCK_M=block_m, BLOCK_COL=block_col, HEAD_DIM=d, DOCS=docs, **launch)
+    head_diag = diag.amax(-1).contiguous()
+    if column_kernel == "hopper":
+        from .hopper_bwd import column_gradients_hopper
+        column_gradients_hopper(q, k, v, do, lse, delta, dk_part, dv_part, plan, cols, col_pos, words, head_diag,
+                                q_first, q_end, doc_start, docs, launch["INT64"], strides, qk_scale, softmax_scale,
+                                splits)
+    else:
+        _dkdv_col_kernel[(n_tiles, b * hq, splits)](
+            q, k, v, do, lse, delta, dk_part, dv_part,
+            plan.q_block_ids, plan.col_count, cols, col_pos, words, head_diag, q_first, q_end, doc_start,
+            *strides, qk_scale, softmax_scale,
+            hq, group, nqb, max_v, max_v_pad, n_words, splits, b * hq,
+            BLOCK=B, BLOCK_M=block_m, BLOCK_COL=block_col, HEAD_DIM=d, DOCS=docs, **launch)
     # Fixed-order reduction over splits, then one scatter per GQA position: within one
     # index_add_ every real target row is distinct (padding slots add exact zeros), so the
     # result does not depend on the order of the adds.
