@@ -29,7 +29,9 @@ from megatron_mtraining.kernels import column_words, triton_bwd, triton_delta, t
 
 def compiled_variants():
     """(kernel name, registers, spills, shared bytes) of every compiled variant of our kernels."""
-    for module in (triton_fwd, triton_bwd, triton_delta, column_words):
+    from megatron_mtraining.kernels import hopper_bwd, hopper_fwd  # Gluon: imported on the GPU only
+
+    for module in (triton_fwd, triton_bwd, triton_delta, column_words, hopper_fwd, hopper_bwd):
         for name in dir(module):
             fn = getattr(module, name)
             caches = getattr(fn, "device_caches", None)
@@ -45,6 +47,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=65536)
     parser.add_argument("--launch", default="", help="as benchmarks/kernel.py --launch, e.g. fwd:4x2,bwd:4x2")
+    # The kernels that run: MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL (kernels/step.py)
+    # choose between the Hopper and the Triton ones, as in training.
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernels.py needs a CUDA device")

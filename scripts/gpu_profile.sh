@@ -16,7 +16,7 @@ fi
 SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
           --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis)
 timeout "${PROFILE_TIMEOUT:-240}" ncu --clock-control none --profile-from-start off "${SECTIONS[@]}" \
-    -k 'regex:_(vs_attn_fwd|dq|dkdv|dkdv_col|delta|column_words)_kernel' --export "$OUT/profile" --force-overwrite \
+    -k 'regex:_(vs_attn_fwd|vs_attn_fwd_sm90|dq|dkdv|dkdv_col|dkdv_col_sm90|delta|column_words)_kernel' --export "$OUT/profile" --force-overwrite \
     "$PY" benchmarks/profile_kernels.py --seq-len "${PROFILE_LEN:-65536}" --launch "${PROFILE_LAUNCH:-}" \
     > "$OUT/profile.log" 2> "$OUT/ncu.err"
 echo "ncu rc=$?"; grep -E "^compiled" "$OUT/profile.log"
