@@ -83,7 +83,7 @@ def render_kernel(results: List[Result]) -> str:
     header = ["device", "S", "density", "ours fwd / fwd+bwd ms", "cuDNN fwd / fwd+bwd ms",
               "Flex fwd / fwd+bwd ms", "vs cuDNN fwd / fwd+bwd", "vs Flex fwd / fwd+bwd",
               "ours TFLOP/s fwd / fwd+bwd", "extra memory GiB ours / cuDNN"]
-    rows, notes = [], []
+    rows, notes, kernels = [], [], set()
     for _, data in results:
         device = data.get("meta", {}).get("device", "?")
         for run in data.get("runs", []):
@@ -103,6 +103,7 @@ def render_kernel(results: List[Result]) -> str:
             ])
             if isinstance(flex.get("block_density"), float):
                 notes.append(f"{tokens(run['seq_len'])}: {100 * flex['block_density']:.0f}%")
+            kernels.add((ours.get("forward_kernel"), ours.get("backward_kernel")))
     cfg = results[0][1].get("config", {})
     text = [
         f"**Sparse attention kernel, one GPU.** {cfg.get('heads')} query / {cfg.get('kv_heads')} KV heads, "
@@ -115,6 +116,11 @@ def render_kernel(results: List[Result]) -> str:
         table(header, rows),
         "",
     ]
+    ran = sorted((f or "triton", b or "triton") for f, b in kernels)
+    if ran and ran != [("triton", "triton")]:
+        text.append("Our kernels: " + "; ".join(f"forward {f}, column gradients {b} (the rest Triton)"
+                                                for f, b in ran) + " (`kernels/step.py` chooses).")
+        text.append("")
     if notes:
         text.append("FlexAttention gets a 128-block BlockMask of exactly the same pairs; the blocks it "
                     "computes, as a share of the causal blocks: " + ", ".join(notes) + ".")
