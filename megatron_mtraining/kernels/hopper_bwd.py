@@ -14,9 +14,10 @@ bit and position are two registers per thread):
     P^T = exp2(S^T * scale - lse) masked,  dS^T = P^T * (dP^T - delta)
     dV += P^T dO,   dK += dS^T Q            (asynchronous wgmma, retired at the next tile's top)
 
-The dV/dK products of tile u run on the tensor cores while tile u+1's copies land; one bar.sync
-per tile (a thread's copies visible to all, and a slot refilled only once every warp's products
-that read it retired). Registers and shared memory allow two programs per SM.
+The dV/dK products of tile u run on the tensor cores while tile u+1's copies land and tile u+1's
+lse and delta load; one bar.sync per tile (a thread's copies visible to all, and a slot refilled
+only once every warp's products that read it retired). Registers and shared memory allow two
+programs per SM. At 128K on an H200: 4.56 ms against the Triton kernel's 5.69 ms.
 """
 
 from __future__ import annotations
@@ -127,6 +128,13 @@ def _dkdv_col_sm90_kernel(
         i_next = i_start + (u + 1) // (BLOCK // TILE)
         word_next = gl.load(words + i_next * N_WORDS, mask=u + 1 < n_q, other=0)
         q_blk_next = gl.load(QBlk + i_next, mask=u + 1 < n_q, other=0)
+        # The tile's statistics load first: L2's latency hides behind tile u-1's dV/dK products and
+        # tile u's S^T/dP^T (loaded later, the products waited on them: profile, NOTES).
+        stat = stat_base + row0 + u * TILE + q_offs
+        lse = gl.load(Lse + stat)
+        di = gl.load(Delta + stat)
+        # A row without any key (lse = -inf) has p = 0 everywhere: exp2(s - inf).
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         # Tile u-1's dV/dK products have retired (every warp, after the barrier) and tile u has
         # landed: tile u+1 takes the slot they read.
         dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
@@ -141,11 +149,6 @@ def _dkdv_col_sm90_kernel(
                             use_acc=False, is_async=True)
         dp_t = warpgroup_mma(vc_smem, do_smem.index(slot).permute((1, 0)),
                              gl.zeros([TILE, TILE], gl.float32, s_layout), use_acc=False, is_async=True)
-        # The tile's statistics load while the products run.
-        stat = stat_base + row0 + u * TILE + q_offs
-        lse = gl.load(Lse + stat)
-        # A row without any key (lse = -inf) has p = 0 everywhere: exp2(s - inf).
-        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
         s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
         live = ((word >> c_bit.to(gl.int64)) & 1) != 0
         p_t = gl.where(live[:, None], gl.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
@@ -158,7 +161,6 @@ def _dkdv_col_sm90_kernel(
         # dV's product starts before dS is computed (P^T as its A operand from registers).
         dv = warpgroup_mma(gl.convert_layout(p_t.to(DO.dtype.element_ty), a_layout), do_smem.index(slot), dv,
                            is_async=True)
-        di = gl.load(Delta + stat)
         dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))  # issued before dV's product
         ds_t = p_t * (dp_t - di[None, :])
         dk = warpgroup_mma(gl.convert_layout(ds_t.to(Q.dtype.element_ty), a_layout), q_smem.index(slot), dk,
