@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from common import ptxas_report  # noqa: E402
-from megatron_mtraining.kernels import hopper_bwd, hopper_fwd  # noqa: E402
+from megatron_mtraining.kernels import hopper_bwd, hopper_common, hopper_fwd  # noqa: E402
 
 
 def _strides(*tensors: str) -> list:
@@ -73,7 +73,7 @@ def compile_config(kernel: str, cfg: dict) -> dict:
         sig[name] = kind
     names = list(sig)
     constexprs = {k: v for k, v in cfg.items() if k != "dtype"}
-    constexprs["SMEM_LAYOUT"] = hopper_fwd.shared_layout(cfg["HEAD_DIM"], torch.bfloat16 if dtype == "bf16"
+    constexprs["SMEM_LAYOUT"] = hopper_common.shared_layout(cfg["HEAD_DIM"], torch.bfloat16 if dtype == "bf16"
                                                          else torch.float16)
     divisible = [n for n in names if sig[n].startswith("*") or n.startswith("stride_") or n in DIVISIBLE]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}

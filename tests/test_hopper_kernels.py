@@ -88,7 +88,7 @@ def test_kernel_choice_on_cpu_is_triton_and_hopper_is_refused(monkeypatch):
 
 def test_unsupported_reasons():
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from megatron_mtraining.kernels.hopper_fwd import unsupported_reason
+    from megatron_mtraining.kernels.hopper_common import unsupported_reason
 
     plan = _cpu_plan()
     ok = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)

@@ -28,18 +28,18 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from .hopper_fwd import TILE, _wide, shared_layout
+from .hopper_common import TILE, _wide, copy_layout, mma_layout, register_operand_layout, shared_layout
 
 
 
 @gluon.jit
 def _issue_query_tile(u, n_q, row0, q_base, do_base, stride_qn, stride_on, q_smem, do_smem, HEAD_DIM: gl.constexpr,
-                      INT64: gl.constexpr, copy_layout: gl.constexpr):
+                      INT64: gl.constexpr, c_layout: gl.constexpr):
     """Start copying query tile ``u``'s Q and dO rows (local rows ``row0 + 64 u ...``) into slot
     ``u % 2`` and close one cp.async group (an empty one past the range)."""
     if u < n_q:
-        rows = _wide(row0 + u * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, copy_layout)), INT64)[:, None]
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy_layout))[None, :]
+        rows = _wide(row0 + u * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, c_layout)), INT64)[:, None]
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))[None, :]
         async_copy.async_copy_global_to_shared(q_smem.index(u % 2), q_base + rows * stride_qn + offs_d)
         async_copy.async_copy_global_to_shared(do_smem.index(u % 2), do_base + rows * stride_on + offs_d)
     async_copy.commit_group()
@@ -60,15 +60,13 @@ def _dkdv_col_sm90_kernel(
     SMEM_LAYOUT: gl.constexpr,
 ):
     gl.static_assert(BLOCK % TILE == 0, "index blocks are whole 64-row tiles")
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, TILE, 16])
-    g_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=g_layout, k_width=2)
+    c_layout: gl.constexpr = copy_layout(HEAD_DIM)
+    s_layout: gl.constexpr = mma_layout(TILE)  # S^T and dP^T
+    g_layout: gl.constexpr = mma_layout(HEAD_DIM)  # dK and dV
+    a_layout: gl.constexpr = register_operand_layout(HEAD_DIM)
     cols_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # one entry per column (row of S^T)
     queries_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # one entry per query (column of S^T)
-    rows_c: gl.constexpr = gl.SliceLayout(1, copy_layout)
+    rows_c: gl.constexpr = gl.SliceLayout(1, c_layout)
 
     pid_c = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -89,7 +87,7 @@ def _dkdv_col_sm90_kernel(
     # are zeroed at the store).
     slots_c = pid_c * TILE + gl.arange(0, TILE, layout=rows_c)
     col = _wide(gl.load(Cols + bh * MAX_V + slots_c, mask=slots_c < n_cols, other=0), INT64)[:, None]
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy_layout))[None, :]
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))[None, :]
     async_copy.async_copy_global_to_shared(kc_smem, K + b * stride_kb + kvh * stride_kh + col * stride_kn + offs_d)
     async_copy.async_copy_global_to_shared(vc_smem, V + b * stride_vb + kvh * stride_vh + col * stride_vn + offs_d)
 
@@ -112,7 +110,7 @@ def _dkdv_col_sm90_kernel(
     words = Words + bh * NQB * N_WORDS + (pid_c * TILE) // 64  # this tile's word, per query block
     any_diag = gl.load(HeadDiag + pid_bh) != 0
     _issue_query_tile(0, n_q, row0, q_base, do_base, stride_qn, stride_on, q_smem, do_smem, HEAD_DIM, INT64,
-                      copy_layout)  # with K_c and V_c: group 0
+                      c_layout)  # with K_c and V_c: group 0
 
     c_bit = gl.arange(0, TILE, layout=cols_of_s)
     c_slot = pid_c * TILE + c_bit
@@ -142,7 +140,7 @@ def _dkdv_col_sm90_kernel(
         async_copy.wait_group(0)
         gl.thread_barrier()
         _issue_query_tile(u + 1, n_q, row0, q_base, do_base, stride_qn, stride_on, q_smem, do_smem, HEAD_DIM,
-                          INT64, copy_layout)
+                          INT64, c_layout)
         fence_async_shared()
         slot = u % 2
         s_t = warpgroup_mma(kc_smem, q_smem.index(slot).permute((1, 0)), gl.zeros([TILE, TILE], gl.float32, s_layout),
@@ -177,8 +175,8 @@ def _dkdv_col_sm90_kernel(
     out_rows = pid_c * TILE + gl.arange(0, TILE, layout=rows_c)
     ok = (out_rows < n_cols)[:, None]
     offs = out_rows.to(gl.int64)[:, None] * HEAD_DIM + offs_d
-    gl.store(DKP + part + offs, gl.where(ok, gl.convert_layout(dk * sm_scale, copy_layout), 0.0))
-    gl.store(DVP + part + offs, gl.where(ok, gl.convert_layout(dv, copy_layout), 0.0))
+    gl.store(DKP + part + offs, gl.where(ok, gl.convert_layout(dk * sm_scale, c_layout), 0.0))
+    gl.store(DVP + part + offs, gl.where(ok, gl.convert_layout(dv, c_layout), 0.0))
 
 
 def column_gradients_hopper(q, k, v, do, lse, delta, dk_part, dv_part, plan, cols, col_pos, words, head_diag,

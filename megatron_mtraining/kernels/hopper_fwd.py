@@ -28,26 +28,15 @@ Triton forward.
 
 from __future__ import annotations
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from .hopper_common import TILE, _wide, copy_layout, mma_layout, register_operand_layout, shared_layout
 from .triton_fwd import LOG2E, column_arguments, document_arguments, int64_offsets, plan_tensors
 
-TILE = gl.constexpr(64)  # query rows per program (one warpgroup's m64 wgmma) and keys per tile
 STAGES = 3  # K/V ring slots: 16 KB (Q) + 3 x 32 KB = 112 KB, two programs per SM
-HEAD_DIMS = (64, 128)
-DTYPES = (torch.bfloat16, torch.float16)
-
-
-@gluon.jit
-def _wide(x, INT64: gl.constexpr):
-    """``x`` in int64 when element offsets can pass 2^31 (``int64_offsets``)."""
-    if INT64:
-        x = x.to(gl.int64)
-    return x
 
 
 @gluon.jit
@@ -65,11 +54,11 @@ def _tile_rows(u, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_c
 
 @gluon.jit
 def _issue_tile(u, n_tiles, rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM: gl.constexpr,
-                STAGES: gl.constexpr, copy_layout: gl.constexpr):
+                STAGES: gl.constexpr, c_layout: gl.constexpr):
     """Start copying tile ``u``'s K and V rows into slot ``u % STAGES`` and close one cp.async group
     (an empty one past the list, so that the group count stays one per tile)."""
     if u < n_tiles:
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy_layout))[None, :]
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))[None, :]
         slot = u % STAGES
         async_copy.async_copy_global_to_shared(k_smem.index(slot), k_base + rows[:, None] * stride_kn + offs_d)
         async_copy.async_copy_global_to_shared(v_smem.index(slot), v_base + rows[:, None] * stride_vn + offs_d)
@@ -145,17 +134,14 @@ def _vs_attn_fwd_sm90_kernel(
 ):
     gl.static_assert(STAGES >= 2, "a slot is refilled once its PV product retires: 2 slots or more")
     gl.static_assert(BLOCK % TILE == 0, "index blocks are whole 64-key tiles")
-    # cp.async: 16-byte pieces, a warp covers whole rows; wgmma: the m64 atom over 4 warps.
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (HEAD_DIM // 8), HEAD_DIM // 8], [4, 1], [1, 0])
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, TILE, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    c_layout: gl.constexpr = copy_layout(HEAD_DIM)
+    s_layout: gl.constexpr = mma_layout(TILE)  # scores
+    o_layout: gl.constexpr = mma_layout(HEAD_DIM)  # output
+    p_layout: gl.constexpr = register_operand_layout(HEAD_DIM)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    rows_c: gl.constexpr = gl.SliceLayout(1, copy_layout)
+    rows_c: gl.constexpr = gl.SliceLayout(1, c_layout)
 
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -192,14 +178,14 @@ def _vs_attn_fwd_sm90_kernel(
 
     # Q joins tile 0's copy group; every slot starts filling at once.
     rows = pid_m * TILE + gl.arange(0, TILE, layout=rows_c)
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, copy_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))
     async_copy.async_copy_global_to_shared(
         q_smem, Q + b * stride_qb + h * stride_qh + _wide(rows, INT64)[:, None] * stride_qn + offs_d[None, :])
     for i in gl.static_range(STAGES):
         kv_rows = _tile_rows(i, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK, INT64,
                              rows_c)
         _issue_tile(i, n_tiles, kv_rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM, STAGES,
-                    copy_layout)
+                    c_layout)
 
     q_first = q_blk * BLOCK + (pid_m % (BLOCK // TILE)) * TILE
     q_pos = q_first + gl.arange(0, TILE, layout=rows_s)
@@ -254,7 +240,7 @@ def _vs_attn_fwd_sm90_kernel(
             # Every warp's share of PV_{t-1} has retired: tile t-1's slot takes tile t-1+STAGES.
             gl.thread_barrier()
             _issue_tile(refill, n_tiles, kv_rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM,
-                        STAGES, copy_layout)
+                        STAGES, c_layout)
         acc = warpgroup_mma(p_op, v_smem.index((n_tiles - 1) % STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)  # no copy outlives the program
@@ -262,7 +248,7 @@ def _vs_attn_fwd_sm90_kernel(
     has_key = l_i > 0
     l_safe = gl.where(has_key, l_i, 1.0)
     lse = gl.convert_layout(gl.where(has_key, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf")), rows_c)
-    out = gl.convert_layout(acc / gl.convert_layout(l_safe, rows_o)[:, None], copy_layout)
+    out = gl.convert_layout(acc / gl.convert_layout(l_safe, rows_o)[:, None], c_layout)
     o_ptrs = Out + b * stride_ob + h * stride_oh + _wide(rows, INT64)[:, None] * stride_on + offs_d[None, :]
     l_ptrs = Lse + b * stride_lb + h * stride_lh + rows
     if ACCUMULATE:
@@ -280,30 +266,6 @@ def _vs_attn_fwd_sm90_kernel(
         lse = gl.where(has_any, mx_safe + gl.log(total_safe), float("-inf"))
     gl.store(o_ptrs, out.to(Out.dtype.element_ty))
     gl.store(l_ptrs, lse)
-
-
-def shared_layout(head_dim: int, dtype: torch.dtype):
-    """The wgmma-ready (swizzled) shared-memory layout of a [64, head_dim] tile."""
-    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for([TILE.value, head_dim], element)
-
-
-def unsupported_reason(plan, tensors: dict) -> str:
-    """Why the Hopper kernels cannot run a call on these tensors (name -> tensor; '' when they
-    can). The device is checked by the caller (``step.hopper_device_reason``)."""
-    first = next(iter(tensors.values()))
-    d = first.shape[-1]
-    if first.dtype not in DTYPES:
-        return f"dtype {first.dtype} (bf16 or fp16 only)"
-    if d not in HEAD_DIMS:
-        return f"head_dim {d} (64 or 128 only)"
-    if plan.block_size % TILE.value:
-        return f"block size {plan.block_size} (a multiple of 64 only)"
-    for name, x in tensors.items():
-        # cp.async moves 16-byte pieces: rows must start on 16 bytes.
-        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(s * x.element_size() % 16 for s in x.stride()[:-1]):
-            return f"{name}'s rows are not 16-byte aligned (strides {tuple(x.stride())})"
-    return ""
 
 
 def vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool) -> None:

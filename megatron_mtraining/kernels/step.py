@@ -64,7 +64,7 @@ def _kernel_choice(env: str, plan, tensors: dict) -> str:
     q = next(iter(tensors.values()))
     reason = hopper_device_reason(q.device)
     if not reason:
-        from .hopper_fwd import unsupported_reason
+        from .hopper_common import unsupported_reason
         reason = unsupported_reason(plan, tensors)
     if not reason:
         return "hopper"
