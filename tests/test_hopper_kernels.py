@@ -341,3 +341,21 @@ def test_ring_step_column_gradients():
     got, tri = _backward("hopper", q, k, v, do, plan), _backward("triton", q, k, v, do, plan)
     for name, a, t in zip(("dq", "dk", "dv"), got, tri):
         assert rel_err(a, t) < 2e-3, name
+
+
+def test_the_choice_is_logged_once(monkeypatch, caplog):
+    import logging
+
+    from megatron_mtraining.kernels import step
+
+    monkeypatch.delenv(FORWARD_KERNEL_ENV, raising=False)
+    monkeypatch.setattr(step, "_ANNOUNCED", set())
+    q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
+    plan = _cpu_plan()
+    with caplog.at_level(logging.INFO, logger="megatron_mtraining.kernels.step"):
+        for _ in range(3):
+            forward_kernel(q, q, q, plan, q)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1, said
+    assert said[0].startswith("MTraining: forward on the Triton kernel (the Hopper one does not cover this call: "
+                              "not a CUDA device (cpu"), said

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 
 import torch
 
 from .torch_step import vs_attention_bwd_torch, vs_attention_fwd_torch
 from .triton_fwd import interpreting
+
+logger = logging.getLogger(__name__)
+_ANNOUNCED = set()  # (variable, kernel, reason) already logged: each choice is said once per process
 
 BACKENDS = ("auto", "triton", "torch")
 # On the "triton" backend, where the Hopper kernels (Gluon, sm_90) cover a call they replace the
@@ -67,10 +71,26 @@ def _kernel_choice(env: str, plan, tensors: dict) -> str:
         from .hopper_common import unsupported_reason
         reason = unsupported_reason(plan, tensors)
     if not reason:
+        _announce(env, "hopper", "")
         return "hopper"
     if choice == "hopper":
         raise ValueError(f"{env}=hopper, but the Hopper kernel cannot run this call: {reason}")
+    _announce(env, "triton", reason)
     return "triton"
+
+
+def _announce(env: str, kernel: str, reason: str) -> None:
+    """Log once which kernel a direction runs (and why not the Hopper one), as a user wants to see
+    at start-up; a later call that chooses differently (another dtype, say) logs again."""
+    key = (env, kernel, reason)
+    if key in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(key)
+    part = "forward" if env == FORWARD_KERNEL_ENV else "column gradients"
+    if kernel == "hopper":
+        logger.info("MTraining: %s on the Hopper kernel (sm_90, Gluon); %s=triton for the Triton one", part, env)
+    else:
+        logger.info("MTraining: %s on the Triton kernel (the Hopper one does not cover this call: %s)", part, reason)
 
 
 def forward_kernel(q, k, v, plan, out) -> str:
