@@ -181,8 +181,9 @@ def bench_ours(cfg: Config, index, seq_len: int, arg_sets, device: torch.device)
 
     if backend == "triton":  # which kernels ran (step.py: Hopper's on sm_90 unless forced)
         q, k, v, dout = arg_sets[0]
-        attempt(section, "forward_kernel", lambda: forward_kernel(q, k, v, single_device_plan(index, seq_len), q))
-        attempt(section, "backward_kernel", lambda: backward_kernel(q, k, v, dout, single_device_plan(index, seq_len)))
+        plan = single_device_plan(index, seq_len)
+        attempt(section, "forward_kernel", lambda: forward_kernel(q, k, v, plan, q))
+        attempt(section, "backward_kernel", lambda: backward_kernel(q, k, v, dout, plan))
     measure_pair(section, attn, arg_sets, cfg, device)
     timed(section, "plan", lambda: single_device_plan(index, seq_len), [()], cfg, device)
 

@@ -41,7 +41,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-
 @functools.lru_cache(maxsize=None)
 def hopper_device_reason(device: torch.device) -> str:
     """Why the Hopper kernels cannot run on ``device`` ('' when they can): they need an sm_90 GPU
