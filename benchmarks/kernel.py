@@ -45,8 +45,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 FWD_BWD_FLOP_FACTOR = 3.5   # backward = 2.5x forward (dQ, dK, dV and the recomputed scores)
 CHECK_TOLERANCE = 2e-2      # relative L2 of bf16 kernels against the fp32 reference
 # Profiled kernel name -> group of the breakdown (first match wins: '_dkdv_col' before '_dkdv').
-KERNEL_GROUPS = (("_vs_attn_fwd_kernel", "fwd"), ("_vs_attn_fwd_sm90_kernel", "fwd"), ("_dkdv_col_kernel", "dkdv_col"),
-                 ("_dkdv_col_sm90_kernel", "dkdv_col"), ("_dkdv_kernel", "dkdv_block"), ("_dq_kernel", "dq"))
+KERNEL_GROUPS = (("_vs_attn_fwd_kernel", "fwd"), ("_vs_attn_fwd_sm90_kernel", "fwd"),
+                 ("_dkdv_col_kernel", "dkdv_col"), ("_dkdv_col_sm90_kernel", "dkdv_col"),
+                 ("_dkdv_kernel", "dkdv_block"), ("_dkdv_sm90_kernel", "dkdv_block"), ("_dq_kernel", "dq"),
+                 ("_dq_sm90_kernel", "dq"))
 
 
 @dataclasses.dataclass
@@ -69,7 +71,7 @@ class Config:
     smoke: bool = False
     launch: str = ""  # "fwd:WxS,bwd:WxS" num_warps x num_stages overrides ("" = the defaults)
     forward_kernel: str = "auto"  # kernels/step.py KERNEL_CHOICES: the GPU forward (auto: Hopper's on sm_90)
-    backward_kernel: str = "auto"  # the same for the backward's column gradients
+    backward_kernel: str = "auto"  # the same for the backward's dK/dV (key blocks and columns)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -452,7 +454,8 @@ def parse_args(argv=None):
     p.add_argument("--forward-kernel", default=os.environ.get(FORWARD_KERNEL_ENV, "auto"), choices=KERNEL_CHOICES,
                    help=f"our GPU forward (sets {FORWARD_KERNEL_ENV}; auto: the Hopper kernel on sm_90 GPUs)")
     p.add_argument("--backward-kernel", default=os.environ.get(BACKWARD_KERNEL_ENV, "auto"), choices=KERNEL_CHOICES,
-                   help=f"our GPU column gradients (sets {BACKWARD_KERNEL_ENV}; auto: the Hopper kernel on sm_90)")
+                   help=f"our GPU dK/dV, key blocks and columns (sets {BACKWARD_KERNEL_ENV}; auto: the Hopper "
+                   "kernel on sm_90)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--input-sets", type=int, default=3, help="input sets rotated between repetitions")

@@ -129,7 +129,7 @@ def render_kernel(results: List[Result]) -> str:
     ]
     ran = sorted((f or "triton", b or "triton") for f, b in kernels)
     if ran and ran != [("triton", "triton")]:
-        text.append("Our kernels: " + "; ".join(f"forward {f}, column gradients {b} (the rest Triton)"
+        text.append("Our kernels: " + "; ".join(f"forward {f}, backward {b}"
                                                 for f, b in ran) + " (`kernels/step.py` chooses).")
         text.append("")
     if notes:

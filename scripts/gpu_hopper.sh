@@ -6,6 +6,9 @@
 #   kernel  benchmarks/kernel.py, the default forward (the Hopper kernel on sm_90): kernel_<device>.json
 #   ab      kernel.py at 128K with the Triton kernels only (MTRAINING_FORWARD_KERNEL and
 #           MTRAINING_BACKWARD_KERNEL = triton), the same call's A/B: kernelrerun_triton_<device>.json
+#   bwd_ab  kernel.py at 128K, no dense baselines, the backward on the Hopper kernels and then on
+#           Triton's (the forward Hopper's in both), index blocks of BLOCK_SIZE (default 64):
+#           kernelrerun_{hopper,triton}bwd_b<BLOCK_SIZE>_<device>.json
 #   packed  benchmarks/packed.py at 128K: packed_<device>.json
 # Logs and results under $OUT (gpu_common.sh).
 # shellcheck source=SCRIPTDIR/gpu_common.sh
@@ -30,6 +33,15 @@ if stage ab; then
   timeout 200 "$PY" benchmarks/kernel.py --seq-lens 131072 --skip flex,check --forward-kernel triton \
       --backward-kernel triton --out "$OUT/kernelrerun_triton_$DEVICE_SLUG.json" > "$OUT/kernel_ab.log" 2>&1
   echo "kernel ab rc=$?"; tail -4 "$OUT/kernel_ab.log"
+fi
+if stage bwd_ab; then
+  for kernel in hopper triton; do
+    name="${kernel}bwd_b${BLOCK_SIZE:-64}"
+    timeout 150 "$PY" benchmarks/kernel.py --seq-lens 131072 --block-size "${BLOCK_SIZE:-64}" \
+        --skip dense,flex,check --backward-kernel $kernel --out "$OUT/kernelrerun_${name}_$DEVICE_SLUG.json" \
+        > "$OUT/kernel_$name.log" 2>&1
+    echo "kernel $name rc=$?"; tail -4 "$OUT/kernel_$name.log"
+  done
 fi
 if stage packed; then
   timeout 300 "$PY" benchmarks/packed.py --seq-lens 131072 --out "$OUT/packed_$DEVICE_SLUG.json" \

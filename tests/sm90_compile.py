@@ -36,17 +36,18 @@ def _strides(*tensors: str) -> list:
 KERNELS = {
     "fwd": dict(
         fn=hopper_fwd._vs_attn_fwd_sm90_kernel,
-        args={"Q": None, "K": None, "V": None, "Out": None, "Lse": "*fp32", "QBlk": "*i32", "KBlk": "*i32",
+        args={"Q": None, "K": None, "V": None, "Out": "Out", "Lse": "*fp32", "QBlk": "*i32", "KBlk": "*i32",
               "KVCnt": "*i32", "KVIdx": "*i32", "ColLimit": "*i32", "Cols": "*i32", "ColPos": "*i64",
               "Words": "*i64", "Diag": "*i8", "DocStart": "*i32", "DocLast": "*i32", "ColStart": "*i32",
               **{s: "i32" for s in _strides("q", "k", "v", "o", "l")}, "qk_scale": "fp32",
               **{s: "i32" for s in ("HQ", "GROUP", "NQB", "MAX_S", "MAX_V", "N_WORDS")},
-              **{c: "constexpr" for c in ("BLOCK", "HEAD_DIM", "STAGES", "ACCUMULATE", "INT64", "DOCS", "HAS_COLS",
-                                          "SMEM_LAYOUT")}},
-        base=dict(BLOCK=64, HEAD_DIM=128, STAGES=hopper_fwd.STAGES, ACCUMULATE=False, INT64=False, DOCS=False,
-                  HAS_COLS=True),
+              **{c: "constexpr" for c in ("BLOCK", "ROWS", "HEAD_DIM", "STAGES", "ACCUMULATE", "INT64", "DOCS",
+                                          "HAS_COLS", "SMEM_LAYOUT")}},
+        base=dict(BLOCK=64, ROWS=64, HEAD_DIM=128, STAGES=hopper_fwd.STAGES, ACCUMULATE=False, INT64=False,
+                  DOCS=False, HAS_COLS=True),
         changes=[{}, {"ACCUMULATE": True}, {"DOCS": True}, {"HAS_COLS": False}, {"INT64": True}, {"BLOCK": 128},
-                 {"HEAD_DIM": 64}, {"dtype": "fp16"}, {"DOCS": True, "ACCUMULATE": True, "INT64": True}]),
+                 {"HEAD_DIM": 64}, {"dtype": "fp16"}, {"DOCS": True, "ACCUMULATE": True, "INT64": True},
+                 {"BLOCK": 128, "ROWS": 128}]),
     "dkdv_col": dict(
         fn=hopper_bwd._dkdv_col_sm90_kernel,
         args={"Q": None, "K": None, "V": None, "DO": None, "Lse": "*fp32", "Delta": "*fp32", "DKP": "*fp32",
@@ -57,10 +58,38 @@ KERNELS = {
               **{c: "constexpr" for c in ("BLOCK", "HEAD_DIM", "INT64", "DOCS", "SMEM_LAYOUT")}},
         base=dict(BLOCK=64, HEAD_DIM=128, INT64=False, DOCS=False),
         changes=[{}, {"DOCS": True}, {"INT64": True}, {"BLOCK": 128}, {"HEAD_DIM": 64}, {"dtype": "fp16"}]),
+    "dkdv": dict(
+        fn=hopper_bwd._dkdv_sm90_kernel,
+        args={"Q": None, "K": None, "V": None, "DO": None, "Lse": "*fp32", "Delta": "*fp32", "DK": "*fp32",
+              "DV": "*fp32", "QBlk": "*i32", "KBlk": "*i32", "QCnt": "*i32", "QIdx": "*i32", "DocStart": "*i32",
+              "DocLast": "*i32", **{s: "i32" for s in _strides("q", "k", "v", "o", "l", "g")}, "qk_scale": "fp32",
+              "sm_scale": "fp32", **{s: "i32" for s in ("HQ", "HKV", "GROUP", "NKB", "MAX_S")},
+              **{c: "constexpr" for c in ("BLOCK", "KEYS", "HEAD_DIM", "HEADS", "INT64", "DOCS", "SMEM_LAYOUT")}},
+        base=dict(BLOCK=64, KEYS=64, HEAD_DIM=128, HEADS=8, INT64=False, DOCS=False),
+        changes=[{}, {"DOCS": True}, {"INT64": True}, {"BLOCK": 128, "KEYS": 128}, {"HEAD_DIM": 64},
+                 {"dtype": "fp16"}, {"HEADS": 1}, {"BLOCK": 128, "KEYS": 128, "DOCS": True}]),
+    "dq": dict(
+        fn=hopper_bwd._dq_sm90_kernel,
+        args={"Q": None, "K": None, "V": None, "DO": None, "Lse": "*fp32", "Delta": "*fp32", "DQ": "DQ",
+              "QBlk": "*i32", "KBlk": "*i32", "KVCnt": "*i32", "KVIdx": "*i32", "ColLimit": "*i32", "Cols": "*i32",
+              "ColPos": "*i64", "Words": "*i64", "Diag": "*i8", "DocStart": "*i32", "DocLast": "*i32",
+              "ColStart": "*i32", **{s: "i32" for s in _strides("q", "k", "v", "o", "l", "g")}, "qk_scale": "fp32",
+              "sm_scale": "fp32", **{s: "i32" for s in ("HQ", "GROUP", "NQB", "MAX_S", "MAX_V", "N_WORDS")},
+              **{c: "constexpr" for c in ("BLOCK", "ROWS", "HEAD_DIM", "ACCUMULATE", "INT64", "DOCS", "HAS_COLS",
+                                          "SMEM_LAYOUT")}},
+        base=dict(BLOCK=64, ROWS=64, HEAD_DIM=128, ACCUMULATE=False, INT64=False, DOCS=False, HAS_COLS=True),
+        changes=[{}, {"ACCUMULATE": True}, {"DOCS": True}, {"HAS_COLS": False}, {"INT64": True},
+                 {"BLOCK": 128, "ROWS": 128}, {"HEAD_DIM": 64}, {"dtype": "fp16"},
+                 {"BLOCK": 128, "ROWS": 128, "DOCS": True, "ACCUMULATE": True}]),
 }
 # The JIT's specialisation on a GPU: 16-byte aligned pointers, strides and row lengths divisible by
 # 16 (row strides of [b, h, n, d] views are multiples of d).
 DIVISIBLE = ("MAX_S", "MAX_V", "MAX_V_PAD")
+
+
+def num_warps(cfg: dict) -> int:
+    """A warpgroup per 64 rows of the program (KEYS or ROWS; 64 where the kernel has neither)."""
+    return cfg.get("KEYS", cfg.get("ROWS", 64)) // 16
 
 
 def compile_config(kernel: str, cfg: dict) -> dict:
@@ -68,8 +97,10 @@ def compile_config(kernel: str, cfg: dict) -> dict:
     dtype = cfg.get("dtype", "bf16")
     sig = {}
     for name, kind in spec["args"].items():
-        if kind is None:  # an input, or Out (fp32 when the ring merges into it)
-            kind = "*fp32" if name == "Out" and cfg.get("ACCUMULATE") else "*" + dtype
+        if kind is None:  # an input
+            kind = "*" + dtype
+        elif kind in ("Out", "DQ"):  # an output: fp32 when steps accumulate into it
+            kind = "*fp32" if cfg.get("ACCUMULATE") else "*" + dtype
         sig[name] = kind
     names = list(sig)
     constexprs = {k: v for k, v in cfg.items() if k != "dtype"}
@@ -80,7 +111,7 @@ def compile_config(kernel: str, cfg: dict) -> dict:
     entry = {"kernel": kernel, "config": {**cfg, "dtype": dtype}}
     try:
         compiled = triton.compile(GluonASTSource(spec["fn"], sig, constexprs, attrs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps(cfg)})
     except Exception as e:  # noqa: BLE001  (reported, the test fails on it)
         entry["error"] = f"{type(e).__name__}: {e}"[:4000]
         return entry

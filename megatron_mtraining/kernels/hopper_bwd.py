@@ -1,27 +1,31 @@
-"""Hopper (sm_90) column gradients of vertical-slash attention, in Gluon: dK and dV of the plan's
-gathered columns, the work of ``triton_bwd._dkdv_col_kernel`` with the same grid, partial outputs
-and fixed-order reduction (so the backward stays deterministic).
+"""Hopper (sm_90) backward of vertical-slash attention, in Gluon: the work of ``triton_bwd``'s three
+kernels with the same grids' split of the work, the same partial outputs and the same fixed-order
+reduction, so the backward stays deterministic.
 
-Why (benchmarks/NOTES.md, session 11): at 128K the Triton column kernel runs its four products at
-~310 TFLOP/s against ~510 for the other backward kernels: it holds the gathered K and V in
-registers for the whole loop, spills, and waits on memory. Here one 4-warp program per (64-column
-tile, batch x query head, query-range split) gathers its K and V rows once into shared memory
-(cp.async), then walks its query tiles (64 rows; Q and dO by cp.async into two slots, one tile
-ahead) with, per tile, in the transposed orientation (one row per column, so the column's live
-bit and position are two registers per thread):
+  * ``_dq_sm90_kernel``   dQ of one query block's rows over its slash tiles and columns (the key
+    tiles stream through two shared-memory slots, as in the forward: ``hopper_keys.py``).
+  * ``_dkdv_sm90_kernel`` dK, dV of one key block over the transposed slash lists of every query
+    head of its GQA group (Q/dO tiles stream through two slots; each key row has one writer).
+  * ``_dkdv_col_sm90_kernel`` dK, dV of 64 gathered columns over a range of query blocks: fp32
+    partials per range, summed in a fixed order by the caller.
 
-    S^T = K_c Q^T,  dP^T = V_c dO^T        (asynchronous wgmma)
-    P^T = exp2(S^T * scale - lse) masked,  dS^T = P^T * (dP^T - delta)
-    dV += P^T dO,   dK += dS^T Q            (asynchronous wgmma, retired at the next tile's top)
+Per streamed tile, one warpgroup per 64 rows of the program runs, as asynchronous wgmma, the two
+score products (S, dP; or S^T, dP^T in the key-major kernels, where each key's mask scalars are a
+register per thread), the masked P = exp2(S * scale - lse) and dS = P * (dP - delta) while dP's
+product finishes, then the gradient products, which retire at the next tile's top while its copies
+land; one bar.sync per tile (a thread's copies visible to all, a slot refilled only once every
+warp's products that read it retired).
 
-The dV/dK products of tile u run on the tensor cores while tile u+1's copies land and tile u+1's
-lse and delta load; one bar.sync per tile (a thread's copies visible to all, and a slot refilled
-only once every warp's products that read it retired). Registers and shared memory allow two
-programs per SM. At 128K on an H200: 4.56 ms against the Triton kernel's 5.69 ms.
+Program shapes (benchmarks/NOTES.md, session 12): at B = 128 a dQ / key-block program holds the
+whole index block, two warpgroups sharing every streamed tile (half the bytes per pair). At 128K
+on an H200, B = 128: dQ 11.1 ms, key blocks 10.3, columns 4.1 against Triton's 11.9, 17.6 and 9.9
+(fwd+bwd 36.1 against 49.1 ms). At B = 64 (one warpgroup per program): dQ 10.0 against 9.9, key
+blocks 10.4-10.9 against 9.9-10.1, columns 4.5 against 5.7.
 """
 
 from __future__ import annotations
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -29,20 +33,52 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .hopper_common import TILE, _wide, copy_layout, mma_layout, register_operand_layout, shared_layout
-
+from .hopper_keys import _issue_tile, _key_tiles, _mask_scores, _query_positions, _tile_rows, _tile_scalars
 
 
 @gluon.jit
-def _issue_query_tile(u, n_q, row0, q_base, do_base, stride_qn, stride_on, q_smem, do_smem, HEAD_DIM: gl.constexpr,
-                      INT64: gl.constexpr, c_layout: gl.constexpr):
-    """Start copying query tile ``u``'s Q and dO rows (local rows ``row0 + 64 u ...``) into slot
-    ``u % 2`` and close one cp.async group (an empty one past the range)."""
+def _query_base(X, b, h, stride_b, stride_h, INT64: gl.constexpr):
+    """Query head ``h`` of batch ``b`` in Q or dO."""
+    return X + _wide(b, INT64) * stride_b + _wide(h, INT64) * stride_h
+
+
+@gluon.jit
+def _issue_query_tile(u, n_q, first_row, q_base, do_base, stride_qn, stride_on, q_smem, do_smem,
+                      HEAD_DIM: gl.constexpr, INT64: gl.constexpr, c_layout: gl.constexpr):
+    """Start copying query tile ``u``'s Q and dO rows (local rows ``first_row ...`` of
+    ``q_base``/``do_base``) into slot ``u % 2`` and close one cp.async group (an empty one past the
+    range)."""
     if u < n_q:
-        rows = _wide(row0 + u * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, c_layout)), INT64)[:, None]
+        rows = _wide(first_row + gl.arange(0, TILE, layout=gl.SliceLayout(1, c_layout)), INT64)[:, None]
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))[None, :]
         async_copy.async_copy_global_to_shared(q_smem.index(u % 2), q_base + rows * stride_qn + offs_d)
         async_copy.async_copy_global_to_shared(do_smem.index(u % 2), do_base + rows * stride_on + offs_d)
     async_copy.commit_group()
+
+
+@gluon.jit
+def _issue_scores_t(k_tile, v_tile, q_tile, do_tile, s_layout: gl.constexpr):
+    """One tile's S^T = K Q^T and dP^T = V dO^T as two asynchronous wgmma groups: S^T waited for,
+    dP^T still in flight (it finishes under the exp2 of P^T)."""
+    shape: gl.constexpr = [k_tile.shape[0], q_tile.shape[0]]
+    s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros(shape, gl.float32, s_layout), use_acc=False,
+                        is_async=True)
+    dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros(shape, gl.float32, s_layout), use_acc=False,
+                         is_async=True)
+    s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
+    return s_t, dp_t
+
+
+@gluon.jit
+def _issue_gradients_t(dk, dv, p_t, dp_t, di, q_tile, do_tile, a_layout: gl.constexpr):
+    """Start dV += P^T dO and dK += dS^T Q from the tile's masked P^T (dK unscaled). dV's product
+    starts before dS is computed (P^T as its A operand from registers); both stay in flight and
+    retire at the next tile's top."""
+    dv = warpgroup_mma(gl.convert_layout(p_t.to(do_tile.dtype), a_layout), do_tile, dv, is_async=True)
+    dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))  # issued before dV's product
+    ds_t = p_t * (dp_t - di[None, :])
+    dk = warpgroup_mma(gl.convert_layout(ds_t.to(q_tile.dtype), a_layout), q_tile, dk, is_async=True)
+    return dk, dv
 
 
 @gluon.jit
@@ -59,6 +95,9 @@ def _dkdv_col_sm90_kernel(
     BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, INT64: gl.constexpr, DOCS: gl.constexpr,
     SMEM_LAYOUT: gl.constexpr,
 ):
+    """One program per (64-column tile, batch x query head, query-range split): the gathered K and
+    V rows sit in shared memory as wgmma operands for the whole loop (Triton's column kernel holds
+    them in registers, spills and waits on memory: 5.7 ms against 4.5 at 128K, session 11)."""
     gl.static_assert(BLOCK % TILE == 0, "index blocks are whole 64-row tiles")
     c_layout: gl.constexpr = copy_layout(HEAD_DIM)
     s_layout: gl.constexpr = mma_layout(TILE)  # S^T and dP^T
@@ -139,15 +178,11 @@ def _dkdv_col_sm90_kernel(
         dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
         async_copy.wait_group(0)
         gl.thread_barrier()
-        _issue_query_tile(u + 1, n_q, row0, q_base, do_base, stride_qn, stride_on, q_smem, do_smem, HEAD_DIM,
-                          INT64, c_layout)
+        _issue_query_tile(u + 1, n_q, row0 + (u + 1) * TILE, q_base, do_base, stride_qn, stride_on, q_smem, do_smem,
+                          HEAD_DIM, INT64, c_layout)
         fence_async_shared()
         slot = u % 2
-        s_t = warpgroup_mma(kc_smem, q_smem.index(slot).permute((1, 0)), gl.zeros([TILE, TILE], gl.float32, s_layout),
-                            use_acc=False, is_async=True)
-        dp_t = warpgroup_mma(vc_smem, do_smem.index(slot).permute((1, 0)),
-                             gl.zeros([TILE, TILE], gl.float32, s_layout), use_acc=False, is_async=True)
-        s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
+        s_t, dp_t = _issue_scores_t(kc_smem, vc_smem, q_smem.index(slot), do_smem.index(slot), s_layout)
         live = ((word >> c_bit.to(gl.int64)) & 1) != 0
         p_t = gl.where(live[:, None], gl.exp2(s_t * qk_scale - lse2[None, :]), 0.0)
         if any_diag:  # a live column inside some query block (never for a valid index)
@@ -156,13 +191,7 @@ def _dkdv_col_sm90_kernel(
             if DOCS:
                 causal = causal & (c_pos[:, None] >= gl.load(DocStart + q_pos)[None, :])
             p_t = gl.where(causal, p_t, 0.0)
-        # dV's product starts before dS is computed (P^T as its A operand from registers).
-        dv = warpgroup_mma(gl.convert_layout(p_t.to(DO.dtype.element_ty), a_layout), do_smem.index(slot), dv,
-                           is_async=True)
-        dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))  # issued before dV's product
-        ds_t = p_t * (dp_t - di[None, :])
-        dk = warpgroup_mma(gl.convert_layout(ds_t.to(Q.dtype.element_ty), a_layout), q_smem.index(slot), dk,
-                           is_async=True)
+        dk, dv = _issue_gradients_t(dk, dv, p_t, dp_t, di, q_smem.index(slot), do_smem.index(slot), a_layout)
         word = word_next
         q_blk = q_blk_next
     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
@@ -179,6 +208,258 @@ def _dkdv_col_sm90_kernel(
     gl.store(DVP + part + offs, gl.where(ok, gl.convert_layout(dv, c_layout), 0.0))
 
 
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _locate_query_tile(u, n_pass, ends, tiles, heads, g0, b, kvh, k_local, QCnt, QIdx, HQ, GROUP, NKB, MAX_S,
+                       BLOCK: gl.constexpr, INT64: gl.constexpr):
+    """Query tile ``u`` of a pass over heads g0.. of the GQA group (each head's transposed list in
+    turn, ``BLOCK // 64`` tiles per listed query block): (query head, local query block, 64-row
+    sub-tile). ``ends``/``tiles``: per head of the pass, its last tile + 1 and its tile count, held
+    whole by every thread, so this is a few register operations (no loop over heads)."""
+    g = gl.sum((ends <= u).to(gl.int32), axis=0)  # the head whose tiles hold u
+    start = gl.sum(gl.where(heads == g, ends - tiles, 0), axis=0)
+    h = kvh * GROUP + g0 + g
+    plan_row = (_wide(b * HQ + h, INT64)) * NKB + k_local
+    e = u - start
+    i = gl.load(QIdx + plan_row * MAX_S + e // (BLOCK // TILE), mask=u < n_pass, other=0)
+    return h, i, e % (BLOCK // TILE)
+
+
+@gluon.jit
+def _dkdv_sm90_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV,
+    QBlk, KBlk, QCnt, QIdx, DocStart, DocLast,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_lb, stride_lh,
+    stride_gb, stride_gh, stride_gn,
+    qk_scale, sm_scale,
+    HQ, HKV, GROUP, NKB, MAX_S,
+    BLOCK: gl.constexpr, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, HEADS: gl.constexpr, INT64: gl.constexpr,
+    DOCS: gl.constexpr, SMEM_LAYOUT: gl.constexpr,
+):
+    """One program per (KEYS keys of an index block, batch x kv head); the GQA group's heads in
+    passes of up to HEADS, each pass one pipeline over its heads' transposed lists in turn."""
+    gl.static_assert(BLOCK % KEYS == 0 and KEYS % TILE == 0, "a program's keys lie in one index block")
+    WARPS: gl.constexpr = KEYS // 16  # a warpgroup per 64 keys
+    c_layout: gl.constexpr = copy_layout(HEAD_DIM, WARPS)
+    s_layout: gl.constexpr = mma_layout(TILE, WARPS)  # S^T and dP^T
+    g_layout: gl.constexpr = mma_layout(HEAD_DIM, WARPS)  # dK and dV
+    a_layout: gl.constexpr = register_operand_layout(HEAD_DIM, WARPS)
+    keys_of_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # one entry per key (row of S^T)
+    queries_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # one entry per query (column of S^T)
+    rows_c: gl.constexpr = gl.SliceLayout(1, c_layout)
+    heads_layout: gl.constexpr = gl.BlockedLayout([HEADS], [32], [WARPS], [0])  # every thread holds all
+
+    pid_n = gl.program_id(0)
+    pid_bkv = gl.program_id(1)
+    b = pid_bkv // HKV
+    kvh = pid_bkv % HKV
+    k_local = pid_n // (BLOCK // KEYS)
+    k_first = gl.load(KBlk + k_local) * BLOCK + (pid_n % (BLOCK // KEYS)) * KEYS
+    k_pos = k_first + gl.arange(0, KEYS, layout=keys_of_s)
+    q_offs = gl.arange(0, TILE, layout=queries_of_s)
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))[None, :]
+
+    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [KEYS, HEAD_DIM], SMEM_LAYOUT)
+    v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [KEYS, HEAD_DIM], SMEM_LAYOUT)
+    # Two Q/dO slots, shared by the warpgroups: 32 KB (K, V) + 2 x 32 KB = 96 KB at 64 keys, two
+    # programs per SM; 128 KB at 128 keys, one.
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, TILE, HEAD_DIM], SMEM_LAYOUT)
+    do_smem = gl.allocate_shared_memory(DO.dtype.element_ty, [2, TILE, HEAD_DIM], SMEM_LAYOUT)
+    k_rows = _wide(pid_n * KEYS + gl.arange(0, KEYS, layout=rows_c), INT64)[:, None]
+    async_copy.async_copy_global_to_shared(
+        k_smem, K + _wide(b, INT64) * stride_kb + _wide(kvh, INT64) * stride_kh + k_rows * stride_kn + offs_d)
+    async_copy.async_copy_global_to_shared(
+        v_smem, V + _wide(b, INT64) * stride_vb + _wide(kvh, INT64) * stride_vh + k_rows * stride_vn + offs_d)
+
+    dk = warpgroup_mma_init(gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=g_layout))
+    dv = warpgroup_mma_init(gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=g_layout))
+    heads = gl.arange(0, HEADS, layout=heads_layout)
+    # The group's heads in passes of HEADS: one pipeline per pass over the heads' lists in turn.
+    for g0 in range(0, GROUP, HEADS):
+        head_rows = (_wide(b * HQ + kvh * GROUP + g0 + heads, INT64)) * NKB + k_local
+        tiles = gl.load(QCnt + head_rows, mask=g0 + heads < GROUP, other=0) * (BLOCK // TILE)
+        ends = gl.associative_scan(tiles, 0, _add)
+        n_pass = gl.sum(tiles, axis=0)
+        h, i, sub = _locate_query_tile(0, n_pass, ends, tiles, heads, g0, b, kvh, k_local, QCnt, QIdx, HQ, GROUP,
+                                       NKB, MAX_S, BLOCK, INT64)
+        row = i * BLOCK + sub * TILE
+        _issue_query_tile(0, n_pass, row, _query_base(Q, b, h, stride_qb, stride_qh, INT64),
+                          _query_base(DO, b, h, stride_ob, stride_oh, INT64), stride_qn, stride_on, q_smem, do_smem,
+                          HEAD_DIM, INT64, c_layout)
+        q_first = gl.load(QBlk + i, mask=n_pass > 0, other=0) * BLOCK + sub * TILE
+        h_next, i_next, sub_next = _locate_query_tile(1, n_pass, ends, tiles, heads, g0, b, kvh, k_local, QCnt,
+                                                      QIdx, HQ, GROUP, NKB, MAX_S, BLOCK, INT64)
+        for u in range(0, n_pass):
+            stat = _wide(b, INT64) * stride_lb + _wide(h, INT64) * stride_lh + row + q_offs
+            lse = gl.load(Lse + stat)
+            di = gl.load(Delta + stat)
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+            # Loads for later: tile u+2's list entry (its copy is issued in the next tile: a
+            # dependent load waited on there would stall every tile), tile u+1's position.
+            h_after, i_after, sub_after = _locate_query_tile(u + 2, n_pass, ends, tiles, heads, g0, b, kvh, k_local,
+                                                             QCnt, QIdx, HQ, GROUP, NKB, MAX_S, BLOCK, INT64)
+            q_first_next = gl.load(QBlk + i_next, mask=u + 1 < n_pass, other=0) * BLOCK + sub_next * TILE
+            if DOCS:
+                doc_below = gl.load(DocLast + q_first // BLOCK)  # the start of the block's last document
+            # Tile u-1's dV/dK products have retired (every warp, after the barrier) and tile u has
+            # landed: tile u+1 takes the slot they read.
+            dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+            dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
+            async_copy.wait_group(0)
+            gl.thread_barrier()
+            row_next = i_next * BLOCK + sub_next * TILE
+            _issue_query_tile(u + 1, n_pass, row_next, _query_base(Q, b, h_next, stride_qb, stride_qh, INT64),
+                              _query_base(DO, b, h_next, stride_ob, stride_oh, INT64), stride_qn, stride_on, q_smem,
+                              do_smem, HEAD_DIM, INT64, c_layout)
+            fence_async_shared()
+            slot = u % 2
+            s_t, dp_t = _issue_scores_t(k_smem, v_smem, q_smem.index(slot), do_smem.index(slot), s_layout)
+            p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
+            # Masked by position only where some pair is not causal (the diagonal) or (documents)
+            # some query's document starts after the tile's first key.
+            needs = k_first + KEYS > q_first
+            if DOCS:
+                needs = needs | (k_first < doc_below)
+            if needs:
+                q_pos = q_first + q_offs
+                keep = k_pos[:, None] <= q_pos[None, :]
+                if DOCS:
+                    keep = keep & (k_pos[:, None] >= gl.load(DocStart + q_pos)[None, :])
+                p_t = gl.where(keep, p_t, 0.0)
+            dk, dv = _issue_gradients_t(dk, dv, p_t, dp_t, di, q_smem.index(slot), do_smem.index(slot), a_layout)
+            h, row, q_first = h_next, row_next, q_first_next
+            h_next, i_next, sub_next = h_after, i_after, sub_after
+        # Retired; carried into the next pass as accumulators again.
+        dk = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=0, deps=(dk,)))
+        dv = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=0, deps=(dv,)))
+        async_copy.wait_group(0)  # no copy outlives the pass (the K/V copy when it is empty)
+        gl.thread_barrier()  # the next pass's first tile refills slot 0
+    dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
+    dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
+
+    # This program is the only writer of its key rows (slash sets are closed under transposition).
+    out_rows = _wide(pid_n * KEYS + gl.arange(0, KEYS, layout=rows_c), INT64)[:, None]
+    g_offs = _wide(b, INT64) * stride_gb + _wide(kvh, INT64) * stride_gh + out_rows * stride_gn + offs_d
+    gl.store(DK + g_offs, gl.load(DK + g_offs) + gl.convert_layout(dk * sm_scale, c_layout))
+    gl.store(DV + g_offs, gl.load(DV + g_offs) + gl.convert_layout(dv, c_layout))
+
+
+@gluon.jit
+def _dq_sm90_kernel(
+    Q, K, V, DO, Lse, Delta, DQ,
+    QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, ColPos, Words, Diag, DocStart, DocLast, ColStart,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_lb, stride_lh,
+    stride_gb, stride_gh, stride_gn,
+    qk_scale, sm_scale,
+    HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS,
+    BLOCK: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, ACCUMULATE: gl.constexpr,
+    INT64: gl.constexpr, DOCS: gl.constexpr, HAS_COLS: gl.constexpr, SMEM_LAYOUT: gl.constexpr,
+):
+    """One program per (ROWS query rows of an index block, batch x query head); its only writer,
+    so the one-step backward stores dQ in the inputs' dtype (ACCUMULATE off)."""
+    gl.static_assert(BLOCK % ROWS == 0 and ROWS % TILE == 0, "a program's rows lie in one index block")
+    WARPS: gl.constexpr = ROWS // 16  # a warpgroup per 64 rows
+    c_layout: gl.constexpr = copy_layout(HEAD_DIM, WARPS)
+    s_layout: gl.constexpr = mma_layout(TILE, WARPS)  # S and dP
+    g_layout: gl.constexpr = mma_layout(HEAD_DIM, WARPS)  # dQ
+    a_layout: gl.constexpr = register_operand_layout(HEAD_DIM, WARPS)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    rows_c: gl.constexpr = gl.SliceLayout(1, c_layout)
+
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = _wide(pid_bh // HQ, INT64)
+    h = _wide(pid_bh % HQ, INT64)
+    kvh = h // GROUP
+    q_local_blk = pid_m // (BLOCK // ROWS)
+    q_blk = gl.load(QBlk + q_local_blk)
+    bh = _wide(pid_bh, INT64)  # times the plan's row lengths
+    plan_row = bh * NQB + q_local_blk
+    list_row = plan_row * MAX_S
+    n_slash, n_cols, diag, c_begin, n_tiles = _key_tiles(plan_row, KVCnt, ColLimit, Diag, ColStart, BLOCK, DOCS,
+                                                         HAS_COLS)
+    col_row = bh * MAX_V
+    word_row = plan_row * N_WORDS
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+
+    # Q and dO stay; K/V tiles in two slots, shared by the warpgroups: 2 x 16 KB + 2 x 32 KB = 96 KB
+    # at 64 rows, two programs per SM; 128 KB at 128 rows, one.
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [ROWS, HEAD_DIM], SMEM_LAYOUT)
+    do_smem = gl.allocate_shared_memory(DO.dtype.element_ty, [ROWS, HEAD_DIM], SMEM_LAYOUT)
+    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [2, TILE, HEAD_DIM], SMEM_LAYOUT)
+    v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [2, TILE, HEAD_DIM], SMEM_LAYOUT)
+    rows = _wide(pid_m * ROWS + gl.arange(0, ROWS, layout=rows_c), INT64)[:, None]
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))[None, :]
+    async_copy.async_copy_global_to_shared(q_smem, Q + b * stride_qb + h * stride_qh + rows * stride_qn + offs_d)
+    async_copy.async_copy_global_to_shared(do_smem, DO + b * stride_ob + h * stride_oh + rows * stride_on + offs_d)
+    kv_rows = _tile_rows(0, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK, INT64, rows_c)
+    _issue_tile(0, n_tiles, kv_rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM, 2,
+                c_layout)  # with Q and dO: group 0
+    kv_rows = _tile_rows(1, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK, INT64, rows_c)
+
+    q_first, q_pos, q_doc, doc_mask_below = _query_positions(pid_m, q_blk, DocStart, DocLast, BLOCK, ROWS, DOCS,
+                                                             rows_s)
+    stat = b * stride_lb + h * stride_lh + pid_m * ROWS + gl.arange(0, ROWS, layout=rows_s)
+    lse = gl.load(Lse + stat)
+    di = gl.load(Delta + stat)
+    # A row without any key (lse = -inf) has p = 0 everywhere: exp2(s - inf).
+    lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    dq = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=g_layout))
+    k_first, word = _tile_scalars(0, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c_begin, BLOCK,
+                                  HAS_COLS)
+    for t in range(0, n_tiles):
+        next_first, next_word = _tile_scalars(t + 1, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row,
+                                              c_begin, BLOCK, HAS_COLS)
+        # Tile t-1's dQ product has retired (every warp, after the barrier) and tile t has landed:
+        # tile t+1 takes the slot tile t-1 used.
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        _issue_tile(t + 1, n_tiles, kv_rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM, 2,
+                    c_layout)
+        kv_rows = _tile_rows(t + 2, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK, INT64,
+                             rows_c)
+        fence_async_shared()
+        slot = t % 2
+        s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, s_layout),
+                          use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_smem, v_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        s = _mask_scores(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag, ColPos, col_row,
+                         c_begin, n_cols, BLOCK, DOCS, HAS_COLS, cols_s)
+        p = gl.exp2(s * qk_scale - lse2[:, None])
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+        ds = p * (dp - di[:, None])
+        dq = warpgroup_mma(gl.convert_layout(ds.to(K.dtype.element_ty), a_layout), k_smem.index(slot), dq,
+                           is_async=True)
+        k_first = next_first
+        word = next_word
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    async_copy.wait_group(0)  # no copy outlives the program
+
+    out = gl.convert_layout(dq * sm_scale, c_layout)
+    dq_ptrs = DQ + b * stride_gb + h * stride_gh + rows * stride_gn + offs_d
+    if ACCUMULATE:
+        gl.store(dq_ptrs, gl.load(dq_ptrs) + out)
+    else:  # this program is the rows' only writer: store in DQ's dtype
+        gl.store(dq_ptrs, out.to(DQ.dtype.element_ty))
+
+
 def column_gradients_hopper(q, k, v, do, lse, delta, dk_part, dv_part, plan, cols, col_pos, words, head_diag,
                             q_first, q_end, doc_start, docs: bool, int64: bool, strides, qk_scale: float,
                             softmax_scale: float, splits: int) -> None:
@@ -193,4 +474,46 @@ def column_gradients_hopper(q, k, v, do, lse, delta, dk_part, dv_part, plan, col
         *strides, qk_scale, softmax_scale,
         hq, hq // k.shape[1], nq // B, plan.cols.shape[-1], dk_part.shape[2], words.shape[-1], splits, b * hq,
         BLOCK=B, HEAD_DIM=d, INT64=int64, DOCS=docs, SMEM_LAYOUT=shared_layout(d, q.dtype), num_warps=4,
+    )
+
+
+def block_gradients_hopper(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs: bool, int64: bool,
+                           strides, qk_scale: float, softmax_scale: float) -> None:
+    """``_dkdv_kernel``'s work (dK, dV of the key blocks through the transposed slash lists, added
+    into fp32 ``dk``/``dv``) with one program per (index block, batch x kv head): a warpgroup per
+    64 keys, sharing every Q/dO tile."""
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    keys = plan.block_size
+    _dkdv_sm90_kernel[(nk // keys, b * hkv)](
+        q, k, v, do, lse, delta, dk, dv,
+        plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks, doc_start, doc_last,
+        *strides, dk.stride(0), dk.stride(1), dk.stride(2), qk_scale, softmax_scale,
+        hq, hkv, group, nk // plan.block_size, plan.q_blocks.shape[-1],
+        BLOCK=plan.block_size, KEYS=keys, HEAD_DIM=d, HEADS=min(8, triton.next_power_of_2(group)), INT64=int64,
+        DOCS=docs, SMEM_LAYOUT=shared_layout(d, q.dtype), num_warps=keys // 16,
+    )
+
+
+def query_gradients_hopper(q, k, v, do, lse, delta, dq, plan, accumulate: bool, int64: bool, strides, qk_scale: float,
+                           softmax_scale: float) -> None:
+    """``_dq_kernel``'s work (dQ of a query tile over its slash blocks and columns; added into fp32
+    ``dq``, or with ``accumulate=False`` written in ``dq``'s dtype) with one program per (64 query
+    rows, batch x query head); at B = 128 a program holds a whole query block, a warpgroup per 64 rows
+    sharing every K/V tile."""
+    from .triton_fwd import column_arguments, document_arguments
+
+    b, hq, nq, d = q.shape
+    rows = plan.block_size
+    cols, col_pos, words, diag, n_words = column_arguments(plan)
+    doc_start, doc_last, col_start, docs = document_arguments(plan)
+    _dq_sm90_kernel[(nq // rows, b * hq)](
+        q, k, v, do, lse, delta, dq,
+        plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos, words,
+        diag, doc_start, doc_last, col_start,
+        *strides, dq.stride(0), dq.stride(1), dq.stride(2), qk_scale, softmax_scale,
+        hq, hq // k.shape[1], nq // plan.block_size, plan.kv_blocks.shape[-1], plan.cols.shape[-1], n_words,
+        BLOCK=plan.block_size, ROWS=rows, HEAD_DIM=d, ACCUMULATE=accumulate, INT64=int64, DOCS=docs,
+        HAS_COLS=plan.cols.shape[-1] > 0, SMEM_LAYOUT=shared_layout(d, q.dtype), num_warps=rows // 16,
     )

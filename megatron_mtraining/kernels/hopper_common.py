@@ -25,25 +25,28 @@ def _wide(x, INT64: gl.constexpr):
 
 
 @gluon.constexpr_function
-def copy_layout(head_dim):
-    """Registers of a [64, head_dim] tile for cp.async: 16-byte pieces, a warp covers whole rows."""
-    return gl.BlockedLayout([1, 8], [32 // (head_dim // 8), head_dim // 8], [4, 1], [1, 0])
+def copy_layout(head_dim, warps=4):
+    """Registers of a [rows, head_dim] tile for cp.async: 16-byte pieces, a warp covers whole rows."""
+    return gl.BlockedLayout([1, 8], [32 // (head_dim // 8), head_dim // 8], [warps, 1], [1, 0])
 
 
 @gluon.constexpr_function
-def mma_layout(n):
-    """The wgmma accumulator of a [64, n] tile (the m64 atom over 4 warps)."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+def mma_layout(n, warps=4):
+    """The wgmma accumulator of a [16 * warps, n] tile: the m64 atom over each warpgroup, the
+    warpgroups (``warps // 4``) over consecutive 64-row slices."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, n, 16])
 
 
 @gluon.constexpr_function
-def register_operand_layout(head_dim):
-    """A [64, 64] A operand in registers (P or dS) of a product into a [64, head_dim] accumulator."""
-    return gl.DotOperandLayout(operand_index=0, parent=mma_layout(head_dim), k_width=2)
+def register_operand_layout(head_dim, warps=4):
+    """A [16 * warps, 64] A operand in registers (P or dS) of a product into a [16 * warps,
+    head_dim] accumulator."""
+    return gl.DotOperandLayout(operand_index=0, parent=mma_layout(head_dim, warps), k_width=2)
 
 
 def shared_layout(head_dim: int, dtype: torch.dtype):
-    """The wgmma-ready (swizzled) shared-memory layout of a [64, head_dim] tile."""
+    """The wgmma-ready (swizzled) shared-memory layout of a [rows, head_dim] tile (the swizzle
+    depends on the row's bytes only)."""
     element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     return gl.NVMMASharedLayout.get_default_for([TILE.value, head_dim], element)
 

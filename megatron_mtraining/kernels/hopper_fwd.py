@@ -24,6 +24,10 @@ mode of ring attention. Everything else runs the Triton forward (``step.forward_
 Gluon has no CPU interpreter: on the CPU this kernel is cross-compiled for sm_90a in the tests
 (no spills, no serialised wgmma); its numbers are tested on the GPU against the reference and the
 Triton forward.
+
+``rows=128`` (B = 128 only) runs one program per query block, two warpgroups sharing every K/V
+tile: the same bits, but in lockstep (softmax against softmax) 2% slower than two 64-row programs
+at 128K (NOTES, session 12), so the default stays 64; it is the base for FA3's ping-pong order.
 """
 
 from __future__ import annotations
@@ -34,50 +38,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .hopper_common import TILE, _wide, copy_layout, mma_layout, register_operand_layout, shared_layout
+from .hopper_keys import _issue_tile, _key_tiles, _mask_scores, _query_positions, _tile_rows, _tile_scalars
 from .triton_fwd import LOG2E, column_arguments, document_arguments, int64_offsets, plan_tensors
 
 STAGES = 3  # K/V ring slots: 16 KB (Q) + 3 x 32 KB = 112 KB, two programs per SM
-
-
-@gluon.jit
-def _tile_rows(u, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK: gl.constexpr,
-               INT64: gl.constexpr, rows_layout: gl.constexpr):
-    """Local key rows of tile ``u`` (anything past the list: never copied). Loaded a while before
-    the copy is issued, so that the gather's latency hides behind the tile in flight."""
-    offs = gl.arange(0, TILE, layout=rows_layout)
-    j = gl.load(KVIdx + list_row + u // (BLOCK // TILE), mask=u < n_slash, other=0)
-    c = c_begin + (u - n_slash) * TILE + offs
-    # Column slots past the limit gather row 0; their bit in the column word is never read.
-    col_rows = gl.load(Cols + col_row + c, mask=(u >= n_slash) & (u < n_tiles) & (c < n_cols), other=0)
-    return _wide(gl.where(u >= n_slash, col_rows, j * BLOCK + (u % (BLOCK // TILE)) * TILE + offs), INT64)
-
-
-@gluon.jit
-def _issue_tile(u, n_tiles, rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM: gl.constexpr,
-                STAGES: gl.constexpr, c_layout: gl.constexpr):
-    """Start copying tile ``u``'s K and V rows into slot ``u % STAGES`` and close one cp.async group
-    (an empty one past the list, so that the group count stays one per tile)."""
-    if u < n_tiles:
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))[None, :]
-        slot = u % STAGES
-        async_copy.async_copy_global_to_shared(k_smem.index(slot), k_base + rows[:, None] * stride_kn + offs_d)
-        async_copy.async_copy_global_to_shared(v_smem.index(slot), v_base + rows[:, None] * stride_vn + offs_d)
-    async_copy.commit_group()
-
-
-@gluon.jit
-def _tile_scalars(t, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c_begin, BLOCK: gl.constexpr,
-                  HAS_COLS: gl.constexpr):
-    """What tile ``t``'s mask needs, as scalars: (position of its first key if a slash tile, its
-    column word if a column tile). Loaded one tile ahead: the two loads depend on each other."""
-    j = gl.load(KVIdx + list_row + t // (BLOCK // TILE), mask=t < n_slash, other=0)
-    k_first = gl.load(KBlk + j) * BLOCK + (t % (BLOCK // TILE)) * TILE
-    if HAS_COLS:
-        word = gl.load(Words + word_row + (c_begin + (t - n_slash) * TILE) // 64,
-                       mask=(t >= n_slash) & (t < n_tiles), other=0)
-    else:
-        word = gl.to_tensor(0).to(gl.int64)
-    return k_first, word
 
 
 @gluon.jit
@@ -85,32 +49,9 @@ def _fold_tile(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_bel
                col_row, c_begin, n_cols, BLOCK: gl.constexpr, DOCS: gl.constexpr, HAS_COLS: gl.constexpr,
                cols_layout: gl.constexpr):
     """Mask tile ``t``'s raw scores ``s`` and fold them into the online softmax (base 2):
-    (p, alpha, m, l). Masks only where needed, as the Triton forward: a slash tile by position on
-    the diagonal (and, with documents, where it starts before the block's last document); a column
-    tile by its column word, and by position only where ``diag`` (column_words.py) says so. The
-    scale (> 0) goes inside exp2's argument."""
-    offs = gl.arange(0, TILE, layout=cols_layout)
-    if t < n_slash:
-        needs = k_first + TILE > q_first
-        if DOCS:
-            needs = needs | (k_first < doc_mask_below)
-        if needs:
-            k_pos = k_first + offs
-            keep = k_pos[None, :] <= q_pos[:, None]
-            if DOCS:
-                keep = keep & (k_pos[None, :] >= q_doc[:, None])
-            s = gl.where(keep, s, float("-inf"))
-    else:
-        if HAS_COLS:
-            c0 = c_begin + (t - n_slash) * TILE  # a multiple of 64: the tile is one column word
-            live = (((word >> offs.to(gl.int64)) & 1) != 0) & (c0 + offs < n_cols)
-            s = gl.where(live[None, :], s, float("-inf"))
-            if diag:
-                c_pos = gl.load(ColPos + col_row + c0 + offs, mask=c0 + offs < n_cols, other=0).to(gl.int32)
-                keep = c_pos[None, :] <= q_pos[:, None]
-                if DOCS:
-                    keep = keep & (c_pos[None, :] >= q_doc[:, None])
-                s = gl.where(keep, s, float("-inf"))
+    (p, alpha, m, l). The scale (> 0) goes inside exp2's argument."""
+    s = _mask_scores(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag, ColPos, col_row,
+                     c_begin, n_cols, BLOCK, DOCS, HAS_COLS, cols_layout)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay exact zeros
     p = gl.exp2(s * qk_scale - m_safe[:, None])
@@ -129,15 +70,17 @@ def _vs_attn_fwd_sm90_kernel(
     stride_lb, stride_lh,
     qk_scale,
     HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS,
-    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ACCUMULATE: gl.constexpr,
-    INT64: gl.constexpr, DOCS: gl.constexpr, HAS_COLS: gl.constexpr, SMEM_LAYOUT: gl.constexpr,
+    BLOCK: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    ACCUMULATE: gl.constexpr, INT64: gl.constexpr, DOCS: gl.constexpr, HAS_COLS: gl.constexpr,
+    SMEM_LAYOUT: gl.constexpr,
 ):
     gl.static_assert(STAGES >= 2, "a slot is refilled once its PV product retires: 2 slots or more")
-    gl.static_assert(BLOCK % TILE == 0, "index blocks are whole 64-key tiles")
-    c_layout: gl.constexpr = copy_layout(HEAD_DIM)
-    s_layout: gl.constexpr = mma_layout(TILE)  # scores
-    o_layout: gl.constexpr = mma_layout(HEAD_DIM)  # output
-    p_layout: gl.constexpr = register_operand_layout(HEAD_DIM)
+    gl.static_assert(BLOCK % ROWS == 0 and ROWS % TILE == 0, "a program's rows lie in one index block")
+    WARPS: gl.constexpr = ROWS // 16  # a warpgroup per 64 rows
+    c_layout: gl.constexpr = copy_layout(HEAD_DIM, WARPS)
+    s_layout: gl.constexpr = mma_layout(TILE, WARPS)  # scores
+    o_layout: gl.constexpr = mma_layout(HEAD_DIM, WARPS)  # output
+    p_layout: gl.constexpr = register_operand_layout(HEAD_DIM, WARPS)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
     rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -148,36 +91,24 @@ def _vs_attn_fwd_sm90_kernel(
     b = _wide(pid_bh // HQ, INT64)
     h = _wide(pid_bh % HQ, INT64)
     kvh = h // GROUP
-    q_local_blk = pid_m // (BLOCK // TILE)
+    q_local_blk = pid_m // (BLOCK // ROWS)
     q_blk = gl.load(QBlk + q_local_blk)
     bh = _wide(pid_bh, INT64)  # times the plan's row lengths
     plan_row = bh * NQB + q_local_blk
     list_row = plan_row * MAX_S
-    n_slash = gl.load(KVCnt + plan_row) * (BLOCK // TILE)
-    if HAS_COLS:
-        n_cols = gl.load(ColLimit + plan_row)
-        diag = gl.load(Diag + plan_row) != 0
-        if DOCS:  # columns of earlier documents are skipped whole tiles at a time
-            c_begin = (gl.load(ColStart + plan_row) // TILE) * TILE
-        else:
-            c_begin = n_cols * 0
-        n_tiles = n_slash + (gl.maximum(n_cols - c_begin, 0) + TILE - 1) // TILE
-    else:
-        n_cols = n_slash * 0
-        diag = n_cols != 0
-        c_begin = n_cols
-        n_tiles = n_slash
+    n_slash, n_cols, diag, c_begin, n_tiles = _key_tiles(plan_row, KVCnt, ColLimit, Diag, ColStart, BLOCK, DOCS,
+                                                         HAS_COLS)
     col_row = bh * MAX_V
     word_row = plan_row * N_WORDS
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
 
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [TILE, HEAD_DIM], SMEM_LAYOUT)
+    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [ROWS, HEAD_DIM], SMEM_LAYOUT)
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, TILE, HEAD_DIM], SMEM_LAYOUT)
     v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, TILE, HEAD_DIM], SMEM_LAYOUT)
 
     # Q joins tile 0's copy group; every slot starts filling at once.
-    rows = pid_m * TILE + gl.arange(0, TILE, layout=rows_c)
+    rows = pid_m * ROWS + gl.arange(0, ROWS, layout=rows_c)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))
     async_copy.async_copy_global_to_shared(
         q_smem, Q + b * stride_qb + h * stride_qh + _wide(rows, INT64)[:, None] * stride_qn + offs_d[None, :])
@@ -187,17 +118,10 @@ def _vs_attn_fwd_sm90_kernel(
         _issue_tile(i, n_tiles, kv_rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM, STAGES,
                     c_layout)
 
-    q_first = q_blk * BLOCK + (pid_m % (BLOCK // TILE)) * TILE
-    q_pos = q_first + gl.arange(0, TILE, layout=rows_s)
-    if DOCS:
-        q_doc = gl.load(DocStart + q_pos)
-        doc_mask_below = gl.load(DocLast + q_blk)
-    else:
-        q_doc = q_pos
-        doc_mask_below = q_blk
-    m_i = gl.full([TILE], float("-inf"), gl.float32, layout=rows_s)
-    l_i = gl.zeros([TILE], gl.float32, layout=rows_s)
-    acc = gl.zeros([TILE, HEAD_DIM], gl.float32, layout=o_layout)
+    q_first, q_pos, q_doc, doc_mask_below = _query_positions(pid_m, q_blk, DocStart, DocLast, BLOCK, ROWS, DOCS, rows_s)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
+    l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     if n_tiles > 0:
         # Tile 0 alone (the accumulator is still empty), then per tile t: S_t and PV_{t-1} in flight.
         k_first, word = _tile_scalars(0, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c_begin, BLOCK,
@@ -205,7 +129,7 @@ def _vs_attn_fwd_sm90_kernel(
         async_copy.wait_group(STAGES - 1)
         gl.thread_barrier()  # every thread's copies have landed
         fence_async_shared()  # cp.async writes (generic proxy) before wgmma reads (async proxy)
-        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([TILE, TILE], gl.float32, s_layout),
+        s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, s_layout),
                           use_acc=False, is_async=True)
         next_first, next_word = _tile_scalars(1, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c_begin,
                                               BLOCK, HAS_COLS)
@@ -228,7 +152,7 @@ def _vs_attn_fwd_sm90_kernel(
             gl.thread_barrier()
             fence_async_shared()
             s = warpgroup_mma(q_smem, k_smem.index(t % STAGES).permute((1, 0)),
-                              gl.zeros([TILE, TILE], gl.float32, s_layout), use_acc=False, is_async=True)
+                              gl.zeros([ROWS, TILE], gl.float32, s_layout), use_acc=False, is_async=True)
             acc = warpgroup_mma(p_op, v_smem.index((t - 1) % STAGES), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))  # the scores (issued first) only
             p, alpha, m_i, l_i = _fold_tile(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below,
@@ -268,15 +192,19 @@ def _vs_attn_fwd_sm90_kernel(
     gl.store(l_ptrs, lse)
 
 
-def vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool) -> None:
-    """``vs_attention_fwd_triton``'s contract on an sm_90 GPU (``unsupported_reason`` must be '')."""
+def vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool, rows: int = 64) -> None:
+    """``vs_attention_fwd_triton``'s contract on an sm_90 GPU (``unsupported_reason`` must be ''):
+    programs of ``rows`` query rows (64, or 128 with B = 128: a warpgroup per 64 rows sharing
+    every K/V tile)."""
     if not softmax_scale > 0:
         raise ValueError(f"vs_attention_fwd_hopper: softmax_scale must be positive, got {softmax_scale}")
     b, hq, nq, d = q.shape
     B = plan.block_size
+    if rows not in (64, 128) or B % rows:
+        raise ValueError(f"vs_attention_fwd_hopper: rows must be 64 or 128 and divide the block size {B}, got {rows}")
     cols, col_pos, words, diag, n_words = column_arguments(plan)
     doc_start, doc_last, col_start, docs = document_arguments(plan)
-    _vs_attn_fwd_sm90_kernel[(nq // TILE.value, b * hq)](
+    _vs_attn_fwd_sm90_kernel[(nq // rows, b * hq)](
         q, k, v, out, lse,
         plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos, words,
         diag, doc_start, doc_last, col_start,
@@ -287,7 +215,7 @@ def vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale: float, accum
         lse.stride(0), lse.stride(1),
         softmax_scale * LOG2E,
         hq, hq // k.shape[1], nq // B, plan.kv_blocks.shape[-1], plan.cols.shape[-1], n_words,
-        BLOCK=B, HEAD_DIM=d, STAGES=STAGES, ACCUMULATE=accumulate,
+        BLOCK=B, ROWS=rows, HEAD_DIM=d, STAGES=STAGES, ACCUMULATE=accumulate,
         INT64=int64_offsets(q, k, v, out, lse, *plan_tensors(plan)), DOCS=docs, HAS_COLS=plan.cols.shape[-1] > 0,
-        SMEM_LAYOUT=shared_layout(d, q.dtype), num_warps=4,
+        SMEM_LAYOUT=shared_layout(d, q.dtype), num_warps=rows // 16,
     )

@@ -21,9 +21,9 @@ _ANNOUNCED = set()  # (variable, kernel, reason) already logged: each choice is 
 
 BACKENDS = ("auto", "triton", "torch")
 # On the "triton" backend, where the Hopper kernels (Gluon, sm_90) cover a call they replace the
-# Triton ones: the forward (kernels/hopper_fwd.py) and the column gradients of the backward
-# (kernels/hopper_bwd.py). MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL = triton or
-# hopper force one ("hopper" fails with the reason where it cannot run).
+# Triton ones: the forward (kernels/hopper_fwd.py) and the backward (kernels/hopper_bwd.py).
+# MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL = triton or hopper force one ("hopper"
+# fails with the reason where it cannot run).
 KERNEL_CHOICES = ("auto", "triton", "hopper")
 FORWARD_KERNEL_ENV = "MTRAINING_FORWARD_KERNEL"
 BACKWARD_KERNEL_ENV = "MTRAINING_BACKWARD_KERNEL"
@@ -85,7 +85,7 @@ def _announce(env: str, kernel: str, reason: str) -> None:
     if key in _ANNOUNCED:
         return
     _ANNOUNCED.add(key)
-    part = "forward" if env == FORWARD_KERNEL_ENV else "column gradients"
+    part = "forward" if env == FORWARD_KERNEL_ENV else "backward"
     if kernel == "hopper":
         logger.info("MTraining: %s on the Hopper kernel (sm_90, Gluon); %s=triton for the Triton one", part, env)
     else:
@@ -98,8 +98,7 @@ def forward_kernel(q, k, v, plan, out) -> str:
 
 
 def backward_kernel(q, k, v, do, plan) -> str:
-    """The column gradients' kernel for this step on the "triton" backend: "hopper" or "triton"
-    (the rest of the backward is Triton's)."""
+    """The backward's kernels for this step on the "triton" backend: "hopper" or "triton"."""
     return _kernel_choice(BACKWARD_KERNEL_ENV, plan, dict(q=q, k=k, v=v, do=do))
 
 
@@ -130,7 +129,7 @@ def step_backward(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softm
     if backend == "triton":
         from .triton_bwd import vs_attention_bwd_triton
         vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale,
-                                column_kernel=backward_kernel(q, k, v, do, plan))
+                                kernels=backward_kernel(q, k, v, do, plan))
     else:
         vs_attention_bwd_torch(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
 
@@ -146,7 +145,7 @@ def single_step_backward(backend: str, q, k, v, do, lse, delta, plan, softmax_sc
         from .triton_bwd import vs_attention_bwd_triton
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale, accumulate_dq=False,
-                                column_kernel=backward_kernel(q, k, v, do, plan))
+                                kernels=backward_kernel(q, k, v, do, plan))
     else:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         step_backward(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)

@@ -312,11 +312,11 @@ def _column_splits(nqb: int, programs_per_split: int, target: int) -> int:
 
 
 def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float,
-                            accumulate_dq: bool = True, column_kernel: str = "triton") -> None:
+                            accumulate_dq: bool = True, kernels: str = "triton") -> None:
     """Add this plan's gradients into fp32 ``dq`` ``[b,hq,nq,d]`` and ``dk``/``dv`` ``[b,hkv,nk,d]``.
     ``accumulate_dq=False`` (a single step) writes ``dq`` in its own dtype instead of adding.
-    ``column_kernel="hopper"`` computes the column gradients with ``hopper_bwd`` (sm_90; the
-    caller checks ``step.backward_kernel``): same partials, same reduction.
+    ``kernels="hopper"`` runs the Hopper kernels of ``hopper_bwd`` instead (sm_90; the caller
+    checks ``step.backward_kernel``): the same work split, partials and reduction.
 
     ``lse`` and ``delta`` (fp32 ``[b, hq, nq]``, same strides) belong to the FINAL output.
     """
@@ -340,24 +340,30 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     cols, col_pos, words, diag, n_words = triton_fwd.column_arguments(plan)
     doc_start, doc_last, col_start, docs = document_arguments(plan)
 
-    _dq_kernel[(nq // block_m, b * hq)](
-        q, k, v, do, lse, delta, dq,
-        plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos,
-        words, diag, doc_start, doc_last, col_start, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
-        qk_scale, softmax_scale, hq, group, nqb, max_s, max_v, n_words,
-        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_COL=block_col, HEAD_DIM=d,
-        MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], DQ_ACCUMULATE=accumulate_dq, DOCS=docs, **launch)
-
-    _dkdv_kernel[(nk // block_n, b * hkv)](
-        q, k, v, do, lse, delta, dk, dv,
-        plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks, doc_start,
-        *strides, dk.stride(0), dk.stride(1), dk.stride(2),
-        qk_scale, softmax_scale, hq, hkv, group, nkb, max_s,
-        BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, DOCS=docs, **launch)
+    if kernels == "hopper":
+        from .hopper_bwd import block_gradients_hopper, query_gradients_hopper
+        query_gradients_hopper(q, k, v, do, lse, delta, dq, plan, accumulate_dq, launch["INT64"], strides, qk_scale,
+                               softmax_scale)
+        block_gradients_hopper(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs, launch["INT64"],
+                               strides, qk_scale, softmax_scale)
+    else:
+        _dq_kernel[(nq // block_m, b * hq)](
+            q, k, v, do, lse, delta, dq,
+            plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos,
+            words, diag, doc_start, doc_last, col_start, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
+            qk_scale, softmax_scale, hq, group, nqb, max_s, max_v, n_words,
+            BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_COL=block_col, HEAD_DIM=d,
+            MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], DQ_ACCUMULATE=accumulate_dq, DOCS=docs, **launch)
+        _dkdv_kernel[(nk // block_n, b * hkv)](
+            q, k, v, do, lse, delta, dk, dv,
+            plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks, doc_start,
+            *strides, dk.stride(0), dk.stride(1), dk.stride(2),
+            qk_scale, softmax_scale, hq, hkv, group, nkb, max_s,
+            BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, DOCS=docs, **launch)
 
     if max_v == 0:
         return
-    if column_kernel == "hopper":
+    if kernels == "hopper":
         block_col = 64  # the Hopper kernel's column tiles
     n_tiles = -(-max_v // block_col)
     max_v_pad = n_tiles * block_col
@@ -367,7 +373,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     dk_part = torch.empty(splits, b * hq, max_v_pad, d, dtype=torch.float32, device=q.device)
     dv_part = torch.empty_like(dk_part)
     head_diag = diag.amax(-1).contiguous()
-    if column_kernel == "hopper":
+    if kernels == "hopper":
         from .hopper_bwd import column_gradients_hopper
         column_gradients_hopper(q, k, v, do, lse, delta, dk_part, dv_part, plan, cols, col_pos, words, head_diag,
                                 q_first, q_end, doc_start, docs, launch["INT64"], strides, qk_scale, softmax_scale,

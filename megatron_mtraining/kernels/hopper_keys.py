@@ -1,0 +1,130 @@
+"""The key tiles that one 64-row query tile reads in the Hopper kernels that walk a query tile's
+keys (the forward, ``hopper_fwd.py``; dQ, ``hopper_bwd.py``): first the slash key blocks of its
+query block (``BLOCK // 64`` tiles per block), then the plan's columns in 64-column slots.
+
+Every tile is one copy of 64 K rows and 64 V rows by ``cp.async``, from row indices: a slash
+tile's are consecutive, a column tile's are gathered (TMA cannot gather on sm_90), so strided
+views (Megatron's [s, b, h, d]) and columns take one path. The rows and the mask's scalars are
+loaded a tile or more before they are needed, so that the dependent loads' latency hides behind
+the tiles in flight (NOTES.md, session 11: 14 ms -> 8.5 ms for the forward).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+from .hopper_common import TILE, _wide
+
+
+@gluon.jit
+def _key_tiles(plan_row, KVCnt, ColLimit, Diag, ColStart, BLOCK: gl.constexpr, DOCS: gl.constexpr,
+               HAS_COLS: gl.constexpr):
+    """A query block's tiles (``plan_row``): (slash tiles, column limit, whether a column needs the
+    token-level test, first column slot read, all tiles)."""
+    n_slash = gl.load(KVCnt + plan_row) * (BLOCK // TILE)
+    if HAS_COLS:
+        n_cols = gl.load(ColLimit + plan_row)
+        diag = gl.load(Diag + plan_row) != 0
+        if DOCS:  # columns of earlier documents are skipped whole tiles at a time
+            c_begin = (gl.load(ColStart + plan_row) // TILE) * TILE
+        else:
+            c_begin = n_cols * 0
+        n_tiles = n_slash + (gl.maximum(n_cols - c_begin, 0) + TILE - 1) // TILE
+    else:
+        n_cols = n_slash * 0
+        diag = n_cols != 0
+        c_begin = n_cols
+        n_tiles = n_slash
+    return n_slash, n_cols, diag, c_begin, n_tiles
+
+
+@gluon.jit
+def _query_positions(pid_m, q_blk, DocStart, DocLast, BLOCK: gl.constexpr, ROWS: gl.constexpr, DOCS: gl.constexpr,
+                     rows_layout: gl.constexpr):
+    """The positions of program ``pid_m``'s ROWS query rows, for the masks: (first position,
+    positions, their documents' starts, the start of its block's last document; the last two are
+    the positions and the block without documents)."""
+    q_first = q_blk * BLOCK + (pid_m % (BLOCK // ROWS)) * ROWS
+    q_pos = q_first + gl.arange(0, ROWS, layout=rows_layout)
+    if DOCS:
+        q_doc = gl.load(DocStart + q_pos)
+        doc_mask_below = gl.load(DocLast + q_blk)
+    else:
+        q_doc = q_pos
+        doc_mask_below = q_blk
+    return q_first, q_pos, q_doc, doc_mask_below
+
+
+@gluon.jit
+def _tile_rows(u, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK: gl.constexpr,
+               INT64: gl.constexpr, rows_layout: gl.constexpr):
+    """Local key rows of tile ``u`` (anything past the list: never copied). Loaded a while before
+    the copy is issued, so that the gather's latency hides behind the tile in flight."""
+    offs = gl.arange(0, TILE, layout=rows_layout)
+    j = gl.load(KVIdx + list_row + u // (BLOCK // TILE), mask=u < n_slash, other=0)
+    c = c_begin + (u - n_slash) * TILE + offs
+    # Column slots past the limit gather row 0; their bit in the column word is never read.
+    col_rows = gl.load(Cols + col_row + c, mask=(u >= n_slash) & (u < n_tiles) & (c < n_cols), other=0)
+    return _wide(gl.where(u >= n_slash, col_rows, j * BLOCK + (u % (BLOCK // TILE)) * TILE + offs), INT64)
+
+
+@gluon.jit
+def _issue_tile(u, n_tiles, rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM: gl.constexpr,
+                STAGES: gl.constexpr, c_layout: gl.constexpr):
+    """Start copying tile ``u``'s K and V rows into slot ``u % STAGES`` and close one cp.async group
+    (an empty one past the list, so that the group count stays one per tile)."""
+    if u < n_tiles:
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))[None, :]
+        slot = u % STAGES
+        async_copy.async_copy_global_to_shared(k_smem.index(slot), k_base + rows[:, None] * stride_kn + offs_d)
+        async_copy.async_copy_global_to_shared(v_smem.index(slot), v_base + rows[:, None] * stride_vn + offs_d)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _tile_scalars(t, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c_begin, BLOCK: gl.constexpr,
+                  HAS_COLS: gl.constexpr):
+    """What tile ``t``'s mask needs, as scalars: (position of its first key if a slash tile, its
+    column word if a column tile). Loaded one tile ahead: the two loads depend on each other."""
+    j = gl.load(KVIdx + list_row + t // (BLOCK // TILE), mask=t < n_slash, other=0)
+    k_first = gl.load(KBlk + j) * BLOCK + (t % (BLOCK // TILE)) * TILE
+    if HAS_COLS:
+        word = gl.load(Words + word_row + (c_begin + (t - n_slash) * TILE) // 64,
+                       mask=(t >= n_slash) & (t < n_tiles), other=0)
+    else:
+        word = gl.to_tensor(0).to(gl.int64)
+    return k_first, word
+
+
+@gluon.jit
+def _mask_scores(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag, ColPos, col_row, c_begin,
+                 n_cols, BLOCK: gl.constexpr, DOCS: gl.constexpr, HAS_COLS: gl.constexpr, cols_layout: gl.constexpr):
+    """Tile ``t``'s scores ``s`` [64 queries, 64 keys] with the pairs it must not count set to -inf.
+    Masks only where needed, as the Triton kernels: a slash tile by position on the diagonal (and,
+    with documents, where it starts before the block's last document); a column tile by its column
+    word, and by position only where ``diag`` (column_words.py) says so."""
+    offs = gl.arange(0, TILE, layout=cols_layout)
+    if t < n_slash:
+        needs = k_first + TILE > q_first
+        if DOCS:
+            needs = needs | (k_first < doc_mask_below)
+        if needs:
+            k_pos = k_first + offs
+            keep = k_pos[None, :] <= q_pos[:, None]
+            if DOCS:
+                keep = keep & (k_pos[None, :] >= q_doc[:, None])
+            s = gl.where(keep, s, float("-inf"))
+    else:
+        if HAS_COLS:
+            c0 = c_begin + (t - n_slash) * TILE  # a multiple of 64: the tile is one column word
+            live = (((word >> offs.to(gl.int64)) & 1) != 0) & (c0 + offs < n_cols)
+            s = gl.where(live[None, :], s, float("-inf"))
+            if diag:
+                c_pos = gl.load(ColPos + col_row + c0 + offs, mask=c0 + offs < n_cols, other=0).to(gl.int32)
+                keep = c_pos[None, :] <= q_pos[:, None]
+                if DOCS:
+                    keep = keep & (c_pos[None, :] >= q_doc[:, None])
+                s = gl.where(keep, s, float("-inf"))
+    return s
