@@ -65,9 +65,8 @@ KERNELS = {
               "DocLast": "*i32", **{s: "i32" for s in _strides("q", "k", "v", "o", "l", "g")}, "qk_scale": "fp32",
               "sm_scale": "fp32", **{s: "i32" for s in ("HQ", "HKV", "GROUP", "NKB", "MAX_S")},
               **{c: "constexpr" for c in ("BLOCK", "KEYS", "HEAD_DIM", "HEADS", "INT64", "DOCS", "SMEM_LAYOUT")}},
-        base=dict(BLOCK=64, KEYS=64, HEAD_DIM=128, HEADS=8, INT64=False, DOCS=False),
-        changes=[{}, {"DOCS": True}, {"INT64": True}, {"BLOCK": 128, "KEYS": 128}, {"HEAD_DIM": 64},
-                 {"dtype": "fp16"}, {"HEADS": 1}, {"BLOCK": 128, "KEYS": 128, "DOCS": True}]),
+        base=dict(BLOCK=128, KEYS=128, HEAD_DIM=128, HEADS=8, INT64=False, DOCS=False),  # B = 128 only
+        changes=[{}, {"DOCS": True}, {"INT64": True}, {"HEAD_DIM": 64}, {"dtype": "fp16"}, {"HEADS": 1}]),
     "dq": dict(
         fn=hopper_bwd._dq_sm90_kernel,
         args={"Q": None, "K": None, "V": None, "DO": None, "Lse": "*fp32", "Delta": "*fp32", "DQ": "DQ",
@@ -77,10 +76,10 @@ KERNELS = {
               "sm_scale": "fp32", **{s: "i32" for s in ("HQ", "GROUP", "NQB", "MAX_S", "MAX_V", "N_WORDS")},
               **{c: "constexpr" for c in ("BLOCK", "ROWS", "HEAD_DIM", "ACCUMULATE", "INT64", "DOCS", "HAS_COLS",
                                           "SMEM_LAYOUT")}},
-        base=dict(BLOCK=64, ROWS=64, HEAD_DIM=128, ACCUMULATE=False, INT64=False, DOCS=False, HAS_COLS=True),
-        changes=[{}, {"ACCUMULATE": True}, {"DOCS": True}, {"HAS_COLS": False}, {"INT64": True},
-                 {"BLOCK": 128, "ROWS": 128}, {"HEAD_DIM": 64}, {"dtype": "fp16"},
-                 {"BLOCK": 128, "ROWS": 128, "DOCS": True, "ACCUMULATE": True}]),
+        base=dict(BLOCK=128, ROWS=128, HEAD_DIM=128, ACCUMULATE=False, INT64=False, DOCS=False,
+                  HAS_COLS=True),  # B = 128 only
+        changes=[{}, {"ACCUMULATE": True}, {"DOCS": True}, {"HAS_COLS": False}, {"INT64": True}, {"HEAD_DIM": 64},
+                 {"dtype": "fp16"}, {"DOCS": True, "ACCUMULATE": True}]),
 }
 # The JIT's specialisation on a GPU: 16-byte aligned pointers, strides and row lengths divisible by
 # 16 (row strides of [b, h, n, d] views are multiples of d).

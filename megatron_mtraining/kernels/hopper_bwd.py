@@ -16,11 +16,13 @@ product finishes, then the gradient products, which retire at the next tile's to
 land; one bar.sync per tile (a thread's copies visible to all, a slot refilled only once every
 warp's products that read it retired).
 
-Program shapes (benchmarks/NOTES.md, session 12): at B = 128 a dQ / key-block program holds the
-whole index block, two warpgroups sharing every streamed tile (half the bytes per pair). At 128K
-on an H200, B = 128: dQ 11.1 ms, key blocks 10.3, columns 4.1 against Triton's 11.9, 17.6 and 9.9
-(fwd+bwd 36.1 against 49.1 ms). At B = 64 (one warpgroup per program): dQ 10.0 against 9.9, key
-blocks 10.4-10.9 against 9.9-10.1, columns 4.5 against 5.7.
+Program shapes (benchmarks/NOTES.md, session 12): a dQ / key-block program holds a whole index
+block of 128, two warpgroups sharing every streamed tile (half the bytes per pair). At 128K on an
+H200, B = 128: dQ 11.1 ms, key blocks 10.3, columns 4.1 against Triton's 11.9, 17.6 and 9.9
+(fwd+bwd 36.5 against 49.8 ms). At B = 64 the same kernels with one warpgroup per program were no
+faster than Triton's (dQ 10.0 against 9.9, key blocks 10.4-10.9 against 9.9-10.1), so B = 64 runs
+Triton's dQ and key-block kernels (``triton_bwd.HOPPER_SLASH_BLOCK``) and this module's columns
+(4.5 against 5.7 ms).
 """
 
 from __future__ import annotations
@@ -486,6 +488,8 @@ def block_gradients_hopper(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc
     hkv, nk = k.shape[1], k.shape[2]
     group = hq // hkv
     keys = plan.block_size
+    if keys != 128:
+        raise ValueError(f"block_gradients_hopper: index blocks of 128 only (got {keys}; B = 64 runs Triton's)")
     _dkdv_sm90_kernel[(nk // keys, b * hkv)](
         q, k, v, do, lse, delta, dk, dv,
         plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks, doc_start, doc_last,
@@ -506,6 +510,8 @@ def query_gradients_hopper(q, k, v, do, lse, delta, dq, plan, accumulate: bool, 
 
     b, hq, nq, d = q.shape
     rows = plan.block_size
+    if rows != 128:
+        raise ValueError(f"query_gradients_hopper: index blocks of 128 only (got {rows}; B = 64 runs Triton's)")
     cols, col_pos, words, diag, n_words = column_arguments(plan)
     doc_start, doc_last, col_start, docs = document_arguments(plan)
     _dq_sm90_kernel[(nq // rows, b * hq)](

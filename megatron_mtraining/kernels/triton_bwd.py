@@ -24,6 +24,12 @@ from .triton_fwd import (LOG2E, _causal_columns, _column_begin, _column_tile, _d
                          _word_bits, document_arguments, kernel_flags)
 
 
+# The index block size at which dQ and the key-block dK/dV run on the Hopper kernels
+# (``kernels="hopper"``): their programs hold a whole 128-token block, two warpgroups sharing
+# every streamed tile. (The column gradients run on them at any block size.)
+HOPPER_SLASH_BLOCK = 128
+
+
 @triton.jit
 def _probs_t(k, q, lse2, qk_scale, DOT_PRECISION: tl.constexpr):
     """Key-major probabilities of one tile, recomputed from the saved log-sum-exp (base 2)."""
@@ -316,7 +322,9 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     """Add this plan's gradients into fp32 ``dq`` ``[b,hq,nq,d]`` and ``dk``/``dv`` ``[b,hkv,nk,d]``.
     ``accumulate_dq=False`` (a single step) writes ``dq`` in its own dtype instead of adding.
     ``kernels="hopper"`` runs the Hopper kernels of ``hopper_bwd`` instead (sm_90; the caller
-    checks ``step.backward_kernel``): the same work split, partials and reduction.
+    checks ``step.backward_kernel``): the same work split, partials and reduction. dQ and the
+    key-block dK/dV go to them only at B = 128 (``HOPPER_SLASH_BLOCK``), where a program holds
+    a whole index block; at B = 64 Triton's are as fast or faster (NOTES, session 12).
 
     ``lse`` and ``delta`` (fp32 ``[b, hq, nq]``, same strides) belong to the FINAL output.
     """
@@ -340,7 +348,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     cols, col_pos, words, diag, n_words = triton_fwd.column_arguments(plan)
     doc_start, doc_last, col_start, docs = document_arguments(plan)
 
-    if kernels == "hopper":
+    if kernels == "hopper" and B == HOPPER_SLASH_BLOCK:
         from .hopper_bwd import block_gradients_hopper, query_gradients_hopper
         query_gradients_hopper(q, k, v, do, lse, delta, dq, plan, accumulate_dq, launch["INT64"], strides, qk_scale,
                                softmax_scale)
