@@ -46,6 +46,7 @@ FWD_BWD_FLOP_FACTOR = 3.5   # backward = 2.5x forward (dQ, dK, dV and the recomp
 CHECK_TOLERANCE = 2e-2      # relative L2 of bf16 kernels against the fp32 reference
 # Profiled kernel name -> group of the breakdown (first match wins: '_dkdv_col' before '_dkdv').
 KERNEL_GROUPS = (("_vs_attn_fwd_kernel", "fwd"), ("_vs_attn_fwd_sm90_kernel", "fwd"),
+                 ("_vs_attn_fwd_pingpong_kernel", "fwd"),
                  ("_dkdv_col_kernel", "dkdv_col"), ("_dkdv_col_sm90_kernel", "dkdv_col"),
                  ("_dkdv_kernel", "dkdv_block"), ("_dkdv_sm90_kernel", "dkdv_block"), ("_dq_kernel", "dq"),
                  ("_dq_sm90_kernel", "dq"))

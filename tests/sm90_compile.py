@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from common import ptxas_report  # noqa: E402
-from megatron_mtraining.kernels import hopper_bwd, hopper_common, hopper_fwd  # noqa: E402
+from megatron_mtraining.kernels import hopper_bwd, hopper_common, hopper_fwd, hopper_fwd_pingpong  # noqa: E402
 
 
 def _strides(*tensors: str) -> list:
@@ -41,13 +41,26 @@ KERNELS = {
               "Words": "*i64", "Diag": "*i8", "DocStart": "*i32", "DocLast": "*i32", "ColStart": "*i32",
               **{s: "i32" for s in _strides("q", "k", "v", "o", "l")}, "qk_scale": "fp32",
               **{s: "i32" for s in ("HQ", "GROUP", "NQB", "MAX_S", "MAX_V", "N_WORDS")},
-              **{c: "constexpr" for c in ("BLOCK", "ROWS", "HEAD_DIM", "STAGES", "ACCUMULATE", "INT64", "DOCS",
-                                          "HAS_COLS", "SMEM_LAYOUT")}},
-        base=dict(BLOCK=64, ROWS=64, HEAD_DIM=128, STAGES=hopper_fwd.STAGES, ACCUMULATE=False, INT64=False,
-                  DOCS=False, HAS_COLS=True),
+              **{c: "constexpr" for c in ("BLOCK", "HEAD_DIM", "STAGES", "ACCUMULATE", "INT64", "DOCS", "HAS_COLS",
+                                          "SMEM_LAYOUT")}},
+        base=dict(BLOCK=64, HEAD_DIM=128, STAGES=hopper_fwd.STAGES, ACCUMULATE=False, INT64=False, DOCS=False,
+                  HAS_COLS=True),
         changes=[{}, {"ACCUMULATE": True}, {"DOCS": True}, {"HAS_COLS": False}, {"INT64": True}, {"BLOCK": 128},
-                 {"HEAD_DIM": 64}, {"dtype": "fp16"}, {"DOCS": True, "ACCUMULATE": True, "INT64": True},
-                 {"BLOCK": 128, "ROWS": 128}]),
+                 {"HEAD_DIM": 64}, {"dtype": "fp16"}, {"DOCS": True, "ACCUMULATE": True, "INT64": True}]),
+    "fwd_pp": dict(
+        fn=hopper_fwd_pingpong._vs_attn_fwd_pingpong_kernel,
+        args={"Q": None, "K": None, "V": None, "Out": "Out", "Lse": "*fp32", "QBlk": "*i32", "KBlk": "*i32",
+              "KVCnt": "*i32", "KVIdx": "*i32", "ColLimit": "*i32", "Cols": "*i32", "ColPos": "*i64",
+              "Words": "*i64", "Diag": "*i8", "DocStart": "*i32", "DocLast": "*i32", "ColStart": "*i32",
+              **{s: "i32" for s in _strides("q", "k", "v", "o", "l")}, "qk_scale": "fp32",
+              **{s: "i32" for s in ("HQ", "GROUP", "NQB", "MAX_S", "MAX_V", "N_WORDS")},
+              **{c: "constexpr" for c in ("BLOCK", "HEAD_DIM", "STAGES", "CHUNK", "ACCUMULATE", "INT64", "DOCS",
+                                          "HAS_COLS", "SMEM_LAYOUT")}},
+        base=dict(BLOCK=128, HEAD_DIM=128, STAGES=hopper_fwd_pingpong.STAGES, CHUNK=hopper_fwd_pingpong.CHUNK,
+                  ACCUMULATE=False, INT64=False, DOCS=False, HAS_COLS=True),  # B = 128 only
+        options={"maxnreg": 168},
+        changes=[{}, {"ACCUMULATE": True}, {"DOCS": True}, {"HAS_COLS": False}, {"INT64": True}, {"HEAD_DIM": 64},
+                 {"dtype": "fp16"}, {"DOCS": True, "ACCUMULATE": True, "INT64": True}]),
     "dkdv_col": dict(
         fn=hopper_bwd._dkdv_col_sm90_kernel,
         args={"Q": None, "K": None, "V": None, "DO": None, "Lse": "*fp32", "Delta": "*fp32", "DKP": "*fp32",
@@ -87,7 +100,8 @@ DIVISIBLE = ("MAX_S", "MAX_V", "MAX_V_PAD")
 
 
 def num_warps(cfg: dict) -> int:
-    """A warpgroup per 64 rows of the program (KEYS or ROWS; 64 where the kernel has neither)."""
+    """A warpgroup per 64 rows of the program (KEYS or ROWS; 64 where the kernel has neither).
+    The warp-specialised ping-pong forward launches 4 (its default partition) and adds its workers."""
     return cfg.get("KEYS", cfg.get("ROWS", 64)) // 16
 
 
@@ -110,7 +124,8 @@ def compile_config(kernel: str, cfg: dict) -> dict:
     entry = {"kernel": kernel, "config": {**cfg, "dtype": dtype}}
     try:
         compiled = triton.compile(GluonASTSource(spec["fn"], sig, constexprs, attrs),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps(cfg)})
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": num_warps(cfg), **spec.get("options", {})})
     except Exception as e:  # noqa: BLE001  (reported, the test fails on it)
         entry["error"] = f"{type(e).__name__}: {e}"[:4000]
         return entry

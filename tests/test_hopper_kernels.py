@@ -45,33 +45,45 @@ def test_cross_compiles_for_sm90a_without_serialised_wgmma(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     configs = json.loads(out.read_text())["configs"]
-    assert sorted({e["kernel"] for e in configs.values()}) == ["dkdv", "dkdv_col", "dq", "fwd"] and len(configs) == 30
+    assert sorted({e["kernel"] for e in configs.values()}) == ["dkdv", "dkdv_col", "dq", "fwd", "fwd_pp"]
+    assert len(configs) == 37
     for name, e in configs.items():
         assert "error" not in e, (name, e.get("error"))
         assert e["ptxas_ok"] and not e["wgmma_serialized"], (name, e)
         assert e["cp_async_16"], (name, e)  # every copy a 16-byte piece
         d = e["config"]["HEAD_DIM"]
-        rows = e["config"].get("KEYS", e["config"].get("ROWS", 64))
-        assert e["num_warps"] == rows // 16, (name, e)  # a warpgroup per 64 rows
-        # 64-row programs: two per SM (<= 113 KB each at d 128); 128-row ones: one (128 KB).
-        limit_kb = 113 if rows == 64 else 128
-        assert e["shared_bytes"] <= (limit_kb if d == 128 else limit_kb // 2) * 1024, (name, e)
-        if e["kernel"] == "fwd":
-            # Per tile d/16 wgmma for S and 64/16 for PV, each in two places (tile 0 and the
-            # loop; the loop and the last tile). No spills.
-            assert e["wgmma"] == 2 * (d // 16 + 4) and not e["spills"], (name, e)
-        elif e["kernel"] == "dq":
-            # Per key tile S and dP (d/16 each) and dQ (64/16), in the loop only.
-            assert e["wgmma"] == 2 * (d // 16) + 4, (name, e)
-            limit = 64
+        if e["kernel"] == "fwd_pp":
+            # Two consumer warpgroups and a producer warpgroup; Q and a ring of three 128-key tiles
+            # (224 KB at d 128) in the 227 KB an sm_90 block may have.
+            assert e["num_warps"] == 12, (name, e)
+            assert e["shared_bytes"] <= (227 if d == 128 else 113) * 1024, (name, e)
+            # Per consumer S (d/16) and PV (128/16), each in two places (tile 0 and the loop; the
+            # loop and the last tile). A value or two kept across the loop spill (one store and
+            # one load per program), no more.
+            assert e["wgmma"] == 4 * (d // 16 + 8), (name, e)
+            spill_limit = 64
         else:
-            # Per query tile S^T and dP^T (d/16 each), dV and dK (64/16 each), in the loop only.
-            # dK, dV and the two score tiles take ~230 of 255 registers at d 128: a few spill
-            # (loop-invariant values and list scalars, reloaded from L1), no more.
-            assert e["wgmma"] == 2 * (d // 16) + 8, (name, e)
-            limit = {"dkdv_col": 128, "dkdv": 192}[e["kernel"]]
-        if e["kernel"] != "fwd":
-            assert (e["spill_bytes"] or 0) <= (limit if d == 128 else 0), (name, e)
+            rows = e["config"].get("KEYS", e["config"].get("ROWS", 64))
+            assert e["num_warps"] == rows // 16, (name, e)  # a warpgroup per 64 rows
+            # 64-row programs: two per SM (<= 113 KB each at d 128); 128-row ones: one (128 KB).
+            limit_kb = 113 if rows == 64 else 128
+            assert e["shared_bytes"] <= (limit_kb if d == 128 else limit_kb // 2) * 1024, (name, e)
+            if e["kernel"] == "fwd":
+                # Per tile d/16 wgmma for S and 64/16 for PV, each in two places (tile 0 and the
+                # loop; the loop and the last tile). No spills.
+                assert e["wgmma"] == 2 * (d // 16 + 4), (name, e)
+                spill_limit = 0
+            elif e["kernel"] == "dq":
+                # Per key tile S and dP (d/16 each) and dQ (64/16), in the loop only.
+                assert e["wgmma"] == 2 * (d // 16) + 4, (name, e)
+                spill_limit = 64
+            else:
+                # Per query tile S^T and dP^T (d/16 each), dV and dK (64/16 each), in the loop only.
+                # dK, dV and the two score tiles take ~230 of 255 registers at d 128: a few spill
+                # (loop-invariant values and list scalars, reloaded from L1), no more.
+                assert e["wgmma"] == 2 * (d // 16) + 8, (name, e)
+                spill_limit = {"dkdv_col": 128, "dkdv": 192}[e["kernel"]]
+        assert (e["spill_bytes"] or 0) <= (spill_limit if d == 128 else 0), (name, e)
 
 
 def _cpu_plan(B=64, n=256):
@@ -144,7 +156,7 @@ def _index(kind, b, hq, n, B, g):
 
 
 def _check(q, k, v, index, plan, cu_seqlens=None):
-    """Hopper out/lse against the Triton forward (same plan) and the fp32 reference."""
+    """Hopper out/lse against the Triton forward (same plan) and the fp32 reference: (out, lse)."""
     got, got_lse = _forward("hopper", q, k, v, plan)
     tri, tri_lse = _forward("triton", q, k, v, plan)
     ref, ref_lse = reference_attention(q.float(), k.float(), v.float(), index, cu_seqlens=cu_seqlens)
@@ -155,6 +167,7 @@ def _check(q, k, v, index, plan, cu_seqlens=None):
     assert rel_err(got, ref) < 1e-2
     torch.testing.assert_close(got_lse[finite], ref_lse[finite], rtol=0, atol=2e-2)
     torch.testing.assert_close(got_lse[finite], tri_lse[finite], rtol=0, atol=1e-3)
+    return got, got_lse
 
 
 @pytest.mark.parametrize("n, B, d, hq, hkv, dtype, kind", [
@@ -178,30 +191,40 @@ def test_matches_reference_and_triton(n, B, d, hq, hkv, dtype, kind):
 
 
 
-@pytest.mark.parametrize("d, kind, docs", [(128, "random", False), (64, "many_columns", False),
-                                           (128, "random", True), (128, "no_diagonal", False)])
+@pytest.mark.parametrize("n, d, hq, hkv, dtype, kind, docs", [
+    (2048, 128, 4, 2, torch.bfloat16, "random", False),
+    (2048, 128, 8, 1, torch.bfloat16, "many_columns", False),  # GQA 8, many 128-column tiles
+    (1024, 64, 4, 4, torch.float16, "random", False),  # GQA 1, d 64, fp16
+    (1024, 128, 4, 2, torch.bfloat16, "no_columns", False),
+    (1024, 128, 4, 2, torch.bfloat16, "dense", False),
+    (128, 128, 4, 2, torch.bfloat16, "random", False),  # a single block
+    (1024, 128, 4, 2, torch.bfloat16, "no_diagonal", False),
+    (2048, 128, 4, 2, torch.bfloat16, "random", True),
+    (1024, 64, 4, 2, torch.bfloat16, "many_columns", True),
+], ids=lambda x: str(x).replace("torch.", ""))
 @pytest.mark.gpu
 @needs_hopper
-def test_128_row_programs_give_the_64_row_result(d, kind, docs):
-    """B = 128: one program per query block (two warpgroups sharing every K/V tile) against two
-    64-row programs, the reference and (ring merge) an accumulated second step."""
-    n, B, hq, hkv = 2048, 128, 4, 2
-    g = torch.Generator().manual_seed(d + docs)
-    q, k, v = (torch.randn(2, h, n, d, generator=g).to("cuda", torch.bfloat16) for h in (hq, hkv, hkv))
+def test_pingpong_forward_at_128_token_blocks(n, d, hq, hkv, dtype, kind, docs):
+    """B = 128's Hopper forward (hopper_fwd_pingpong.py: two ping-ponging warpgroups over 128-key
+    tiles) against the reference and the Triton forward (``_check``), the 64-row Hopper forward,
+    itself run again (the same bits), and, for the ring's merge mode, itself merged twice."""
+    B = 128
+    g = torch.Generator().manual_seed(n + d + docs)
+    q, k, v = (torch.randn(2, h, n, d, generator=g).to("cuda", dtype) for h in (hq, hkv, hkv))
     index = _index(kind, 2, hq, n, B, g).to("cuda")
     cu = torch.tensor([0, 100, 101, 700, n], dtype=torch.int32, device="cuda") if docs else None
     plan = single_device_plan(index, n, documents=as_documents(cu, n, B, q.device))
-    got, got_lse = _forward("hopper", q, k, v, plan, rows=128)
+    got, got_lse = _check(q, k, v, index, plan, cu_seqlens=cu)
     want, want_lse = _forward("hopper", q, k, v, plan, rows=64)
-    ref, _ = reference_attention(q.float(), k.float(), v.float(), index, cu_seqlens=cu)
-    assert rel_err(got, want) < 1e-3 and rel_err(got, ref) < 1e-2
+    assert rel_err(got, want) < 2e-3
     finite = torch.isfinite(want_lse)
-    assert torch.equal(torch.isfinite(got_lse), finite)
     torch.testing.assert_close(got_lse[finite], want_lse[finite], rtol=0, atol=1e-3)
-    # The ring's merge mode: the same step merged twice into fp32 out gives the same out.
+    again, again_lse = _forward("hopper", q, k, v, plan)
+    assert torch.equal(again, got) and torch.equal(again_lse, got_lse)
     out32, lse2 = got.float(), got_lse.clone()
-    _forward("hopper", q, k, v, plan, out32, lse2, accumulate=True, rows=128)
+    _forward("hopper", q, k, v, plan, out32, lse2, accumulate=True)
     assert rel_err(out32, got.float()) < 1e-3
+    torch.testing.assert_close(lse2[finite], got_lse[finite] + math.log(2), rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("lengths", [
@@ -225,14 +248,15 @@ def test_packed_documents(lengths):
 
 
 
-@pytest.mark.parametrize("layout, docs", [("striped", False), ("zigzag", False), ("striped", True)])
+@pytest.mark.parametrize("layout, docs, B", [("striped", False, 64), ("zigzag", False, 64), ("striped", True, 64),
+                                             ("zigzag", False, 128), ("striped", True, 128)])
 @pytest.mark.gpu
 @needs_hopper
-def test_ring_steps_merge_into_the_full_result(layout, docs):
+def test_ring_steps_merge_into_the_full_result(layout, docs, B):
     """Every (query chunk, key chunk) step of a W = 2 ring, merged through lse into fp32 out."""
     from test_step import striped_blocks, token_rows, zigzag_blocks
 
-    n, B, d, hq, hkv, world = 2048, 64, 128, 4, 2, 2
+    n, d, hq, hkv, world = 2048, 128, 4, 2, 2
     nb = n // B
     g = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, h, n, d, generator=g).to("cuda", torch.bfloat16) for h in (hq, hkv, hkv))
@@ -260,11 +284,12 @@ def test_ring_steps_merge_into_the_full_result(layout, docs):
 
 
 
+@pytest.mark.parametrize("B", [64, 128])
 @pytest.mark.gpu
 @needs_hopper
-def test_megatron_strided_views_give_the_same_bits():
+def test_megatron_strided_views_give_the_same_bits(B):
     """q, k, v, out as [b, h, s, d] views of Megatron's [s, b, h, d]: the same result as compact copies."""
-    n, B, d, hq, hkv, b = 1024, 64, 128, 8, 2, 2
+    n, d, hq, hkv, b = 1024, 128, 8, 2, 2
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(n, b, h, d, generator=g).to("cuda", torch.bfloat16).permute(1, 2, 0, 3)
                for h in (hq, hkv, hkv))

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .hopper_common import TILE, _wide, copy_layout, mma_layout, register_operand_layout, shared_layout
-from .hopper_keys import _issue_tile, _key_tiles, _mask_scores, _query_positions, _tile_rows, _tile_scalars
+from .hopper_keys import _issue_tile, _mask_scores, _query_positions, _query_program, _tile_rows, _tile_scalars
 
 
 @gluon.jit
@@ -383,18 +383,9 @@ def _dq_sm90_kernel(
 
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
-    b = _wide(pid_bh // HQ, INT64)
-    h = _wide(pid_bh % HQ, INT64)
-    kvh = h // GROUP
-    q_local_blk = pid_m // (BLOCK // ROWS)
-    q_blk = gl.load(QBlk + q_local_blk)
-    bh = _wide(pid_bh, INT64)  # times the plan's row lengths
-    plan_row = bh * NQB + q_local_blk
-    list_row = plan_row * MAX_S
-    n_slash, n_cols, diag, c_begin, n_tiles = _key_tiles(plan_row, KVCnt, ColLimit, Diag, ColStart, BLOCK, DOCS,
-                                                         HAS_COLS)
-    col_row = bh * MAX_V
-    word_row = plan_row * N_WORDS
+    b, h, kvh, q_blk, list_row, col_row, word_row, n_slash, n_cols, diag, c_begin, n_tiles = _query_program(
+        pid_m, pid_bh, QBlk, KVCnt, ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS, BLOCK, ROWS,
+        INT64, DOCS, HAS_COLS)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
 

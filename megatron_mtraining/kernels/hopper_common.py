@@ -1,7 +1,7 @@
-"""What the Hopper kernels (``hopper_fwd.py``, ``hopper_bwd.py``; Gluon, sm_90) share: their tile,
-their layouts, and which calls they cover.
+"""What the Hopper kernels (``hopper_fwd.py``, ``hopper_fwd_pingpong.py``, ``hopper_bwd.py``; Gluon,
+sm_90) share: their tile, their layouts, and which calls they cover.
 
-Both are one 4-warp program (one warpgroup) over 64-row tiles: wgmma's m64 atom across the 4 warps,
+They compute in warpgroups over 64-row tiles (wgmma's m64 atom across the 4 warps of each), with
 tiles moved by cp.async in 16-byte pieces into wgmma-ready (swizzled) shared memory.
 """
 

@@ -25,9 +25,8 @@ Gluon has no CPU interpreter: on the CPU this kernel is cross-compiled for sm_90
 (no spills, no serialised wgmma); its numbers are tested on the GPU against the reference and the
 Triton forward.
 
-``rows=128`` (B = 128 only) runs one program per query block, two warpgroups sharing every K/V
-tile: the same bits, but in lockstep (softmax against softmax) 2% slower than two 64-row programs
-at 128K (NOTES, session 12), so the default stays 64; it is the base for FA3's ping-pong order.
+At B = 128 the launcher runs ``hopper_fwd_pingpong.py`` instead (one program per query block, two
+ping-ponging warpgroups sharing every K/V tile); ``rows=64`` keeps this kernel there.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .hopper_common import TILE, _wide, copy_layout, mma_layout, register_operand_layout, shared_layout
-from .hopper_keys import _issue_tile, _key_tiles, _mask_scores, _query_positions, _tile_rows, _tile_scalars
+from .hopper_keys import _issue_tile, _mask_scores, _query_positions, _query_program, _tile_rows, _tile_scalars
 from .triton_fwd import LOG2E, column_arguments, document_arguments, int64_offsets, plan_tensors
 
 STAGES = 3  # K/V ring slots: 16 KB (Q) + 3 x 32 KB = 112 KB, two programs per SM
@@ -47,16 +46,46 @@ STAGES = 3  # K/V ring slots: 16 KB (Q) + 3 x 32 KB = 112 KB, two programs per S
 @gluon.jit
 def _fold_tile(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag, m_i, l_i, qk_scale, ColPos,
                col_row, c_begin, n_cols, BLOCK: gl.constexpr, DOCS: gl.constexpr, HAS_COLS: gl.constexpr,
-               cols_layout: gl.constexpr):
-    """Mask tile ``t``'s raw scores ``s`` and fold them into the online softmax (base 2):
+               cols_layout: gl.constexpr, KT: gl.constexpr = TILE):
+    """Mask tile ``t``'s raw scores ``s`` (KT keys) and fold them into the online softmax (base 2):
     (p, alpha, m, l). The scale (> 0) goes inside exp2's argument."""
     s = _mask_scores(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag, ColPos, col_row,
-                     c_begin, n_cols, BLOCK, DOCS, HAS_COLS, cols_layout)
+                     c_begin, n_cols, BLOCK, DOCS, HAS_COLS, cols_layout, KT)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay exact zeros
     p = gl.exp2(s * qk_scale - m_safe[:, None])
     alpha = gl.exp2(m_i - m_safe)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+
+@gluon.jit
+def _write_output(acc, m_i, l_i, Out, Lse, b, h, rows, stride_ob, stride_oh, stride_on, stride_lb, stride_lh,
+                  INT64: gl.constexpr, ACCUMULATE: gl.constexpr, rows_c: gl.constexpr, c_layout: gl.constexpr):
+    """Normalise and store ``rows``' output and natural-log lse; in the accumulate mode (ring
+    steps) merge them with the previous steps' partial result through log-sum-exp, in fp32."""
+    o_layout: gl.constexpr = acc.type.layout
+    has_key = l_i > 0
+    l_safe = gl.where(has_key, l_i, 1.0)
+    lse = gl.convert_layout(gl.where(has_key, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf")), rows_c)
+    out = gl.convert_layout(acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None], c_layout)
+    offs_d = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, c_layout))
+    o_ptrs = Out + b * stride_ob + h * stride_oh + _wide(rows, INT64)[:, None] * stride_on + offs_d[None, :]
+    l_ptrs = Lse + b * stride_lb + h * stride_lh + rows
+    if ACCUMULATE:
+        # Merge with the previous steps' partial result through log-sum-exp, in fp32.
+        old_lse = gl.load(l_ptrs)
+        old_out = gl.load(o_ptrs).to(gl.float32)
+        mx = gl.maximum(old_lse, lse)
+        mx_safe = gl.where(mx == float("-inf"), 0.0, mx)
+        w_old = gl.exp(old_lse - mx_safe)
+        w_new = gl.exp(lse - mx_safe)
+        total = w_old + w_new
+        has_any = total > 0
+        total_safe = gl.where(has_any, total, 1.0)
+        out = (old_out * w_old[:, None] + out * w_new[:, None]) / total_safe[:, None]
+        lse = gl.where(has_any, mx_safe + gl.log(total_safe), float("-inf"))
+    gl.store(o_ptrs, out.to(Out.dtype.element_ty))
+    gl.store(l_ptrs, lse)
 
 
 @gluon.jit
@@ -70,13 +99,13 @@ def _vs_attn_fwd_sm90_kernel(
     stride_lb, stride_lh,
     qk_scale,
     HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS,
-    BLOCK: gl.constexpr, ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     ACCUMULATE: gl.constexpr, INT64: gl.constexpr, DOCS: gl.constexpr, HAS_COLS: gl.constexpr,
     SMEM_LAYOUT: gl.constexpr,
 ):
     gl.static_assert(STAGES >= 2, "a slot is refilled once its PV product retires: 2 slots or more")
-    gl.static_assert(BLOCK % ROWS == 0 and ROWS % TILE == 0, "a program's rows lie in one index block")
-    WARPS: gl.constexpr = ROWS // 16  # a warpgroup per 64 rows
+    ROWS: gl.constexpr = TILE  # one warpgroup's m64 rows per program
+    WARPS: gl.constexpr = 4
     c_layout: gl.constexpr = copy_layout(HEAD_DIM, WARPS)
     s_layout: gl.constexpr = mma_layout(TILE, WARPS)  # scores
     o_layout: gl.constexpr = mma_layout(HEAD_DIM, WARPS)  # output
@@ -88,18 +117,9 @@ def _vs_attn_fwd_sm90_kernel(
 
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
-    b = _wide(pid_bh // HQ, INT64)
-    h = _wide(pid_bh % HQ, INT64)
-    kvh = h // GROUP
-    q_local_blk = pid_m // (BLOCK // ROWS)
-    q_blk = gl.load(QBlk + q_local_blk)
-    bh = _wide(pid_bh, INT64)  # times the plan's row lengths
-    plan_row = bh * NQB + q_local_blk
-    list_row = plan_row * MAX_S
-    n_slash, n_cols, diag, c_begin, n_tiles = _key_tiles(plan_row, KVCnt, ColLimit, Diag, ColStart, BLOCK, DOCS,
-                                                         HAS_COLS)
-    col_row = bh * MAX_V
-    word_row = plan_row * N_WORDS
+    b, h, kvh, q_blk, list_row, col_row, word_row, n_slash, n_cols, diag, c_begin, n_tiles = _query_program(
+        pid_m, pid_bh, QBlk, KVCnt, ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS, BLOCK, ROWS,
+        INT64, DOCS, HAS_COLS)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
 
@@ -169,42 +189,31 @@ def _vs_attn_fwd_sm90_kernel(
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)  # no copy outlives the program
 
-    has_key = l_i > 0
-    l_safe = gl.where(has_key, l_i, 1.0)
-    lse = gl.convert_layout(gl.where(has_key, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf")), rows_c)
-    out = gl.convert_layout(acc / gl.convert_layout(l_safe, rows_o)[:, None], c_layout)
-    o_ptrs = Out + b * stride_ob + h * stride_oh + _wide(rows, INT64)[:, None] * stride_on + offs_d[None, :]
-    l_ptrs = Lse + b * stride_lb + h * stride_lh + rows
-    if ACCUMULATE:
-        # Merge with the previous steps' partial result through log-sum-exp, in fp32.
-        old_lse = gl.load(l_ptrs)
-        old_out = gl.load(o_ptrs).to(gl.float32)
-        mx = gl.maximum(old_lse, lse)
-        mx_safe = gl.where(mx == float("-inf"), 0.0, mx)
-        w_old = gl.exp(old_lse - mx_safe)
-        w_new = gl.exp(lse - mx_safe)
-        total = w_old + w_new
-        has_any = total > 0
-        total_safe = gl.where(has_any, total, 1.0)
-        out = (old_out * w_old[:, None] + out * w_new[:, None]) / total_safe[:, None]
-        lse = gl.where(has_any, mx_safe + gl.log(total_safe), float("-inf"))
-    gl.store(o_ptrs, out.to(Out.dtype.element_ty))
-    gl.store(l_ptrs, lse)
+    _write_output(acc, m_i, l_i, Out, Lse, b, h, rows, stride_ob, stride_oh, stride_on, stride_lb, stride_lh,
+                  INT64, ACCUMULATE, rows_c, c_layout)
 
-
-def vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool, rows: int = 64) -> None:
+def vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool,
+                            rows: int | None = None) -> None:
     """``vs_attention_fwd_triton``'s contract on an sm_90 GPU (``unsupported_reason`` must be ''):
-    programs of ``rows`` query rows (64, or 128 with B = 128: a warpgroup per 64 rows sharing
-    every K/V tile)."""
+    programs of ``rows`` query rows: 64 (this module's kernel), or 128 with B = 128
+    (``hopper_fwd_pingpong.py``: two ping-ponging warpgroups sharing every K/V tile). Default: 128
+    at B = 128, else 64."""
     if not softmax_scale > 0:
         raise ValueError(f"vs_attention_fwd_hopper: softmax_scale must be positive, got {softmax_scale}")
     b, hq, nq, d = q.shape
     B = plan.block_size
-    if rows not in (64, 128) or B % rows:
-        raise ValueError(f"vs_attention_fwd_hopper: rows must be 64 or 128 and divide the block size {B}, got {rows}")
+    if rows is None:
+        rows = 128 if B == 128 else 64
+    if rows == 128 and B == 128:
+        from .hopper_fwd_pingpong import vs_attention_fwd_pingpong  # it imports this module's helpers
+
+        return vs_attention_fwd_pingpong(q, k, v, plan, out, lse, softmax_scale, accumulate)
+    if rows != 64:
+        raise ValueError(f"vs_attention_fwd_hopper: rows must be 64, or 128 with 128-token blocks; got {rows} "
+                         f"with {B}-token blocks")
     cols, col_pos, words, diag, n_words = column_arguments(plan)
     doc_start, doc_last, col_start, docs = document_arguments(plan)
-    _vs_attn_fwd_sm90_kernel[(nq // rows, b * hq)](
+    _vs_attn_fwd_sm90_kernel[(nq // 64, b * hq)](
         q, k, v, out, lse,
         plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos, words,
         diag, doc_start, doc_last, col_start,
@@ -215,7 +224,7 @@ def vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale: float, accum
         lse.stride(0), lse.stride(1),
         softmax_scale * LOG2E,
         hq, hq // k.shape[1], nq // B, plan.kv_blocks.shape[-1], plan.cols.shape[-1], n_words,
-        BLOCK=B, ROWS=rows, HEAD_DIM=d, STAGES=STAGES, ACCUMULATE=accumulate,
+        BLOCK=B, HEAD_DIM=d, STAGES=STAGES, ACCUMULATE=accumulate,
         INT64=int64_offsets(q, k, v, out, lse, *plan_tensors(plan)), DOCS=docs, HAS_COLS=plan.cols.shape[-1] > 0,
-        SMEM_LAYOUT=shared_layout(d, q.dtype), num_warps=rows // 16,
+        SMEM_LAYOUT=shared_layout(d, q.dtype), num_warps=4,
     )

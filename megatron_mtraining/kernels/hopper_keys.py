@@ -1,8 +1,10 @@
-"""The key tiles that one 64-row query tile reads in the Hopper kernels that walk a query tile's
-keys (the forward, ``hopper_fwd.py``; dQ, ``hopper_bwd.py``): first the slash key blocks of its
-query block (``BLOCK // 64`` tiles per block), then the plan's columns in 64-column slots.
+"""The key tiles that one query tile reads in the Hopper kernels that walk a query tile's keys (the
+forwards, ``hopper_fwd.py`` and ``hopper_fwd_pingpong.py``; dQ, ``hopper_bwd.py``): first the slash
+key blocks of its query block (``BLOCK // KT`` tiles per block), then the plan's columns in
+KT-column slots. KT, the keys per tile, is 64 (one column word per column tile), or 128 for the
+ping-pong forward (a whole 128-token key block; two column words).
 
-Every tile is one copy of 64 K rows and 64 V rows by ``cp.async``, from row indices: a slash
+Every tile is one copy of KT K rows and KT V rows by ``cp.async``, from row indices: a slash
 tile's are consecutive, a column tile's are gathered (TMA cannot gather on sm_90), so strided
 views (Megatron's [s, b, h, d]) and columns take one path. The rows and the mask's scalars are
 loaded a tile or more before they are needed, so that the dependent loads' latency hides behind
@@ -19,25 +21,35 @@ from .hopper_common import TILE, _wide
 
 
 @gluon.jit
-def _key_tiles(plan_row, KVCnt, ColLimit, Diag, ColStart, BLOCK: gl.constexpr, DOCS: gl.constexpr,
-               HAS_COLS: gl.constexpr):
-    """A query block's tiles (``plan_row``): (slash tiles, column limit, whether a column needs the
-    token-level test, first column slot read, all tiles)."""
-    n_slash = gl.load(KVCnt + plan_row) * (BLOCK // TILE)
+def _query_program(pid_m, pid_bh, QBlk, KVCnt, ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS,
+                   BLOCK: gl.constexpr, ROWS: gl.constexpr, INT64: gl.constexpr, DOCS: gl.constexpr,
+                   HAS_COLS: gl.constexpr, KT: gl.constexpr = TILE):
+    """Where program (``pid_m``: ROWS query rows, ``pid_bh``: batch x query head) finds its keys:
+    (b, h, kv head, global query block, its slash list's and its column slots' offsets in the plan,
+    its column word row, then its tiles of KT keys: slash tiles, column limit, whether a column
+    needs the token-level test, first column slot read, all tiles)."""
+    b = _wide(pid_bh // HQ, INT64)
+    h = _wide(pid_bh % HQ, INT64)
+    q_local_blk = pid_m // (BLOCK // ROWS)
+    q_blk = gl.load(QBlk + q_local_blk)
+    bh = _wide(pid_bh, INT64)  # times the plan's row lengths
+    plan_row = bh * NQB + q_local_blk
+    n_slash = gl.load(KVCnt + plan_row) * (BLOCK // KT)
     if HAS_COLS:
         n_cols = gl.load(ColLimit + plan_row)
         diag = gl.load(Diag + plan_row) != 0
         if DOCS:  # columns of earlier documents are skipped whole tiles at a time
-            c_begin = (gl.load(ColStart + plan_row) // TILE) * TILE
+            c_begin = (gl.load(ColStart + plan_row) // KT) * KT
         else:
             c_begin = n_cols * 0
-        n_tiles = n_slash + (gl.maximum(n_cols - c_begin, 0) + TILE - 1) // TILE
+        n_tiles = n_slash + (gl.maximum(n_cols - c_begin, 0) + KT - 1) // KT
     else:
         n_cols = n_slash * 0
         diag = n_cols != 0
         c_begin = n_cols
         n_tiles = n_slash
-    return n_slash, n_cols, diag, c_begin, n_tiles
+    return (b, h, h // GROUP, q_blk, plan_row * MAX_S, bh * MAX_V, plan_row * N_WORDS, n_slash, n_cols, diag,
+            c_begin, n_tiles)
 
 
 @gluon.jit
@@ -59,15 +71,17 @@ def _query_positions(pid_m, q_blk, DocStart, DocLast, BLOCK: gl.constexpr, ROWS:
 
 @gluon.jit
 def _tile_rows(u, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK: gl.constexpr,
-               INT64: gl.constexpr, rows_layout: gl.constexpr):
-    """Local key rows of tile ``u`` (anything past the list: never copied). Loaded a while before
-    the copy is issued, so that the gather's latency hides behind the tile in flight."""
-    offs = gl.arange(0, TILE, layout=rows_layout)
-    j = gl.load(KVIdx + list_row + u // (BLOCK // TILE), mask=u < n_slash, other=0)
-    c = c_begin + (u - n_slash) * TILE + offs
+               INT64: gl.constexpr, rows_layout: gl.constexpr, KT: gl.constexpr = TILE, r0: gl.constexpr = 0,
+               CH: gl.constexpr = TILE):
+    """Local key rows ``r0 .. r0 + CH`` of tile ``u`` of KT keys (anything past the list: never
+    copied). Loaded a while before the copy is issued, so that the gather's latency hides behind
+    the tile in flight."""
+    offs = r0 + gl.arange(0, CH, layout=rows_layout)
+    j = gl.load(KVIdx + list_row + u // (BLOCK // KT), mask=u < n_slash, other=0)
+    c = c_begin + (u - n_slash) * KT + offs
     # Column slots past the limit gather row 0; their bit in the column word is never read.
     col_rows = gl.load(Cols + col_row + c, mask=(u >= n_slash) & (u < n_tiles) & (c < n_cols), other=0)
-    return _wide(gl.where(u >= n_slash, col_rows, j * BLOCK + (u % (BLOCK // TILE)) * TILE + offs), INT64)
+    return _wide(gl.where(u >= n_slash, col_rows, j * BLOCK + (u % (BLOCK // KT)) * KT + offs), INT64)
 
 
 @gluon.jit
@@ -85,29 +99,36 @@ def _issue_tile(u, n_tiles, rows, k_base, v_base, stride_kn, stride_vn, k_smem, 
 
 @gluon.jit
 def _tile_scalars(t, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c_begin, BLOCK: gl.constexpr,
-                  HAS_COLS: gl.constexpr):
+                  HAS_COLS: gl.constexpr, KT: gl.constexpr = TILE, n_cols=0):
     """What tile ``t``'s mask needs, as scalars: (position of its first key if a slash tile, its
-    column word if a column tile). Loaded one tile ahead: the two loads depend on each other."""
-    j = gl.load(KVIdx + list_row + t // (BLOCK // TILE), mask=t < n_slash, other=0)
-    k_first = gl.load(KBlk + j) * BLOCK + (t % (BLOCK // TILE)) * TILE
+    column word if a column tile; with KT = 128 its two words, (low, high), the high one only
+    below ``n_cols``). Loaded one tile ahead: the two loads depend on each other."""
+    j = gl.load(KVIdx + list_row + t // (BLOCK // KT), mask=t < n_slash, other=0)
+    k_first = gl.load(KBlk + j) * BLOCK + (t % (BLOCK // KT)) * KT
     if HAS_COLS:
-        word = gl.load(Words + word_row + (c_begin + (t - n_slash) * TILE) // 64,
-                       mask=(t >= n_slash) & (t < n_tiles), other=0)
+        c0 = c_begin + (t - n_slash) * KT
+        is_col = (t >= n_slash) & (t < n_tiles)
+        word = gl.load(Words + word_row + c0 // 64, mask=is_col, other=0)
+        if KT == 128:
+            word = (word, gl.load(Words + word_row + c0 // 64 + 1, mask=is_col & (c0 + 64 < n_cols), other=0))
     else:
         word = gl.to_tensor(0).to(gl.int64)
+        if KT == 128:
+            word = (word, word)
     return k_first, word
 
 
 @gluon.jit
 def _mask_scores(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag, ColPos, col_row, c_begin,
-                 n_cols, BLOCK: gl.constexpr, DOCS: gl.constexpr, HAS_COLS: gl.constexpr, cols_layout: gl.constexpr):
-    """Tile ``t``'s scores ``s`` [64 queries, 64 keys] with the pairs it must not count set to -inf.
+                 n_cols, BLOCK: gl.constexpr, DOCS: gl.constexpr, HAS_COLS: gl.constexpr, cols_layout: gl.constexpr,
+                 KT: gl.constexpr = TILE):
+    """Tile ``t``'s scores ``s`` [query rows, KT keys] with the pairs it must not count set to -inf.
     Masks only where needed, as the Triton kernels: a slash tile by position on the diagonal (and,
     with documents, where it starts before the block's last document); a column tile by its column
-    word, and by position only where ``diag`` (column_words.py) says so."""
-    offs = gl.arange(0, TILE, layout=cols_layout)
+    word(s) (``_tile_scalars``), and by position only where ``diag`` (column_words.py) says so."""
+    offs = gl.arange(0, KT, layout=cols_layout)
     if t < n_slash:
-        needs = k_first + TILE > q_first
+        needs = k_first + KT > q_first
         if DOCS:
             needs = needs | (k_first < doc_mask_below)
         if needs:
@@ -118,8 +139,13 @@ def _mask_scores(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_b
             s = gl.where(keep, s, float("-inf"))
     else:
         if HAS_COLS:
-            c0 = c_begin + (t - n_slash) * TILE  # a multiple of 64: the tile is one column word
-            live = (((word >> offs.to(gl.int64)) & 1) != 0) & (c0 + offs < n_cols)
+            c0 = c_begin + (t - n_slash) * KT  # a multiple of KT: the tile is KT // 64 column words
+            if KT == 64:
+                live = ((word >> offs.to(gl.int64)) & 1) != 0
+            else:
+                bit = (offs % 64).to(gl.int64)
+                live = (gl.where(offs < 64, word[0] >> bit, word[1] >> bit) & 1) != 0
+            live = live & (c0 + offs < n_cols)
             s = gl.where(live[None, :], s, float("-inf"))
             if diag:
                 c_pos = gl.load(ColPos + col_row + c0 + offs, mask=c0 + offs < n_cols, other=0).to(gl.int32)
