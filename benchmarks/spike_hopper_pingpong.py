@@ -1,5 +1,5 @@
 """Issue 17: at B = 128, the forward's kernels on one index, timed interleaved in one call: the
-ping-pong Hopper forward (kernels/hopper_fwd_pingpong.py, one program per query block, the default
+ping-pong Hopper forward (kernels/hopper_pingpong.py, one program per query block, the default
 at B = 128), two 64-row Hopper programs per block (hopper_fwd.py) and the Triton forward.
 (Session 12 ran this script as spike_hopper_rows.py with a lockstep 128-row kernel in place of the
 ping-pong one: results/spike_hopper_rows_nvidia-h200.json.)

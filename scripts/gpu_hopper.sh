@@ -9,6 +9,9 @@
 #   bwd_ab  kernel.py at 128K, no dense baselines, the backward on the Hopper kernels and then on
 #           Triton's (the forward Hopper's in both), index blocks of BLOCK_SIZE (default 64):
 #           kernelrerun_{hopper,triton}bwd_b<BLOCK_SIZE>_<device>.json
+#   pp_ab   B = 128 at 128K: the ping-pong backward's GPU tests, then kernel.py with the lockstep and
+#           the ping-pong dQ and key-block kernels (MTRAINING_BACKWARD_SCHEDULE) in one call:
+#           kernelrerun_bwd{lockstep,pingpong}_b128_<device>.json
 #   packed  benchmarks/packed.py at 128K: packed_<device>.json
 # Logs and results under $OUT (gpu_common.sh).
 # shellcheck source=SCRIPTDIR/gpu_common.sh
@@ -41,6 +44,17 @@ if stage bwd_ab; then
         --skip dense,flex,check --backward-kernel $kernel --out "$OUT/kernelrerun_${name}_$DEVICE_SLUG.json" \
         > "$OUT/kernel_$name.log" 2>&1
     echo "kernel $name rc=$?"; tail -4 "$OUT/kernel_$name.log"
+  done
+fi
+if stage pp_ab; then
+  timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_hopper_kernels.py -k pingpong_backward \
+      > "$OUT/tests_bwd_pingpong.log" 2>&1
+  echo "pingpong backward tests rc=$?"; tail -3 "$OUT/tests_bwd_pingpong.log"
+  for schedule in lockstep pingpong; do
+    MTRAINING_BACKWARD_SCHEDULE=$schedule timeout 120 "$PY" benchmarks/kernel.py --seq-lens 131072 \
+        --block-size 128 --skip dense,flex,check --out "$OUT/kernelrerun_bwd${schedule}_b128_$DEVICE_SLUG.json" \
+        > "$OUT/kernel_bwd$schedule.log" 2>&1
+    echo "kernel bwd $schedule rc=$?"; tail -4 "$OUT/kernel_bwd$schedule.log"
   done
 fi
 if stage packed; then

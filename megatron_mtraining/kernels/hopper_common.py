@@ -1,4 +1,4 @@
-"""What the Hopper kernels (``hopper_fwd.py``, ``hopper_fwd_pingpong.py``, ``hopper_bwd.py``; Gluon,
+"""What the Hopper kernels (``hopper_fwd.py``, ``hopper_pingpong.py``, ``hopper_bwd.py``; Gluon,
 sm_90) share: their tile, their layouts, and which calls they cover.
 
 They compute in warpgroups over 64-row tiles (wgmma's m64 atom across the 4 warps of each), with

@@ -25,7 +25,7 @@ Gluon has no CPU interpreter: on the CPU this kernel is cross-compiled for sm_90
 (no spills, no serialised wgmma); its numbers are tested on the GPU against the reference and the
 Triton forward.
 
-At B = 128 the launcher runs ``hopper_fwd_pingpong.py`` instead (one program per query block, two
+At B = 128 the launcher runs ``hopper_pingpong.py`` instead (one program per query block, two
 ping-ponging warpgroups sharing every K/V tile); ``rows=64`` keeps this kernel there.
 """
 
@@ -196,7 +196,7 @@ def vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale: float, accum
                             rows: int | None = None) -> None:
     """``vs_attention_fwd_triton``'s contract on an sm_90 GPU (``unsupported_reason`` must be ''):
     programs of ``rows`` query rows: 64 (this module's kernel), or 128 with B = 128
-    (``hopper_fwd_pingpong.py``: two ping-ponging warpgroups sharing every K/V tile). Default: 128
+    (``hopper_pingpong.py``: two ping-ponging warpgroups sharing every K/V tile). Default: 128
     at B = 128, else 64."""
     if not softmax_scale > 0:
         raise ValueError(f"vs_attention_fwd_hopper: softmax_scale must be positive, got {softmax_scale}")
@@ -205,7 +205,7 @@ def vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale: float, accum
     if rows is None:
         rows = 128 if B == 128 else 64
     if rows == 128 and B == 128:
-        from .hopper_fwd_pingpong import vs_attention_fwd_pingpong  # it imports this module's helpers
+        from .hopper_pingpong import vs_attention_fwd_pingpong  # it imports this module's helpers
 
         return vs_attention_fwd_pingpong(q, k, v, plan, out, lse, softmax_scale, accumulate)
     if rows != 64:

@@ -1,5 +1,5 @@
 """The key tiles that one query tile reads in the Hopper kernels that walk a query tile's keys (the
-forwards, ``hopper_fwd.py`` and ``hopper_fwd_pingpong.py``; dQ, ``hopper_bwd.py``): first the slash
+forwards, ``hopper_fwd.py`` and ``hopper_pingpong.py``; dQ, ``hopper_bwd.py``): first the slash
 key blocks of its query block (``BLOCK // KT`` tiles per block), then the plan's columns in
 KT-column slots. KT, the keys per tile, is 64 (one column word per column tile), or 128 for the
 ping-pong forward (a whole 128-token key block; two column words).
