@@ -66,14 +66,21 @@ def _issue_query_tile(u, n_q, first_row, q_base, do_base, stride_qn, stride_on, 
 
 
 @gluon.jit
-def _issue_scores_t(k_tile, v_tile, q_tile, do_tile, s_layout: gl.constexpr):
-    """One tile's S^T = K Q^T and dP^T = V dO^T as two asynchronous wgmma groups: S^T waited for,
-    dP^T still in flight (it finishes under the exp2 of P^T)."""
+def _start_scores_t(k_tile, v_tile, q_tile, do_tile, s_layout: gl.constexpr):
+    """One tile's S^T = K Q^T and dP^T = V dO^T as two asynchronous wgmma groups, both in flight."""
     shape: gl.constexpr = [k_tile.shape[0], q_tile.shape[0]]
     s_t = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros(shape, gl.float32, s_layout), use_acc=False,
                         is_async=True)
     dp_t = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros(shape, gl.float32, s_layout), use_acc=False,
                          is_async=True)
+    return s_t, dp_t
+
+
+@gluon.jit
+def _issue_scores_t(k_tile, v_tile, q_tile, do_tile, s_layout: gl.constexpr):
+    """``_start_scores_t``, then S^T waited for; dP^T still in flight (it finishes under the exp2
+    of P^T)."""
+    s_t, dp_t = _start_scores_t(k_tile, v_tile, q_tile, do_tile, s_layout)
     s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
     return s_t, dp_t
 

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
-from .hopper_bwd import _add, _issue_gradients_t, _issue_scores_t, _locate_query_tile, _query_base
+from .hopper_bwd import _add, _issue_gradients_t, _locate_query_tile, _query_base, _start_scores_t
 from .hopper_common import TILE, _wide, copy_layout, mma_layout, register_operand_layout, shared_layout
 from .hopper_fwd import _fold_tile, _write_output
 from .hopper_keys import _mask_scores, _query_positions, _query_program, _tile_rows, _tile_scalars
@@ -511,8 +511,9 @@ def _consume_dkdv(DK, DV, Lse, Delta, q_smem, do_smem, k_smem, v_smem, kv_ready,
             mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
             fence_async_shared()  # the producer's cp.async writes (generic proxy) before wgmma reads them
             mbarrier.wait(turn_mine, (t & 1) ^ (1 - HALF))  # HALF 0's first wait passes
-            s_t, dp_t = _issue_scores_t(k_op, v_op, q_smem.index(slot), do_smem.index(slot), s_layout)
-            mbarrier.arrive(turn_other, count=1)
+            s_t, dp_t = _start_scores_t(k_op, v_op, q_smem.index(slot), do_smem.index(slot), s_layout)
+            mbarrier.arrive(turn_other, count=1)  # issued: the other consumer's products may go
+            s_t = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
             p_t = gl.exp2(s_t * qk_scale - lse2[None, :])
             # Masked by position only where some pair is not causal (the diagonal) or (documents)
             # some query's document starts after the tile's first key.
