@@ -81,7 +81,7 @@ from common import packed_active_pairs, run_metadata, write_json  # noqa: E402
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.config import VERTICAL_FLOOR  # noqa: E402
 from megatron_mtraining.corpus import (  # noqa: E402
-    BOS, KEY, NEEDLE_FORMATS, CorpusConfig, PackedConfig, answer_target_mask, make_needle_probe,
+    BOS, KEY, NEEDLE_FORMATS, PROLONG_MIX, CorpusConfig, PackedConfig, answer_target_mask, make_needle_probe,
     make_packed_probe, make_packed_sequence, query_target_positions, reset_position_ids, retrieval_accuracy,
     write_indexed_dataset,
 )
@@ -109,6 +109,11 @@ def parse_args(argv=None):
     p.add_argument("--documents", default="3:8", metavar="MIN:MAX",
                    help="with --packed: documents per sequence (uniform in [MIN, MAX], fewer where "
                         "MAX x --min-document-len does not fit; at most the number of values)")
+    p.add_argument("--document-mix", default=None, metavar="prolong|L1,L2,...",
+                   help="with --packed: every sequence is this mix of documents scaled to its length, in a random "
+                        "order, instead of --documents (prolong: issue 16's 128K benchmark mix, long documents "
+                        "holding most of the pairs; the shortest merge where they would be below "
+                        "--min-document-len)")
     p.add_argument("--min-document-len", type=int, default=64, help="with --packed: the shortest document")
     p.add_argument("--tokens-per-iteration", type=int, default=16384,
                    help="batch = max(1, this // SEQ_LEN) sequences per iteration")
@@ -164,10 +169,12 @@ def parse_args(argv=None):
             schedule = phases(args.phases)
             if args.packed:
                 documents_range(args.documents)
+                document_mix(args.document_mix)
                 for seq_len in [s for s, _ in schedule] + [int(x) for x in args.eval_lengths.split(",")]:
                     cfg = packed_config(args, seq_len)
-                    if cfg.max_documents > cfg.num_values:
-                        raise ValueError(f"--documents: the packed probes need a distinct value per document, "
+                    if cfg.most_documents > cfg.num_values:
+                        flag = "--document-mix" if cfg.document_mix else "--documents"
+                        raise ValueError(f"{flag}: the packed probes need a distinct value per document, "
                                          f"at most {cfg.num_values} documents with this vocabulary")
         except ValueError as err:
             p.error(str(err))
@@ -210,15 +217,32 @@ def documents_range(spec: str):
     return lo, hi
 
 
+def document_mix(spec):
+    """``None`` -> (); ``"prolong"`` -> ``PROLONG_MIX``; ``"4,2,1"`` -> (4.0, 2.0, 1.0); ValueError
+    naming the flag otherwise."""
+    if spec is None:
+        return ()
+    if spec == "prolong":
+        return PROLONG_MIX
+    try:
+        mix = tuple(float(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"--document-mix: expected prolong or comma-separated lengths, got {spec!r}") from None
+    if not all(math.isfinite(x) and x > 0 for x in mix):
+        raise ValueError(f"--document-mix: lengths must be positive, got {spec!r}")
+    return mix
+
+
 def packed_config(args, seq_len: int) -> PackedConfig:
-    """Packed sequences of ``seq_len + 1`` tokens (as ``corpus_config``), documents per ``--documents``;
-    each document gets ``--needles-per-1k`` needles and up to ``--queries`` queries."""
+    """Packed sequences of ``seq_len + 1`` tokens (as ``corpus_config``), documents per ``--documents``
+    or ``--document-mix``; each document gets ``--needles-per-1k`` needles and up to ``--queries`` queries."""
     lo, hi = documents_range(args.documents)
     try:
         return PackedConfig(vocab_size=args.vocab_size, seq_len=seq_len + 1, min_documents=lo, max_documents=hi,
                             min_document_len=args.min_document_len, needles_per_1k=args.needles_per_1k,
                             queries=args.queries, key_len=args.key_len, value_len=args.value_len, seed=args.seed,
-                            needle_format=args.needle_format)
+                            needle_format=args.needle_format,
+                            document_mix=document_mix(getattr(args, "document_mix", None)))  # older results: none
     except ValueError as err:
         raise ValueError(f"--packed at {seq_len} tokens: {err}") from None
 
@@ -729,6 +753,7 @@ def packed_summary(dense, sparse):
     return {
         "packed": True,
         "documents": dense["settings"]["documents"],
+        "document_mix": dense["settings"].get("document_mix"),
         "min_document_len": dense["settings"]["min_document_len"],
         # Queries answered with a distractor's value (a same-key needle of an earlier document),
         # dense inference for both; ~0 with the document mask (the model cannot see them).

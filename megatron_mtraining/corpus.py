@@ -62,7 +62,7 @@ __all__ = [
     "PAD", "BOS", "KEY", "VAL", "QUERY", "ANS", "NUM_SPECIAL", "NEEDLE_FORMATS", "CorpusConfig", "RetrievalSample",
     "make_sequence", "make_needle_probe", "make_batch", "query_target_positions", "retrieval_accuracy",
     "write_indexed_dataset", "PackedConfig", "PackedSample", "packed_document_lengths", "make_packed_sequence",
-    "make_packed_probe", "document_boundaries", "reset_position_ids", "answer_target_mask",
+    "make_packed_probe", "document_boundaries", "reset_position_ids", "answer_target_mask", "PROLONG_MIX",
 ]
 
 PAD, BOS, KEY, VAL, QUERY, ANS = 0, 1, 2, 3, 4, 5
@@ -126,6 +126,11 @@ class CorpusConfig:
     def fact_alphabet(self) -> int:
         """``n`` of the fact format: the largest with ``n`` keys + ``n`` values + ``n * n`` facts <= symbols."""
         return math.isqrt(self.num_symbols + 1) - 1
+
+    @property
+    def most_documents(self) -> int:
+        """The most documents one sequence can hold."""
+        return len(self.document_mix) if self.document_mix else self.max_documents
 
     @property
     def num_keys(self) -> int:
@@ -379,6 +384,11 @@ def retrieval_accuracy(logits_or_predictions: torch.Tensor, tokens: torch.Tensor
 # ---------------------------------------------------------------------------- packed documents
 
 
+# Issue 16's packed benchmark mix at 128K tokens (ProLong-like: long documents hold most of the
+# pairs), as relative lengths for ``PackedConfig.document_mix``.
+PROLONG_MIX = (49152, 32768, 16384, 12288, 8192, 4096, 4096, 2048, 1024, 1024)
+
+
 @dataclass(frozen=True)
 class PackedConfig:
     """Packed sequences: each sequence of ``seq_len`` tokens is several DOCUMENTS, each a
@@ -393,7 +403,13 @@ class PackedConfig:
     A document of ``L`` tokens has ``needles_per_1k * L / 1024`` needles (at least 2 where two
     fit, at most one per distinct key, never more than fit) and ``min(queries, needles)`` queries. ``BOS`` opens
     every document and appears nowhere else, so the documents can be read off the tokens
-    (``document_boundaries``)."""
+    (``document_boundaries``).
+
+    ``document_mix`` (relative lengths, e.g. ``PROLONG_MIX``) replaces the random draw: every
+    sequence is that mix scaled to ``seq_len``, in a random order (``min_documents`` and
+    ``max_documents`` are then unused); where the scaled mix has documents shorter than
+    ``min_document_len``, the two shortest merge until none is, so short sequences hold fewer,
+    longer documents."""
 
     vocab_size: int = 512
     seq_len: int = 4096
@@ -407,6 +423,7 @@ class PackedConfig:
     lexicon_size: int = 256
     seed: int = 1234
     needle_format: str = "fact"
+    document_mix: Tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "min_documents", "max_documents", "min_document_len", "queries",
@@ -416,6 +433,9 @@ class PackedConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not self.needles_per_1k > 0:
             raise ValueError(f"needles_per_1k must be positive, got {self.needles_per_1k!r}")
+        object.__setattr__(self, "document_mix", tuple(float(x) for x in self.document_mix))
+        if not all(math.isfinite(x) and x > 0 for x in self.document_mix):
+            raise ValueError(f"document_mix must hold positive relative lengths, got {self.document_mix}")
         if self.min_documents > self.max_documents:
             raise ValueError(f"min_documents ({self.min_documents}) must be <= max_documents ({self.max_documents})")
         if self.seq_len < self.min_documents * self.min_document_len:
@@ -427,6 +447,11 @@ class PackedConfig:
         return CorpusConfig(vocab_size=self.vocab_size, seq_len=seq_len, num_needles=num_needles,
                             num_queries=num_queries, key_len=self.key_len, value_len=self.value_len,
                             lexicon_size=self.lexicon_size, seed=self.seed, needle_format=self.needle_format)
+
+    @property
+    def most_documents(self) -> int:
+        """The most documents one sequence can hold."""
+        return len(self.document_mix) if self.document_mix else self.max_documents
 
     @property
     def num_keys(self) -> int:
@@ -485,7 +510,22 @@ def _document_rng(seed: int, stream: int, index: int, document: int) -> np.rando
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, stream, int(index), int(document)])))
 
 
+def _mix_lengths(config: PackedConfig, rng: np.random.Generator) -> np.ndarray:
+    """``config.document_mix`` scaled to ``seq_len`` (largest remainders get the rounding), the two
+    shortest documents merged while one is below ``min_document_len``, in a random order."""
+    share = np.asarray(config.document_mix) / sum(config.document_mix) * config.seq_len
+    lengths = np.floor(share).astype(np.int64)
+    short = config.seq_len - int(lengths.sum())
+    lengths[np.argsort(lengths - share, kind="stable")[:short]] += 1
+    while len(lengths) > 1 and lengths.min() < config.min_document_len:
+        two = np.argsort(lengths, kind="stable")[:2]
+        lengths = np.append(np.delete(lengths, two), lengths[two].sum())
+    return rng.permutation(lengths)
+
+
 def _draw_lengths(config: PackedConfig, rng: np.random.Generator) -> np.ndarray:
+    if config.document_mix:
+        return _mix_lengths(config, rng)
     k = int(rng.integers(config.min_documents, config.max_documents + 1))
     k = min(k, config.seq_len // config.min_document_len)
     free = config.seq_len - k * config.min_document_len
@@ -569,7 +609,7 @@ def make_packed_probe(config: PackedConfig, index: int, depth: float) -> PackedS
     k = len(lengths)
     if k > config.num_values:
         raise ValueError(f"a probe of {k} documents needs {k} distinct values, the corpus has {config.num_values}; "
-                         "lower max_documents")
+                         "lower max_documents (or use a shorter document_mix)")
     cfgs = [config._corpus(int(length), 1, 1) for length in lengths]
     usable = [cfg.seq_len - 1 - cfg.needle_len - cfg.query_len for cfg in cfgs]
     fillers = [_filler(cfg, rng, n) for cfg, n in zip(cfgs, usable)]

@@ -7,7 +7,8 @@
 # PACKED=1: the packed-documents runs (issue 16; quality.py --packed: 3-8 documents per sequence,
 # attention masked at their boundaries through cu_seqlens in both runs), the same side-by-side
 # structure, merged into quality_packed.json (plots quality_packed_*.png). One device call on
-# 2 H200s: `PACKED=1 bash scripts/gpu_quality.sh`, carry [".whl"].
+# 2 H200s: `PACKED=1 bash scripts/gpu_quality.sh`, carry [".whl"]. DOCUMENT_MIX=prolong: the issue's
+# long-document mix instead (quality_packed_prolong.json).
 # shellcheck source=SCRIPTDIR/gpu_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
 # An existing .venv is kept (REUSE_VENV=0 redoes the set-up): on a warm machine, RUNS=dense then
@@ -34,6 +35,12 @@ if [ "${PACKED:-0}" = 1 ]; then
   PREFIX=quality_packed
   FLAGS=${QUALITY_FLAGS:---packed --documents 3:8 --phases 512:800,2048:400,8192:400,32768:800 --tokens-per-iteration 16384 --needles-per-1k 48 --queries 6 --needle-format fact --vocab-size 2048 --rotary-base 1000000 --answer-loss-weight 20 --lr 3e-3 --warmup 50 --eval-probes 16 --max-train-seconds 280}
   QUALITY_TIMEOUT=${QUALITY_TIMEOUT:-420}
+  # DOCUMENT_MIX=prolong (or L1,L2,...): every sequence is that mix of documents instead of 3-8 random
+  # ones (quality.py --document-mix; prolong is issue 16's 128K benchmark mix, long documents holding
+  # most of the pairs), merged into quality_packed_prolong.json.
+  if [ -n "${DOCUMENT_MIX:-}" ]; then
+    FLAGS="$FLAGS --document-mix $DOCUMENT_MIX"; PREFIX="${PREFIX}_${DOCUMENT_MIX//,/-}"
+  fi
 fi
 RUNS=${RUNS:-dense mtraining}
 VARIANT_NAME=${VARIANT_NAME:-variant}

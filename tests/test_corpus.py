@@ -323,7 +323,7 @@ def test_fact_probe_answers_its_needle():
 # ---------------------------------------------------------------------------- packed documents
 
 from megatron_mtraining.corpus import (  # noqa: E402
-    PackedConfig, answer_target_mask, document_boundaries, make_packed_probe, make_packed_sequence,
+    PROLONG_MIX, PackedConfig, PackedSample, answer_target_mask, document_boundaries, make_packed_probe, make_packed_sequence,
     packed_document_lengths, reset_position_ids,
 )
 
@@ -333,18 +333,23 @@ PACKED_CONFIGS = [
                  queries=3),
     PackedConfig(vocab_size=512, seq_len=1500, min_documents=3, max_documents=6, needle_format="pair", key_len=2,
                  value_len=2, needles_per_1k=16, min_document_len=128),
+    PackedConfig(vocab_size=2048, seq_len=4097, document_mix=PROLONG_MIX),
 ]
+PACKED_IDS = ["fact", "small", "pair", "prolong_mix"]
 
 
-def check_packed(s: "PackedSample", cfg: PackedConfig, probe_depth=None):
+def check_packed(s: PackedSample, cfg: PackedConfig, probe_depth=None):
     """Every structural promise of a packed sample, checked against a parse of its tokens."""
     tokens, cu = s.tokens, s.cu_seqlens.tolist()
     assert tokens.shape == (cfg.seq_len,) and s.cu_seqlens.dtype == torch.int32
     assert cu[0] == 0 and cu[-1] == cfg.seq_len
     lengths = [b - a for a, b in zip(cu, cu[1:])]
     assert all(n >= cfg.min_document_len for n in lengths)
-    assert len(lengths) <= cfg.max_documents and len(lengths) >= min(cfg.min_documents,
-                                                                       cfg.seq_len // cfg.min_document_len)
+    if cfg.document_mix:
+        assert 1 <= len(lengths) <= len(cfg.document_mix)
+    else:
+        assert len(lengths) <= cfg.max_documents and len(lengths) >= min(cfg.min_documents,
+                                                                           cfg.seq_len // cfg.min_document_len)
     # BOS opens every document and appears nowhere else: the documents can be read off the tokens.
     assert torch.nonzero(tokens == BOS).flatten().tolist() == cu[:-1]
     starts = document_boundaries(tokens)
@@ -392,7 +397,7 @@ def check_packed(s: "PackedSample", cfg: PackedConfig, probe_depth=None):
     return queries
 
 
-@pytest.mark.parametrize("cfg", PACKED_CONFIGS, ids=["fact", "small", "pair"])
+@pytest.mark.parametrize("cfg", PACKED_CONFIGS, ids=PACKED_IDS)
 def test_packed_sequence_documents(cfg):
     distracted = 0
     for index in range(4):
@@ -420,7 +425,7 @@ def test_packed_is_deterministic_and_layouts_are_shared():
     assert not torch.equal(other.tokens[:200], a.tokens[:200])
 
 
-@pytest.mark.parametrize("cfg", PACKED_CONFIGS, ids=["fact", "small", "pair"])
+@pytest.mark.parametrize("cfg", PACKED_CONFIGS, ids=PACKED_IDS)
 def test_packed_probe_plants_distractors(cfg):
     for index in range(3):
         by_depth = {}
@@ -450,7 +455,27 @@ def test_packed_probe_plants_distractors(cfg):
         make_packed_probe(crowded, 0, 0.5)
 
 
+def test_document_mix_scales_merges_and_shuffles():
+    """A mix at its own total is itself (in some order); scaled down, the shortest documents merge
+    until every one holds min_document_len; the order is the layout's, the lengths are not."""
+    full = PackedConfig(vocab_size=2048, seq_len=sum(PROLONG_MIX), document_mix=PROLONG_MIX)
+    layouts = [packed_document_lengths(full, i).tolist() for i in range(6)]
+    assert all(sorted(x) == sorted(PROLONG_MIX) for x in layouts)
+    assert len({tuple(x) for x in layouts}) > 1  # shuffled per layout
+    assert packed_document_lengths(full, 3).tolist() == layouts[3]  # a function of the layout index
+    uneven = PackedConfig(vocab_size=2048, seq_len=1001, document_mix=(3, 1, 1), min_document_len=100)
+    assert sorted(packed_document_lengths(uneven, 0).tolist()) == [200, 200, 601]  # remainders to the largest share
+    for seq_len, want in [(513, 4), (2049, 8), (8193, 10)]:
+        lengths = packed_document_lengths(dataclasses.replace(full, seq_len=seq_len), 0)
+        assert lengths.sum() == seq_len and lengths.min() >= 64 and len(lengths) == want
+    tiny = dataclasses.replace(full, seq_len=100, min_documents=1)
+    assert packed_document_lengths(tiny, 0).tolist() == [100]  # everything merged into one document
+    assert full.most_documents == 10 and PACKED_CONFIGS[0].most_documents == 8
+
+
 @pytest.mark.parametrize("kwargs, message", [
+    (dict(document_mix=(4, 0, 1)), "positive relative lengths"),
+    (dict(document_mix=(4, float("nan"))), "positive relative lengths"),
     (dict(min_documents=4, max_documents=3), "min_documents"),
     (dict(seq_len=100, min_documents=3), "too short"),
     (dict(min_document_len=7), "raise min_document_len"),

@@ -4,8 +4,6 @@ Needs megatron-core (skipped without it). The model code runs on the CPU through
 test-only shims of ``megatron_mtraining.integration.cpu_shims``.
 """
 
-import os
-import tempfile
 import types
 from dataclasses import dataclass
 

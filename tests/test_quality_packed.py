@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import quality  # noqa: E402
 
 from megatron_mtraining.corpus import (  # noqa: E402
-    BOS, KEY, PackedConfig, make_packed_probe, make_packed_sequence, packed_document_lengths,
+    BOS, KEY, PROLONG_MIX, PackedConfig, make_packed_probe, make_packed_sequence, packed_document_lengths,
 )
 
 TOY = ["--packed", "--documents", "2:4", "--phases", "256:3,512:1", "--tokens-per-iteration", "512",
@@ -209,11 +209,27 @@ def test_document_density_counts_document_pairs():
     (["--run", "dense", "--packed", "--documents", "3"], "MIN:MAX"),
     (["--run", "dense", "--packed", "--vocab-size", "128"], "distinct value per document"),
     (["--run", "dense", "--packed", "--phases", "128:10"], "too short"),
+    (["--run", "dense", "--packed", "--document-mix", "4,0"], "--document-mix: lengths must be positive"),
+    (["--run", "dense", "--packed", "--document-mix", "long"], "expected prolong or comma-separated lengths"),
+    (["--run", "dense", "--packed", "--document-mix", ",".join(["1"] * 30)],
+     "--document-mix: the packed probes need a distinct value per document"),
 ])
 def test_bad_packed_command_lines_fail_with_a_message(argv, message):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "quality.py"), *argv], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_document_mix_reaches_the_corpus():
+    """--document-mix prolong: every phase's sequences are the issue's mix scaled (the 32K phase
+    holds all ten documents), and the merge records it."""
+    args = quality.parse_args(["--run", "dense", "--packed", "--document-mix", "prolong"])
+    assert quality.packed_config(args, 32768).document_mix == PROLONG_MIX
+    assert len(packed_document_lengths(quality.packed_config(args, 32768), 0)) == 10
+    assert quality.packed_config(quality.parse_args(["--run", "dense", "--packed"]), 32768).document_mix == ()
+    assert quality.packed_summary({"settings": vars(args)}, {"settings": vars(args)})["document_mix"] == "prolong"
+    script = open(os.path.join(REPO, "scripts", "gpu_quality.sh")).read()
+    assert 'FLAGS="$FLAGS --document-mix $DOCUMENT_MIX"' in script
 
 
 def test_packed_recipe_of_the_gpu_script():

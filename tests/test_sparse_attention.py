@@ -1,6 +1,5 @@
 """sparse_attention (every backend) against the reference and a float64 dense-mask oracle."""
 
-import math
 
 import pytest
 import torch

@@ -5,3 +5,5 @@ Nothing here imports megatron at package import time: import the submodules
 """
 
 from .args import add_mtraining_args, integration_options  # no megatron imports
+
+__all__ = ["add_mtraining_args", "integration_options"]
