@@ -21,7 +21,7 @@ if [ "${E2E_ONLY:-0}" != 1 ]; then
       --out "$OUT/approx_ring_${DEVICE_SLUG}_2gpu.json" > "$OUT/approx_ring.log" 2>&1
   tail -2 "$OUT/approx_ring.log"
   OMP_NUM_THREADS=1 timeout 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 \
-      -m megatron_mtraining.demo > "$OUT/demo.log" 2>&1
+      -m megatron_mtraining.tools.demo > "$OUT/demo.log" 2>&1
   echo "demo rc=$?"; grep -E "MTraining\]|\[demo\] loss" "$OUT/demo.log" | tail -3
 fi
 if [ "${E2E:-1}" != 0 ]; then

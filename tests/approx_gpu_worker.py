@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_mtraining import MTrainingConfig, approximate_index, shard_sequence  # noqa: E402
-from megatron_mtraining.synthetic import synthetic_vs_qk  # noqa: E402
+from megatron_mtraining.tools.synthetic import synthetic_vs_qk  # noqa: E402
 
 FIELDS = ("slash", "n_slash", "vertical", "n_vertical")
 

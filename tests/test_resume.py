@@ -1,4 +1,4 @@
-"""Checkpoint resume without loss: the plugin's own training loop (``megatron_mtraining.demo``:
+"""Checkpoint resume without loss: the plugin's own training loop (``megatron_mtraining.tools.demo``:
 megatron-core GPTModel with MTrainingAttention, Adam, CP=2 over gloo) trained N+M iterations in
 one go equals N iterations, a checkpoint, and M more in NEW processes, bit for bit (losses,
 parameters and optimizer state). Deterministic kernels are the default

@@ -7,7 +7,7 @@ striped share of every sequence; in every layer the index approximator builds th
 vertical-slash index from the layer's q and k and the sparse ring attention runs over the CP
 group. Logs look like Megatron's; the run fails if the loss does not go down.
 
-    python -m torch.distributed.run --nproc_per_node N -m megatron_mtraining.demo [--iterations 30] [--seq-length 2048]
+    python -m torch.distributed.run --nproc_per_node N -m megatron_mtraining.tools.demo [--iterations 30] [--seq-length 2048]
 
 Checkpoints take Megatron's flag names: ``--save DIR`` writes one at the end (and every
 ``--save-interval`` iterations), ``--load DIR`` resumes from the latest one in new processes;
@@ -25,8 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import MTrainingConfig, shard_sequence
-from .integration.args import add_mtraining_args
+from .. import MTrainingConfig, shard_sequence
+from ..integration.args import add_mtraining_args
 
 
 def parse_args(argv=None):
@@ -78,7 +78,7 @@ def build_small_gpt(cfg: MTrainingConfig, *, num_layers: int, hidden_size: int, 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from .integration.spec import get_gpt_layer_spec
+    from ..integration.spec import get_gpt_layer_spec
 
     config = TransformerConfig(
         num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     use_cuda = torch.cuda.is_available()
     owns_group = not dist.is_initialized()  # else the caller's process group (tests)
     if owns_group:
-        if "RANK" not in os.environ:  # plain `python -m megatron_mtraining.demo`: one process
+        if "RANK" not in os.environ:  # plain `python -m megatron_mtraining.tools.demo`: one process
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -106,11 +106,11 @@ def main(argv=None) -> int:
 
     from megatron.core import parallel_state
 
-    from .checkpointing import load_checkpoint, save_checkpoint
-    from .integration import telemetry
-    from .integration.args import integration_options
-    from .integration.cpu_shims import apply_cpu_shims
-    from .integration.patches import install, uninstall
+    from ..checkpointing import load_checkpoint, save_checkpoint
+    from ..integration import telemetry
+    from ..integration.args import integration_options
+    from ..integration.cpu_shims import apply_cpu_shims
+    from ..integration.patches import install, uninstall
 
     shims = None if use_cuda else apply_cpu_shims()
     cfg = MTrainingConfig.from_args(args)
