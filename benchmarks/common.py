@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from megatron_mtraining import VSIndex
+from megatron_mtraining.tools.corpus import PROLONG_MIX
 
 # ----------------------------------------------------------------------------------------------
 # The `fixed` index: deterministic vertical-slash structure at a target density
@@ -330,7 +331,7 @@ def write_json(path: str, result) -> None:
 # ----------------------------------------------------------------------------------------------
 
 # The benchmark mix at 128K (ProLong-like: long documents carry most of the work); x4 for 512K.
-DOCUMENT_MIX_128K = (49152, 32768, 16384, 12288, 8192, 4096, 4096, 2048, 1024, 1024)
+DOCUMENT_MIX_128K = PROLONG_MIX
 
 
 def document_mix(seq_len: int, block_size: int = 64) -> List[int]:

@@ -563,7 +563,8 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
             summary_q = data.get("summary", {})
             for key, note in (("final_loss_gap", "held-out LM loss, MTraining - dense, packed documents"),
                               ("retrieval_accuracy_gap", "points, dense - MTraining, packed probes with distractors"),
-                              ("mean_density", "of document-causal pairs, at the longest trained context")):
+                              ("mean_density", "of document-causal pairs, at the longest trained context"
+                               + document_cost_note())):
                 if isinstance(summary_q.get(key), (int, float)):
                     values["packed_" + key] = (summary_q[key], path, note)
     sources = {path for value, path, _ in values.values() if path}
@@ -596,6 +597,24 @@ def render_summary(summary: Dict) -> str:
                      entry.get("note", "")])
     return ("**Targets** (`benchmarks/results/summary.json`, written by this script from the results below; "
             f"{summary['device']}):\n\n" + table(["key", "value", "target", "met", "note"], rows))
+
+
+def document_cost_note(path: str = os.path.join(REPO, "benchmarks", "results", "analysis_document_costs.json")) -> str:
+    """The packed density's projection onto the benchmark's ProLong mix at 128K
+    (``document_costs.py``), or nothing where that analysis has not been run."""
+    if not os.path.exists(path):
+        return ""
+    with open(path) as fh:
+        data = json.load(fh)
+    rows = {(r["documents"], r["seq_len"]): r for r in data["rows"]}
+    packed = next((p for p in data.get("projections", []) if p["quality_run"] == "quality_packed.json"), None)
+    if packed is None or ("random_3_8", 32768) not in rows or ("unpacked", 32768) not in rows:
+        return ""
+    return (f"; with these 3-8 documents per 32K an offset costs {rows[('random_3_8', 32768)]['share_per_offset']:.2%} "
+            f"of the pairs against {rows[('unpacked', 32768)]['share_per_offset']:.2%} unpacked, so its "
+            f"~{packed['implied_offsets_per_head']:.0f} offsets per head would give "
+            f"{packed['projected_density_prolong_mix_128k']:.3f} on the benchmark's ProLong mix at 128K "
+            f"(a projection, analysis_document_costs.json)")
 
 
 def load_results(results_dir: str) -> Dict[str, List[Result]]:

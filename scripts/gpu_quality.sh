@@ -34,13 +34,21 @@ if [ "${PACKED:-0}" = 1 ]; then
   # 10 minutes with the set-up.
   PREFIX=quality_packed
   FLAGS=${QUALITY_FLAGS:---packed --documents 3:8 --phases 512:800,2048:400,8192:400,32768:800 --tokens-per-iteration 16384 --needles-per-1k 48 --queries 6 --needle-format fact --vocab-size 2048 --rotary-base 1000000 --answer-loss-weight 20 --lr 3e-3 --warmup 50 --eval-probes 16 --max-train-seconds 280}
-  QUALITY_TIMEOUT=${QUALITY_TIMEOUT:-420}
   # DOCUMENT_MIX=prolong (or L1,L2,...): every sequence is that mix of documents instead of 3-8 random
   # ones (quality.py --document-mix; prolong is issue 16's 128K benchmark mix, long documents holding
-  # most of the pairs), merged into quality_packed_prolong.json.
+  # most of the pairs), merged into quality_packed_prolong.json. Scaled to 32K the mix's documents
+  # are as short as the random ones (an offset costs the same share of the pairs:
+  # benchmarks/document_costs.py), so without QUALITY_FLAGS the schedule ends with 100 iterations at
+  # 128K, where it costs what an unpacked 32K sequence does. Estimate: ~0.6 s per 128K iteration,
+  # ~5 min per training; run one training per call (RUNS=dense, then RUNS=mtraining, REUSE_VENV=1).
   if [ -n "${DOCUMENT_MIX:-}" ]; then
+    if [ -z "${QUALITY_FLAGS:-}" ]; then  # a later flag wins
+      FLAGS="$FLAGS --phases 512:800,2048:400,8192:400,32768:400,131072:100 --max-train-seconds 400"
+      QUALITY_TIMEOUT=${QUALITY_TIMEOUT:-520}
+    fi
     FLAGS="$FLAGS --document-mix $DOCUMENT_MIX"; PREFIX="${PREFIX}_${DOCUMENT_MIX//,/-}"
   fi
+  QUALITY_TIMEOUT=${QUALITY_TIMEOUT:-420}
 fi
 RUNS=${RUNS:-dense mtraining}
 VARIANT_NAME=${VARIANT_NAME:-variant}
