@@ -486,6 +486,9 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
     """The target figures found in the results (None where not measured yet), with sources."""
     values: Dict[str, Tuple] = {}  # key -> (value, source, note)
     for path, data in results.get("kernel", []):
+        cfg = data.get("config", {})
+        if cfg.get("density") != 0.05 or cfg.get("block_size", 64) != 64:
+            continue  # the targets' shape only (the other figures, e.g. kernel_report_*, are tabled)
         for run in data.get("runs", []):
             sp = run.get("speedup", {})
             if run["seq_len"] == 131072:

@@ -13,6 +13,9 @@
 #           the ping-pong dQ and key-block kernels (MTRAINING_BACKWARD_SCHEDULE) in one call:
 #           kernelrerun_bwd{lockstep,pingpong}_b128_<device>.json
 #   packed  benchmarks/packed.py at 128K: packed_<device>.json
+#   report  issue 17's other figures, B = 64 and the default kernels, cuDNN beside (no Flex): 512K at 5%,
+#           128K at 2.5% and at 10%: kernel_report_{512k,d025,d10}_<device>.json (tabled, never the
+#           targets' figures)
 # Logs and results under $OUT (gpu_common.sh).
 # shellcheck source=SCRIPTDIR/gpu_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
@@ -55,6 +58,14 @@ if stage pp_ab; then
         --block-size 128 --skip dense,flex,check --out "$OUT/kernelrerun_bwd${schedule}_b128_$DEVICE_SLUG.json" \
         > "$OUT/kernel_bwd$schedule.log" 2>&1
     echo "kernel bwd $schedule rc=$?"; tail -4 "$OUT/kernel_bwd$schedule.log"
+  done
+fi
+if stage report; then
+  for spec in "524288 0.05 512k" "131072 0.025 d025" "131072 0.10 d10"; do
+    read -r seq density name <<< "$spec"
+    timeout 180 "$PY" benchmarks/kernel.py --seq-lens "$seq" --density "$density" --skip flex --reps 5 \
+        --out "$OUT/kernel_report_${name}_$DEVICE_SLUG.json" > "$OUT/kernel_report_$name.log" 2>&1
+    echo "kernel report $name rc=$?"; tail -3 "$OUT/kernel_report_$name.log"
   done
 fi
 if stage packed; then

@@ -89,3 +89,17 @@ def test_e2e_rows_name_the_dense_baseline_that_ran():
     # The striped ring keeps the sparse kernels whatever the determinism flag.
     striped = ["--mtraining", "--mtraining-index", "dense", "--no-mtraining-deterministic"]
     assert make_tables.e2e_label(_e2e_result(4, striped)["runs"][1], 4) == make_tables.OLD_E2E_BASELINE
+
+
+def test_kernel_targets_come_from_the_targets_shape_only():
+    """Kernel results at another density or block size (issue 17's secondary figures) are tabled
+    but never stand in for the 128K target figures, whatever their file order."""
+    def result(density, block_size, speedup):
+        return {"config": {"density": density, "block_size": block_size},
+                "runs": [{"seq_len": 131072, "speedup": {"dense_over_ours_fwdbwd": speedup},
+                          "ours": {"fwdbwd_tflops": 10 * speedup}}]}
+    results = [("r/kernel_a.json", result(0.05, 64, 12.5)), ("r/kernel_report_d025.json", result(0.025, 64, 20.0)),
+               ("r/kernel_report_b128.json", result(0.05, 128, 13.2))]
+    summary = make_tables.summarise({"kernel": results})
+    assert summary["kernel_fwdbwd_speedup_vs_cudnn_128k"] == 12.5
+    assert summary["kernel_fwdbwd_effective_tflops_128k"] == 125.0
