@@ -24,7 +24,7 @@ ARGS = ["--seq-length", "256", "--micro-batch-size", "1", "--num-layers", "2", "
 
 
 def _train(rank, world_size, argv):
-    from megatron_mtraining import demo
+    from megatron_mtraining.tools import demo
     demo.main(list(argv))  # its return code is the loss-went-down check: meaningless over 3 iterations
     return None
 
