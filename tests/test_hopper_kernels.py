@@ -477,6 +477,7 @@ def test_backward_megatron_strided_views_give_the_same_bits():
     (1024, 128, 4, 2, "dense", False, True),
     (1024, 128, 4, 4, "no_diagonal", False, True),  # GQA 1
     (128, 128, 4, 2, "random", False, True),  # a single block
+    (1024, 128, 8, 1, "many_columns", False, True),  # GQA 8: one full pass
     (1024, 128, 16, 1, "random", True, True),  # GQA 16: the key-block kernel's heads in two passes
     (1024, 64, 12, 1, "random", False, True),  # GQA 12: the second pass half empty
 ], ids=lambda x: str(x))
