@@ -24,6 +24,7 @@ index would have on the ProLong mix at 128K. CPU only, about a minute::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Dict, List, Sequence
@@ -88,8 +89,6 @@ QUALITY_RUNS = (("quality.json", "unpacked"), ("quality_packed.json", "random_3_
 def projections(rows: List[Dict], results_dir: str) -> List[Dict]:
     """Offsets per head implied by each measured quality run's density at 32K, and that index's
     density on the ProLong mix at 128K (same offsets, same columns)."""
-    import json
-
     by_kind = {(r["documents"], r["seq_len"]): r for r in rows}
     target = by_kind[("prolong_mix", 131072)]
     out = []

@@ -230,6 +230,16 @@ def _add(a, b):
 
 
 @gluon.jit
+def _store_gradient(ptrs, value, ACCUMULATE: gl.constexpr):
+    """A program's gradient rows: added to the fp32 sums already there (ring steps, or dK/dV's
+    column part), else stored in the tensor's dtype (the program is the rows' only writer)."""
+    if ACCUMULATE:
+        gl.store(ptrs, gl.load(ptrs) + value)
+    else:
+        gl.store(ptrs, value.to(ptrs.dtype.element_ty))
+
+
+@gluon.jit
 def _locate_query_tile(u, n_pass, ends, tiles, heads, g0, b, kvh, k_local, QCnt, QIdx, HQ, GROUP, NKB, MAX_S,
                        BLOCK: gl.constexpr, INT64: gl.constexpr):
     """Query tile ``u`` of a pass over heads g0.. of the GQA group (each head's transposed list in
@@ -460,11 +470,7 @@ def _dq_sm90_kernel(
     async_copy.wait_group(0)  # no copy outlives the program
 
     out = gl.convert_layout(dq * sm_scale, c_layout)
-    dq_ptrs = DQ + b * stride_gb + h * stride_gh + rows * stride_gn + offs_d
-    if ACCUMULATE:
-        gl.store(dq_ptrs, gl.load(dq_ptrs) + out)
-    else:  # this program is the rows' only writer: store in DQ's dtype
-        gl.store(dq_ptrs, out.to(DQ.dtype.element_ty))
+    _store_gradient(DQ + b * stride_gb + h * stride_gh + rows * stride_gn + offs_d, out, ACCUMULATE)
 
 
 def column_gradients_hopper(q, k, v, do, lse, delta, dk_part, dv_part, plan, cols, col_pos, words, head_diag,

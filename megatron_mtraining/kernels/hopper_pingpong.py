@@ -48,7 +48,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
-from .hopper_bwd import _add, _issue_gradients_t, _locate_query_tile, _query_base, _start_scores_t
+from .hopper_bwd import (_add, _issue_gradients_t, _locate_query_tile, _query_base, _start_scores_t,
+                         _store_gradient)
 from .hopper_common import TILE, _wide, copy_layout, mma_layout, register_operand_layout, shared_layout
 from .hopper_fwd import _fold_tile, _write_output
 from .hopper_keys import _mask_scores, _query_positions, _query_program, _tile_rows, _tile_scalars
@@ -327,11 +328,7 @@ def _consume_dq(DQ, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready, ready,
     # Stored from the accumulator's layout (no conversion scratch: see the forward's epilogue).
     rows = _wide(pid_m * BLOCK + HALF * TILE + gl.arange(0, TILE, layout=rows_g), INT64)[:, None]
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))[None, :]
-    dq_ptrs = DQ + b * stride_gb + h * stride_gh + rows * stride_gn + offs_d
-    if ACCUMULATE:
-        gl.store(dq_ptrs, gl.load(dq_ptrs) + dq * sm_scale)
-    else:  # this program is the rows' only writer: store in DQ's dtype
-        gl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty))
+    _store_gradient(DQ + b * stride_gb + h * stride_gh + rows * stride_gn + offs_d, dq * sm_scale, ACCUMULATE)
 
 
 @gluon.jit
@@ -540,8 +537,8 @@ def _consume_dkdv(DK, DV, Lse, Delta, q_smem, do_smem, k_smem, v_smem, kv_ready,
     rows = _wide(pid_n * BLOCK + HALF * TILE + gl.arange(0, TILE, layout=gl.SliceLayout(1, g_layout)), INT64)
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, g_layout))[None, :]
     g_offs = _wide(b, INT64) * stride_gb + _wide(kvh, INT64) * stride_gh + rows[:, None] * stride_gn + offs_d
-    gl.store(DK + g_offs, gl.load(DK + g_offs) + dk * sm_scale)
-    gl.store(DV + g_offs, gl.load(DV + g_offs) + dv)
+    _store_gradient(DK + g_offs, dk * sm_scale, True)
+    _store_gradient(DV + g_offs, dv, True)
 
 
 @gluon.jit
