@@ -4,7 +4,7 @@
 #
 # Model: 32 layers, hidden 4096, FFN 14336 (SwiGLU), 32 query heads / 8 KV groups (head dim 128),
 # RMSNorm, no biases, untied embeddings, vocab 128256, RoPE base 500000 with Llama-3.1 rope scaling. Sequence length 524288 (512K), context
-# parallelism over ALL GPUs (CP = GPUS_PER_NODE * NNODES), micro batch 1, bf16, full recompute,
+# parallelism over ALL GPUs (CP = GPUS_PER_NODE * NNODES / TP, TP default 1), micro batch 1, bf16, full recompute,
 # striped layout, top-p 0.9, block size 64; two-level (hierarchical) ring when NNODES > 1.
 #
 # Requirements:
@@ -20,6 +20,9 @@
 # Run (one node, 8 GPUs):
 #   MEGATRON_LM=/path/to/Megatron-LM bash examples/pretrain_llama3.1_8b_512k_mtraining.sh
 # Multi-node: set NNODES, NODE_RANK, MASTER_ADDR (and GPUS_PER_NODE) on every node.
+# TP=N splits the heads over N GPUs (tensor parallelism) and rings over the other WORLD_SIZE / N
+# (context parallelism); add --sequence-parallel where Transformer Engine or apex is installed
+# (megatron-core's torch norms refuse it).
 # Extra arguments are appended to the Megatron command line (later flags win), e.g. --train-iters 100.
 # MTRAINING_ENTRY=fork runs $MEGATRON_LM/pretrain_gpt.py itself, for a fork patched with
 # patches/megatron-lm-core_r0.19.x-mtraining.patch (default: launcher, for unmodified Megatron-LM).
@@ -33,6 +36,13 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
+# Tensor parallelism (TP ranks split the heads) inside context parallelism: CP = WORLD_SIZE / TP.
+TP=${TP:-1}
+if ! [[ "$TP" =~ ^[1-9][0-9]*$ ]] || (( WORLD_SIZE % TP )); then
+    echo "error: TP=$TP must be a positive divisor of the $WORLD_SIZE GPUs (GPUS_PER_NODE * NNODES)" >&2
+    exit 1
+fi
+CP=$((WORLD_SIZE / TP))
 
 # ---- Megatron-LM checkout ----
 if [[ -z "${MEGATRON_LM:-}" ]]; then
@@ -145,9 +155,9 @@ TRAINING_ARGS=(
 )
 
 PARALLEL_ARGS=(
-    --tensor-model-parallel-size 1
+    --tensor-model-parallel-size "$TP"
     --pipeline-model-parallel-size 1
-    --context-parallel-size "$WORLD_SIZE"
+    --context-parallel-size "$CP"
     --cp-comm-type p2p
 )
 

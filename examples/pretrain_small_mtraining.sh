@@ -21,6 +21,9 @@
 # Extra arguments are appended to the Megatron command line (later flags win), e.g. --train-iters 100.
 # MTRAINING_ENTRY=fork runs $MEGATRON_LM/pretrain_gpt.py itself, for a fork patched with
 # patches/megatron-lm-core_r0.19.x-mtraining.patch (default: launcher, for unmodified Megatron-LM).
+# TP=N splits the heads over N GPUs (tensor parallelism) and rings over the other WORLD_SIZE / N
+# (context parallelism); add --sequence-parallel where Transformer Engine or apex is installed
+# (megatron-core's torch norms refuse it).
 # DRY_RUN=1 prints the command instead of running it.
 set -euo pipefail
 
@@ -31,6 +34,13 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
+# Tensor parallelism (TP ranks split the heads) inside context parallelism: CP = WORLD_SIZE / TP.
+TP=${TP:-1}
+if ! [[ "$TP" =~ ^[1-9][0-9]*$ ]] || (( WORLD_SIZE % TP )); then
+    echo "error: TP=$TP must be a positive divisor of the $WORLD_SIZE GPUs (GPUS_PER_NODE * NNODES)" >&2
+    exit 1
+fi
+CP=$((WORLD_SIZE / TP))
 
 # ---- Megatron-LM checkout ----
 if [[ -z "${MEGATRON_LM:-}" ]]; then
@@ -135,9 +145,9 @@ TRAINING_ARGS=(
 )
 
 PARALLEL_ARGS=(
-    --tensor-model-parallel-size 1
+    --tensor-model-parallel-size "$TP"
     --pipeline-model-parallel-size 1
-    --context-parallel-size "$WORLD_SIZE"
+    --context-parallel-size "$CP"
     --cp-comm-type p2p
 )
 

@@ -167,3 +167,21 @@ def test_gpu_megatron_lm_script_without_tarball(tmp_path):
     assert proc.returncode == 1
     assert "megatron-lm-core_r0.19.0.tar.gz not found" in proc.stderr and ".carry/" in proc.stderr
     assert not (tmp_path / "build").exists()
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=ids)
+def test_example_tensor_parallel_splits_the_gpus(script, tmp_path):
+    """TP=N: tensor parallelism over N GPUs, context parallelism over the rest; a TP that does not
+    divide the GPUs stops before anything starts."""
+    tree = _tree(tmp_path)
+
+    def sizes(proc):
+        assert proc.returncode == 0, proc.stderr
+        cmd = shlex.split(proc.stdout)
+        return (cmd[cmd.index("--tensor-model-parallel-size") + 1], cmd[cmd.index("--context-parallel-size") + 1])
+
+    assert sizes(_example(script, MEGATRON_LM=tree, PYTHON=sys.executable, GPUS_PER_NODE="8")) == ("1", "8")
+    assert sizes(_example(script, MEGATRON_LM=tree, PYTHON=sys.executable, GPUS_PER_NODE="8", TP="2")) == ("2", "4")
+    for bad in ("3", "0", "two"):
+        proc = _example(script, MEGATRON_LM=tree, PYTHON=sys.executable, GPUS_PER_NODE="8", TP=bad)
+        assert proc.returncode != 0 and f"TP={bad} must be a positive divisor of the 8 GPUs" in proc.stderr
