@@ -1,9 +1,10 @@
 """Cross-compile the Hopper kernels (``kernels/hopper_fwd.py``, ``kernels/hopper_bwd.py``) for sm_90a
 on a machine without a GPU, and report what ptxas says: the CPU half of their tests (Gluon has no
-interpreter).
+interpreter). ``--triton-dkdv`` does the same for Triton's key-block kernel with and without the
+fused dQ schedule (the interpreter cannot show its atomics' memory order).
 
 Run as a script in a process without TRITON_INTERPRET (the tests do that in a subprocess):
-    python tests/sm90_compile.py [--out compile.json]
+    python tests/sm90_compile.py [--triton-dkdv] [--out compile.json]
 Per kernel and configuration: compiled or the error, shared memory, warps, wgmma and cp.async
 counts, registers, spills, and whether ptxas serialised the wgmma groups (C7513/C7514).
 """
@@ -170,8 +171,54 @@ def config_name(kernel: str, cfg: dict) -> str:
     return f"{kernel}:{changed or 'default'}"
 
 
+def compile_triton_dkdv(block: int, fused: bool, docs: bool = False) -> dict:
+    """Triton's key-block dK/dV kernel (``triton_bwd._dkdv_kernel``) for sm_90a as the GPU launches
+    it at bf16, d 128: with the fused dQ schedule or without. The fused schedule's turns need an
+    acquire load (the wait), a release add (the hand-over) and dQ loads that skip L1 (``.cg``)."""
+    import inspect
+    import re
+
+    from triton.compiler import ASTSource
+
+    from megatron_mtraining.kernels import triton_bwd, triton_fwd
+
+    cfg = triton_fwd.tile_config(block, torch.bfloat16, "bwd")
+    fn = triton_bwd._dkdv_kernel
+    constexprs = dict(BLOCK=block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=128, INT64=False,
+                      UPCAST=False, DOT_PRECISION="tf32", DOCS=docs, FUSED_DQ=fused, MAX_S_POW2=32 if fused else 1,
+                      SPIN=True)
+    inputs = ("Q", "K", "V", "DO")
+    fp32 = ("Lse", "Delta", "DK", "DV", "DQ")
+    sig = {}
+    for name in inspect.signature(fn.fn).parameters:
+        sig[name] = ("constexpr" if name in constexprs else "*bf16" if name in inputs else "*fp32" if name in fp32
+                     else "fp32" if name in ("qk_scale", "sm_scale") else "i32" if name.isupper() or name[0] == "s"
+                     else "*i32")
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if sig[n].startswith("*") or n.startswith("stride_")}
+    launch = triton_bwd.block_gradients_launch(cfg, fused)
+    compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=launch)
+    ptx = compiled.asm["ptx"]
+    return dict(block=block, fused=fused, docs=docs, num_warps=compiled.metadata.num_warps,
+                acquire_loads=len(re.findall(r"ld\.global\.gpu\.acquire\.b32", ptx)),
+                release_adds=len(re.findall(r"atom\.global\.gpu\.release\.add", ptx)),
+                atomics=len(re.findall(r"\batom\.|\bred\.", ptx)), cg_loads=ptx.count("ld.global.cg"),
+                wgmma=ptx.count("wgmma.mma_async"), **ptxas_report(ptx))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--triton-dkdv" in argv:  # Triton's key-block kernel, split and fused dQ schedules
+        results = [compile_triton_dkdv(block, fused, docs) for block in (64, 128) for fused in (False, True)
+                   for docs in ((False, True) if fused else (False,))]
+        for entry in results:
+            print(entry)
+        if "--out" in argv:
+            with open(argv[argv.index("--out") + 1], "w") as f:
+                json.dump({"triton": triton.__version__, "configs": results}, f, indent=1)
+        return 0
     results = {}
     for kernel, spec in KERNELS.items():
         for change in spec["changes"]:
