@@ -43,3 +43,18 @@ def megatron_cpu():
         if owns_dist:
             dist.destroy_process_group()
         tmp.cleanup()
+
+
+@pytest.fixture
+def clean_mtraining_state():
+    """Each test starts and ends without the plugin's Megatron patches, packed-document state or
+    module-level MTraining config (tests that install them use it)."""
+    from megatron_mtraining.integration import attention, packing, patches
+
+    saved = (attention._MTRAINING_CONFIG, attention._DENSE_LAYERS)
+    patches.uninstall()
+    packing.reset_packing()
+    yield
+    patches.uninstall()
+    packing.reset_packing()
+    attention._MTRAINING_CONFIG, attention._DENSE_LAYERS = saved

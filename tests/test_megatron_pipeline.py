@@ -50,15 +50,7 @@ LAYERS, PP, CP, MICRO = 4, 2, 2, 3
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def clean_state():
-    saved = (mt_attention._MTRAINING_CONFIG, mt_attention._DENSE_LAYERS)
-    patches.uninstall()
-    packing.reset_packing()
-    yield
-    patches.uninstall()
-    packing.reset_packing()
-    mt_attention._MTRAINING_CONFIG, mt_attention._DENSE_LAYERS = saved
+pytestmark = pytest.mark.usefixtures("clean_mtraining_state")
 
 
 # ---------------------------------------------------------------------------- model, data, reference
