@@ -136,7 +136,8 @@ for label, world_size, argv in request["commands"]:
         integration_options(args)
         patches.validate_megatron_config(args, config, seq_length=args.seq_length)
         report["commands"][label] = dict(ok=args.mtraining, cp=args.context_parallel_size,
-                                         dp=args.data_parallel_size, seq=args.seq_length)
+                                         tp=args.tensor_model_parallel_size, dp=args.data_parallel_size,
+                                         seq=args.seq_length)
     except BaseException as exc:  # SystemExit from argparse included
         report["commands"][label] = dict(ok=False, error=f"{type(exc).__name__}: {exc}")
 json.dump(report, open(report_path, "w"), indent=1, default=repr)
@@ -327,10 +328,10 @@ def parser_report(trees, tmp_path_factory):
     commands = []
     for script in sorted(EXAMPLES.glob("*.sh")):
         for entry, tree in (("launcher", pristine), ("fork", patched)):
-            for gpus in ("1", "8"):
+            for gpus, tp in (("1", "1"), ("8", "1"), ("8", "2")):
                 nproc, argv = _megatron_argv(_dry_run(script, MEGATRON_LM=str(tree), GPUS_PER_NODE=gpus,
-                                                      MTRAINING_ENTRY=entry))
-                commands.append([f"{script.name} {entry} x{gpus}", nproc, argv])
+                                                      MTRAINING_ENTRY=entry, TP=tp))
+                commands.append([f"{script.name} {entry} x{gpus}" + (f" tp{tp}" if tp != "1" else ""), nproc, argv])
     gpu_out = _gpu_script_dry_run(tmp)
     for line in gpu_out.splitlines():
         if line.startswith("[dry-run] "):
@@ -387,14 +388,17 @@ def test_patched_parser_without_plugin_names_interpreter(parser_report):
 
 
 def test_example_and_gpu_script_commands_pass_megatron_validation(parser_report):
-    """Every launcher command line (examples/*.sh at 1 and 8 GPUs, launcher and fork entries;
-    scripts/gpu_megatron_lm.sh's 12 runs) passes Megatron-LM's parse_args + validate_args and
-    MTraining's start-up checks, with --mtraining on."""
+    """Every launcher command line (examples/*.sh at 1 and 8 GPUs, and at 8 with TP=2; launcher
+    and fork entries; scripts/gpu_megatron_lm.sh's 12 runs) passes Megatron-LM's parse_args +
+    validate_args and MTraining's start-up checks, with --mtraining on."""
     results = parser_report["commands"]
     assert sorted(results) == sorted(parser_report["commands_sent"])
     failed = {label: r for label, r in results.items() if not r.get("ok")}
     assert not failed, json.dumps(failed, indent=1)
     assert results["pretrain_small_mtraining.sh launcher x8"]["cp"] == 8
+    for script in ("pretrain_small_mtraining.sh", "pretrain_qwen2.5_3b_512k_mtraining.sh",
+                   "pretrain_llama3.1_8b_512k_mtraining.sh"):
+        assert {k: results[f"{script} fork x8 tp2"][k] for k in ("tp", "cp", "dp")} == dict(tp=2, cp=4, dp=1), script
     assert results["gpu_megatron_lm.sh launcher_cp2 save"]["cp"] == 2
     assert results["gpu_megatron_lm.sh fork_cp1 full"]["cp"] == 1
 
