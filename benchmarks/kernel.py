@@ -461,8 +461,8 @@ def parse_args(argv=None):
                    help=f"our GPU dK/dV, key blocks and columns (sets {BACKWARD_KERNEL_ENV}; auto: the Hopper "
                    "kernel on sm_90)")
     p.add_argument("--dq-schedule", default=os.environ.get(DQ_SCHEDULE_ENV) or "split", choices=DQ_SCHEDULES,
-                   help=f"dQ's slash part: split (its own kernel) or fused into the key-block kernel, added in a "
-                   f"fixed order (sets {DQ_SCHEDULE_ENV})")
+                   help=f"dQ's slash part: split (its own kernel), or fused into the key-block kernel and added in "
+                   f"a fixed order (fused) or by atomics (atomic, not deterministic) (sets {DQ_SCHEDULE_ENV})")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--input-sets", type=int, default=3, help="input sets rotated between repetitions")

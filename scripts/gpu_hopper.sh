@@ -12,10 +12,10 @@
 #   pp_ab   B = 128 at 128K: the ping-pong backward's GPU tests, then kernel.py with the lockstep and
 #           the ping-pong dQ and key-block kernels (MTRAINING_BACKWARD_SCHEDULE) in one call:
 #           kernelrerun_bwd{lockstep,pingpong}_b128_<device>.json
-#   fused_ab the fused dQ schedule (MTRAINING_DQ_SCHEDULE=fused, kernels/triton_bwd.py): its GPU tests
-#           (time-limited: a wrong turn would spin), then kernel.py at 128K with the split and the fused
-#           schedule in one call, index blocks of BLOCK_SIZE (default 64):
-#           kernelrerun_dq{split,fused}_b<BLOCK_SIZE>_<device>.json
+#   fused_ab the fused dQ schedules (MTRAINING_DQ_SCHEDULE, kernels/triton_bwd.py): their GPU tests
+#           (time-limited: a wrong turn would spin), then kernel.py at 128K with the split, the fused
+#           (ordered) and the atomic schedule in one call, index blocks of BLOCK_SIZE (default 64):
+#           kernelrerun_dq{split,fused,atomic}_b<BLOCK_SIZE>_<device>.json
 #   packed  benchmarks/packed.py at 128K: packed_<device>.json
 #   report  issue 17's other figures, B = 64 and the default kernels, cuDNN beside (no Flex): 512K at 5%,
 #           128K at 2.5% and at 10%: kernel_report_{512k,d025,d10}_<device>.json (tabled, never the
@@ -67,7 +67,7 @@ fi
 if stage fused_ab; then
   timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_dq.py > "$OUT/tests_fused_dq.log" 2>&1
   echo "fused dQ tests rc=$?"; tail -3 "$OUT/tests_fused_dq.log"
-  for schedule in split fused; do
+  for schedule in split fused atomic; do
     name="dq${schedule}_b${BLOCK_SIZE:-64}"
     timeout 150 "$PY" benchmarks/kernel.py --seq-lens 131072 --block-size "${BLOCK_SIZE:-64}" \
         --skip dense,flex,check --dq-schedule $schedule --out "$OUT/kernelrerun_${name}_$DEVICE_SLUG.json" \

@@ -171,10 +171,11 @@ def config_name(kernel: str, cfg: dict) -> str:
     return f"{kernel}:{changed or 'default'}"
 
 
-def compile_triton_dkdv(block: int, fused: bool, docs: bool = False) -> dict:
+def compile_triton_dkdv(block: int, schedule: str, docs: bool = False) -> dict:
     """Triton's key-block dK/dV kernel (``triton_bwd._dkdv_kernel``) for sm_90a as the GPU launches
-    it at bf16, d 128: with the fused dQ schedule or without. The fused schedule's turns need an
-    acquire load (the wait), a release add (the hand-over) and dQ loads that skip L1 (``.cg``)."""
+    it at bf16, d 128, under a dQ schedule (``triton_bwd.DQ_SCHEDULES``). The fused schedule's turns
+    need an acquire load (the wait), a release add (the hand-over) and dQ loads that skip L1
+    (``.cg``); the atomic one adds dQ by fp32 atomics."""
     import inspect
     import re
 
@@ -184,9 +185,10 @@ def compile_triton_dkdv(block: int, fused: bool, docs: bool = False) -> dict:
 
     cfg = triton_fwd.tile_config(block, torch.bfloat16, "bwd")
     fn = triton_bwd._dkdv_kernel
+    fused, ordered = schedule != "split", schedule == "fused"
     constexprs = dict(BLOCK=block, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], HEAD_DIM=128, INT64=False,
-                      UPCAST=False, DOT_PRECISION="tf32", DOCS=docs, FUSED_DQ=fused, MAX_S_POW2=32 if fused else 1,
-                      SPIN=True)
+                      UPCAST=False, DOT_PRECISION="tf32", DOCS=docs, FUSED_DQ=fused, ORDERED=ordered,
+                      MAX_S_POW2=32 if ordered else 1, SPIN=True)
     inputs = ("Q", "K", "V", "DO")
     fp32 = ("Lse", "Delta", "DK", "DV", "DQ")
     sig = {}
@@ -201,18 +203,21 @@ def compile_triton_dkdv(block: int, fused: bool, docs: bool = False) -> dict:
     compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                               options=launch)
     ptx = compiled.asm["ptx"]
-    return dict(block=block, fused=fused, docs=docs, num_warps=compiled.metadata.num_warps,
+    return dict(block=block, schedule=schedule, docs=docs, num_warps=compiled.metadata.num_warps,
                 acquire_loads=len(re.findall(r"ld\.global\.gpu\.acquire\.b32", ptx)),
                 release_adds=len(re.findall(r"atom\.global\.gpu\.release\.add", ptx)),
-                atomics=len(re.findall(r"\batom\.|\bred\.", ptx)), cg_loads=ptx.count("ld.global.cg"),
+                atomics=len(re.findall(r"\batom\.|\bred\.", ptx)),
+                float_atomics=len(re.findall(r"\b(?:atom|red)\.[a-z.]*add\.(?:v\d\.)?f32", ptx)),
+                cg_loads=ptx.count("ld.global.cg"),
                 wgmma=ptx.count("wgmma.mma_async"), **ptxas_report(ptx))
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--triton-dkdv" in argv:  # Triton's key-block kernel, split and fused dQ schedules
-        results = [compile_triton_dkdv(block, fused, docs) for block in (64, 128) for fused in (False, True)
-                   for docs in ((False, True) if fused else (False,))]
+        results = [compile_triton_dkdv(block, schedule, docs) for block in (64, 128)
+                   for schedule in ("split", "fused", "atomic") for docs in ((False, True) if schedule == "fused"
+                                                                             else (False,))]
         for entry in results:
             print(entry)
         if "--out" in argv:

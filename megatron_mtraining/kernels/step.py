@@ -136,7 +136,7 @@ def step_backward(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softm
 
 def _fused_dq() -> bool:
     from .triton_bwd import dq_schedule
-    return dq_schedule() == "fused"
+    return dq_schedule() != "split"
 
 
 def single_step_backward(backend: str, q, k, v, do, lse, delta, plan, softmax_scale: float):

@@ -20,11 +20,14 @@ dQ has two schedules (``MTRAINING_DQ_SCHEDULE``, ``dq_schedule``):
     contributors before it (``_dq_turn``). Programs are launched in that order (the last key tile
     first), so a program only ever waits for programs launched before it: with in-order launch, the
     earliest unfinished program never waits, and nothing deadlocks (FA3's deterministic backward
-    relies on the same). Opt-in until measured on a GPU (benchmarks/spike_hopper_kernels.md, §11).
+    relies on the same). Opt-in until measured on a GPU (benchmarks/spike_hopper_kernels.md, §11);
+  * "atomic": as "fused", but the adds are unordered fp32 atomics: not deterministic, for measuring
+    what the order costs (and a faster backward where bit-identical runs do not matter).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -37,6 +40,8 @@ from .triton_fwd import (LOG2E, _causal_columns, _column_begin, _column_tile, _d
                          _needs_token_mask, _query_documents, _tile_ptrs, _token_mask, _token_mask_t, _wide,
                          _word_bits, document_arguments, interpreting, kernel_flags)
 
+
+logger = logging.getLogger(__name__)
 
 # The index block size at which dQ and the key-block dK/dV run on the Hopper kernels
 # (``kernels="hopper"``): their programs hold a whole 128-token block, two warpgroups sharing
@@ -89,10 +94,15 @@ def _wait_turn(order, turn, OrderErrors, SPIN: tl.constexpr):
 
 
 @triton.jit
-def _add_dq(DQ, b, h, rows, offs_d, dq, sm_scale, stride_dqb, stride_dqh, stride_dqn, INT64: tl.constexpr):
-    """dQ rows += dq * scale, read past L1 (another program wrote them, possibly on another SM)."""
+def _add_dq(DQ, b, h, rows, offs_d, dq, sm_scale, stride_dqb, stride_dqh, stride_dqn, INT64: tl.constexpr,
+            ORDERED: tl.constexpr):
+    """dQ rows += dq * scale: in turn, read past L1 (another program wrote them, possibly on another
+    SM), or by unordered atomics."""
     ptrs = _tile_ptrs(DQ + _head_offset(b, h, stride_dqb, stride_dqh, INT64), rows, stride_dqn, offs_d, INT64)
-    tl.store(ptrs, tl.load(ptrs, cache_modifier=".cg") + dq * sm_scale)
+    if ORDERED:
+        tl.store(ptrs, tl.load(ptrs, cache_modifier=".cg") + dq * sm_scale)
+    else:
+        tl.atomic_add(ptrs, dq * sm_scale, sem="relaxed")
 
 
 @triton.jit
@@ -228,13 +238,13 @@ def _dkdv_kernel(
     HQ, HKV, GROUP, NKB, NQB, MAX_S,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
-    FUSED_DQ: tl.constexpr, MAX_S_POW2: tl.constexpr, SPIN: tl.constexpr,
+    FUSED_DQ: tl.constexpr, ORDERED: tl.constexpr, MAX_S_POW2: tl.constexpr, SPIN: tl.constexpr,
 ):
     """dK/dV of one key tile over the transposed slash lists of its GQA group; with FUSED_DQ also
-    each tile's dS K into fp32 ``DQ`` in the fixed order of the module docstring (DQ, KVCnt, KVIdx,
-    Order, OrderErrors and the dQ strides are unused otherwise)."""
+    each tile's dS K into fp32 ``DQ``, in the fixed order of the module docstring (ORDERED) or by
+    atomics (DQ, KVCnt, KVIdx, Order, OrderErrors and the dQ strides are unused without FUSED_DQ)."""
     pid_n = tl.program_id(0)
-    if FUSED_DQ:  # the last key tile is launched first: the order of the dQ adds
+    if ORDERED:  # the last key tile is launched first: the order of the dQ adds
         pid_n = tl.num_programs(0) - 1 - pid_n
     pid_bkv = tl.program_id(1)
     b = pid_bkv // HKV
@@ -260,7 +270,7 @@ def _dkdv_kernel(
         for t in range(0, n_blocks):
             i = tl.load(QIdx + plan_row * MAX_S + t)
             q_blk = tl.load(QBlk + i)
-            if FUSED_DQ:
+            if ORDERED:
                 order, turn = _dq_turn(KVCnt, KVIdx, Order, b, h, i, k_local_blk, pid_n % (BLOCK // BLOCK_N), HQ,
                                        NQB, MAX_S, MAX_S_POW2, BLOCK // BLOCK_N, INT64)
             for sub in tl.static_range(0, BLOCK, BLOCK_M):
@@ -278,11 +288,11 @@ def _dkdv_kernel(
                 dk, dv, ds_t = _grads_t(dk, dv, p_t, v, q, do, di, DOT_PRECISION)
                 if FUSED_DQ:
                     dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
-                    if sub == 0:  # the first sub-tile's products ran while the earlier key tiles added
+                    if ORDERED and sub == 0:  # the first sub-tile's products ran while earlier key tiles added
                         _wait_turn(order, turn, OrderErrors, SPIN)
                     _add_dq(DQ, b, h, i * BLOCK + sub + offs_m, offs_d, dq, sm_scale, stride_dqb, stride_dqh,
-                            stride_dqn, INT64)
-            if FUSED_DQ:
+                            stride_dqn, INT64, ORDERED)
+            if ORDERED:
                 tl.debug_barrier()  # every thread's dQ stores, before the release hands the turn on
                 tl.atomic_add(order, 1, sem="release")
     g_head = _head_offset(b, kvh, stride_gb, stride_gh, INT64)
@@ -380,15 +390,22 @@ def _dkdv_col_kernel(
 
 
 DQ_SCHEDULE_ENV = "MTRAINING_DQ_SCHEDULE"
-DQ_SCHEDULES = ("split", "fused")
+DQ_SCHEDULES = ("split", "fused", "atomic")
+_WARNED_ATOMIC = []
 
 
 def dq_schedule() -> str:
     """Where dQ's slash part is computed, from MTRAINING_DQ_SCHEDULE: "split" (``_dq_kernel``, the
-    default) or "fused" (``_dkdv_kernel``, added in a fixed order; see the module docstring)."""
+    default), "fused" (``_dkdv_kernel``, added in a fixed order) or "atomic" (``_dkdv_kernel``, added
+    by atomics: not deterministic); see the module docstring."""
     value = os.environ.get(DQ_SCHEDULE_ENV, "split") or "split"
     if value not in DQ_SCHEDULES:
         raise ValueError(f"{DQ_SCHEDULE_ENV}={value!r}: must be one of {', '.join(DQ_SCHEDULES)}")
+    if value == "atomic" and not _WARNED_ATOMIC:
+        _WARNED_ATOMIC.append(True)
+        logger.warning("MTraining: %s=atomic: dQ is added by unordered atomics, so the backward is not "
+                       "deterministic (runs are not bit-identical, whatever --mtraining-deterministic says)",
+                       DQ_SCHEDULE_ENV)
     return value
 
 
@@ -437,9 +454,10 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
                lse.stride(0), lse.stride(1))
     cols, col_pos, words, diag, n_words = triton_fwd.column_arguments(plan)
     doc_start, doc_last, col_start, docs = document_arguments(plan)
-    fused_dq = dq_schedule() == "fused"
+    schedule = dq_schedule()
+    fused_dq, ordered = schedule != "split", schedule == "fused"
     if fused_dq and not accumulate_dq:
-        raise ValueError(f"vs_attention_bwd_triton: {DQ_SCHEDULE_ENV}=fused adds into an fp32 dq "
+        raise ValueError(f"vs_attention_bwd_triton: {DQ_SCHEDULE_ENV}={schedule} adds into an fp32 dq "
                          "(accumulate_dq=True)")
 
     if kernels == "hopper" and B == HOPPER_SLASH_BLOCK and not fused_dq:
@@ -459,18 +477,18 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
             **launch)
         # The fused schedule's turn counters, one per (batch, head, query block), and (interpreter)
         # the count of turns that had not come; the split schedule passes placeholders.
-        order = torch.zeros(b * hq * nqb, dtype=torch.int32, device=q.device) if fused_dq else plan.kv_count
-        order_errors = torch.zeros(1, dtype=torch.int32, device=q.device) if fused_dq else plan.kv_count
+        order = torch.zeros(b * hq * nqb, dtype=torch.int32, device=q.device) if ordered else plan.kv_count
+        order_errors = torch.zeros(1, dtype=torch.int32, device=q.device) if ordered else plan.kv_count
         _dkdv_kernel[(nk // block_n, b * hkv)](
             q, k, v, do, lse, delta, dk, dv, dq,
             plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks, plan.kv_count, plan.kv_blocks,
             doc_start, order, order_errors,
             *strides, dk.stride(0), dk.stride(1), dk.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
             qk_scale, softmax_scale, hq, hkv, group, nkb, nqb, max_s,
-            BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, DOCS=docs, FUSED_DQ=fused_dq,
-            MAX_S_POW2=triton.next_power_of_2(max(1, max_s)) if fused_dq else 1, SPIN=not interpreting(),
+            BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, DOCS=docs, FUSED_DQ=fused_dq, ORDERED=ordered,
+            MAX_S_POW2=triton.next_power_of_2(max(1, max_s)) if ordered else 1, SPIN=not interpreting(),
             **{**launch, **block_gradients_launch(cfg, fused_dq)})
-        if fused_dq and interpreting() and int(order_errors.item()):  # CPU only: no device to synchronise
+        if ordered and interpreting() and int(order_errors.item()):  # CPU only: no device to synchronise
             raise RuntimeError(f"vs_attention_bwd_triton: {int(order_errors.item())} fused dQ adds found their turn "
                                "not yet come in launch order (a wrong turn count: on a GPU this would hang)")
 
