@@ -180,16 +180,18 @@ def test_fused_dq_needs_an_fp32_sum(fused):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("block,hq,hkv,d", [(64, 16, 2, 128), (128, 16, 2, 128), (128, 32, 2, 128), (128, 4, 4, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_fused_dq_matches_split(monkeypatch, block, dtype):
+def test_gpu_fused_dq_matches_split(monkeypatch, block, hq, hkv, d, dtype):
     """On the GPU the turns are real waits across SMs: the fused schedule's gradients equal the
     split schedule's (within the dtype's rounding) and are bit-identical across runs; 8K tokens,
-    GQA 8, documents. The atomic schedule's equal them within rounding too."""
+    documents, GQA 8, 16 (the Hopper key-block kernel's two passes of 8 heads) and 1. On sm_90 at
+    B = 128 this runs the Hopper key-block kernel's fused variant. The atomic schedule's gradients
+    equal them within rounding too."""
     n = 8192
-    q, k, v = inputs(1, 16, 2, n, 128, seed=block, dtype=dtype)
-    index = VSIndex.random(1, 16, n, block, max_slash=24, max_vertical=512,
-                           generator=torch.Generator().manual_seed(block)).to(DEVICE)
+    q, k, v = inputs(1, hq, hkv, n, d, seed=block + hq, dtype=dtype)
+    index = VSIndex.random(1, hq, n, block, max_slash=24, max_vertical=512,
+                           generator=torch.Generator().manual_seed(block + hq)).to(DEVICE)
     cu = torch.tensor([0, 100, 3000, 3001, 6000, n], dtype=torch.int32, device=DEVICE)
     monkeypatch.setenv(triton_bwd.DQ_SCHEDULE_ENV, "split")
     split, _ = gradients(q, k, v, index, cu)
@@ -229,7 +231,9 @@ def test_fused_dq_compiles_for_sm90a_with_its_memory_order(tmp_path):
         assert e["ptxas_ok"] and not e["wgmma_serialized"], e
         if e["schedule"] == "fused":
             assert e["acquire_loads"] >= 1 and e["release_adds"] == 1 and e["atomics"] == 1, e
+            assert e["turn_in_order"], e  # acquire, dQ read and written, barrier, release (IR order)
             assert e["cg_loads"] >= 1 and e["float_atomics"] == 0 and e["num_warps"] == 8, e
+            assert e["cg_loads_16"] == e["cg_loads"], e  # 16 bytes each: the turn's zero kept them aligned
         elif e["schedule"] == "atomic":
             assert e["float_atomics"] >= 1 and e["atomics"] == e["float_atomics"], e
             assert e["acquire_loads"] == 0 and e["cg_loads"] == 0 and e["num_warps"] == 8, e
@@ -237,3 +241,49 @@ def test_fused_dq_compiles_for_sm90a_with_its_memory_order(tmp_path):
             assert e["acquire_loads"] == 0 and e["atomics"] == 0 and e["cg_loads"] == 0, e
         if e["schedule"] != "split" and e["block"] == 64:
             assert e["spill_bytes"] is None or e["spill_bytes"] <= 512, e
+
+
+def test_pingpong_backward_has_no_fused_dq(monkeypatch):
+    """MTRAINING_BACKWARD_SCHEDULE=pingpong with a fused dQ schedule: a clear error before any launch."""
+    from megatron_mtraining.kernels.hopper_bwd import SCHEDULE_ENV, block_gradients_hopper
+
+    monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
+    q = torch.zeros(1, 2, 256, 64)
+    index = VSIndex.dense(1, 2, 256, 128)
+    plan = build_step_plan(index, torch.arange(2), torch.arange(2), 2)
+    with pytest.raises(ValueError, match="pingpong has no fused dQ .MTRAINING_DQ_SCHEDULE=fused.: unset one"):
+        block_gradients_hopper(q, q[:, :1], q[:, :1], q, None, None, q[:, :1], q[:, :1], plan, None, None, False, False,
+                               (), 1.0, 1.0, dq=q, dq_schedule="fused")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block,kernel", [(64, "auto"), (128, "auto"), (128, "triton")])
+@pytest.mark.parametrize("schedule", ["fused", "atomic"])
+def test_gpu_fused_dq_sums_every_term(monkeypatch, block, kernel, schedule):
+    """The fp32 dQ sums of one backward step, fused against split, per (head, 64-row tile): the
+    same terms in another order, so ~1e-6 apart; one lost or doubled (query block, key block) add
+    would be ~1e-2 in its tile, where the whole-tensor comparison above could miss it. B = 128
+    runs the Hopper key-block kernel on sm_90 ("auto") and Triton's ("triton")."""
+    from megatron_mtraining.kernels.plan import single_device_plan
+    from megatron_mtraining.kernels.step import BACKWARD_KERNEL_ENV
+
+    monkeypatch.setenv(BACKWARD_KERNEL_ENV, kernel)
+    n, hq, hkv, d = 8192, 16, 2, 128
+    q, k, v, do = (x.detach() for x in inputs(1, hq, hkv, n, d, seed=block, dtype=torch.bfloat16)
+                   + [inputs(1, hq, hkv, n, d, seed=block + 1, dtype=torch.bfloat16)[0]])
+    index = VSIndex.random(1, hq, n, block, max_slash=24, max_vertical=512,
+                           generator=torch.Generator().manual_seed(block)).to(DEVICE)
+    plan = single_device_plan(index, n)
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:-1], float("-inf"), device=DEVICE)
+    step_forward("triton", q, k, v, plan, out, lse, d ** -0.5, accumulate=False)
+    delta = backward_delta("triton", out, do)
+    sums = {}
+    for name in ("split", schedule):
+        monkeypatch.setenv(triton_bwd.DQ_SCHEDULE_ENV, name)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=DEVICE)
+        dk, dv = (torch.zeros(x.shape, dtype=torch.float32, device=DEVICE) for x in (k, v))
+        step_backward("triton", q, k, v, do, lse, delta, plan, dq, dk, dv, d ** -0.5)
+        sums[name] = dq.view(hq, n // 64, 64 * d)
+    diff = (sums[schedule] - sums["split"]).norm(dim=-1) / sums["split"].norm(dim=-1).clamp_min(1e-20)
+    assert diff.max().item() < 1e-4, diff.max().item()

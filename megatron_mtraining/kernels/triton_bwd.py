@@ -83,22 +83,30 @@ def _dq_turn(KVCnt, KVIdx, Order, b, h, i, k_local_blk, key_tile, HQ, NQB, MAX_S
 @triton.jit
 def _wait_turn(order, turn, OrderErrors, SPIN: tl.constexpr):
     """Wait until ``order`` reaches ``turn`` (acquire: the earlier adds are visible after it).
-    Without SPIN (Triton's interpreter runs the programs one after another, in launch order) the
-    turn must already have come: a count of the times it had not goes to ``OrderErrors``."""
+    Returns 0, computed from the counter, for the dQ addresses: so that no compiler or pipeliner
+    can issue the dQ loads before the wait. The spin stops at ``turn`` or past it: a list holding
+    a key block twice (duplicate slash offsets, which only ``VSIndex.validate`` refuses, on CPU
+    indices) gives wrong sums, as with the split schedule, rather than a hang. Without SPIN
+    (Triton's interpreter runs the programs one after another, in launch order) the turn must be
+    exactly the counter: a count of the times it was not goes to ``OrderErrors``."""
     seen = tl.atomic_add(order, 0, sem="acquire")
     if SPIN:
-        while seen != turn:
+        while seen < turn:
             seen = tl.atomic_add(order, 0, sem="acquire")
     else:
         tl.atomic_add(OrderErrors, (seen != turn).to(tl.int32))
+        seen = turn
+    return tl.minimum(seen - turn, 0)
 
 
 @triton.jit
-def _add_dq(DQ, b, h, rows, offs_d, dq, sm_scale, stride_dqb, stride_dqh, stride_dqn, INT64: tl.constexpr,
-            ORDERED: tl.constexpr):
-    """dQ rows += dq * scale: in turn, read past L1 (another program wrote them, possibly on another
-    SM), or by unordered atomics."""
-    ptrs = _tile_ptrs(DQ + _head_offset(b, h, stride_dqb, stride_dqh, INT64), rows, stride_dqn, offs_d, INT64)
+def _add_dq(DQ, b, h, rows, offs_d, dq, sm_scale, stride_dqb, stride_dqh, stride_dqn, after_turn,
+            INT64: tl.constexpr, ORDERED: tl.constexpr):
+    """dQ rows += dq * scale: in turn (``after_turn``, 0, is the wait's), read past L1 (another
+    program wrote them, possibly on another SM), or by unordered atomics."""
+    # (after_turn times 16 elements: the rows stay 16-byte aligned, so the loads stay 16 bytes wide.)
+    ptrs = _tile_ptrs(DQ + _head_offset(b, h, stride_dqb, stride_dqh, INT64) + after_turn * 16, rows, stride_dqn,
+                      offs_d, INT64)
     if ORDERED:
         tl.store(ptrs, tl.load(ptrs, cache_modifier=".cg") + dq * sm_scale)
     else:
@@ -270,6 +278,7 @@ def _dkdv_kernel(
         for t in range(0, n_blocks):
             i = tl.load(QIdx + plan_row * MAX_S + t)
             q_blk = tl.load(QBlk + i)
+            after_turn = 0  # the wait's zero (ORDERED), for the dQ addresses
             if ORDERED:
                 order, turn = _dq_turn(KVCnt, KVIdx, Order, b, h, i, k_local_blk, pid_n % (BLOCK // BLOCK_N), HQ,
                                        NQB, MAX_S, MAX_S_POW2, BLOCK // BLOCK_N, INT64)
@@ -289,9 +298,9 @@ def _dkdv_kernel(
                 if FUSED_DQ:
                     dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
                     if ORDERED and sub == 0:  # the first sub-tile's products ran while earlier key tiles added
-                        _wait_turn(order, turn, OrderErrors, SPIN)
+                        after_turn = _wait_turn(order, turn, OrderErrors, SPIN)
                     _add_dq(DQ, b, h, i * BLOCK + sub + offs_m, offs_d, dq, sm_scale, stride_dqb, stride_dqh,
-                            stride_dqn, INT64, ORDERED)
+                            stride_dqn, after_turn, INT64, ORDERED)
             if ORDERED:
                 tl.debug_barrier()  # every thread's dQ stores, before the release hands the turn on
                 tl.atomic_add(order, 1, sem="release")
@@ -430,8 +439,8 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     checks ``step.backward_kernel``): the same work split, partials and reduction. dQ and the
     key-block dK/dV go to them only at B = 128 (``HOPPER_SLASH_BLOCK``), where a program holds
     a whole index block; at B = 64 Triton's are as fast or faster (NOTES, session 12). The fused
-    dQ schedule (``dq_schedule``) runs Triton's dQ and key-block kernels and needs
-    ``accumulate_dq``.
+    dQ schedules (``dq_schedule``) need ``accumulate_dq``; Triton's dQ kernel then runs the columns
+    and the key-block kernel (Triton's, or at B = 128 the Hopper one) adds the slash part.
 
     ``lse`` and ``delta`` (fp32 ``[b, hq, nq]``, same strides) belong to the FINAL output.
     """
@@ -460,21 +469,27 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
         raise ValueError(f"vs_attention_bwd_triton: {DQ_SCHEDULE_ENV}={schedule} adds into an fp32 dq "
                          "(accumulate_dq=True)")
 
-    if kernels == "hopper" and B == HOPPER_SLASH_BLOCK and not fused_dq:
-        from .hopper_bwd import block_gradients_hopper, query_gradients_hopper
-        query_gradients_hopper(q, k, v, do, lse, delta, dq, plan, accumulate_dq, launch["INT64"], strides, qk_scale,
-                               softmax_scale)
-        block_gradients_hopper(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs, launch["INT64"],
-                               strides, qk_scale, softmax_scale)
-    else:
+    def query_gradients_triton(slash: bool):
+        """``_dq_kernel``: the slash part and the columns, or (not ``slash``) the columns only."""
         _dq_kernel[(nq // block_m, b * hq)](
             q, k, v, do, lse, delta, dq,
             plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos,
             words, diag, doc_start, doc_last, col_start, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
             qk_scale, softmax_scale, hq, group, nqb, max_s, max_v, n_words,
             BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_COL=block_col, HEAD_DIM=d,
-            MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], DQ_ACCUMULATE=accumulate_dq, DOCS=docs, SLASH=not fused_dq,
-            **launch)
+            MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], DQ_ACCUMULATE=accumulate_dq, DOCS=docs, SLASH=slash, **launch)
+
+    if kernels == "hopper" and B == HOPPER_SLASH_BLOCK:
+        from .hopper_bwd import block_gradients_hopper, query_gradients_hopper
+        if fused_dq:  # the columns' dQ first: the rows' first adds, before the key blocks' ordered ones
+            query_gradients_triton(slash=False)
+        else:
+            query_gradients_hopper(q, k, v, do, lse, delta, dq, plan, accumulate_dq, launch["INT64"], strides,
+                                   qk_scale, softmax_scale)
+        block_gradients_hopper(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs, launch["INT64"],
+                               strides, qk_scale, softmax_scale, dq=dq, dq_schedule=schedule)
+    else:
+        query_gradients_triton(slash=not fused_dq)
         # The fused schedule's turn counters, one per (batch, head, query block), and (interpreter)
         # the count of turns that had not come; the split schedule passes placeholders.
         order = torch.zeros(b * hq * nqb, dtype=torch.int32, device=q.device) if ordered else plan.kv_count
@@ -489,8 +504,9 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
             MAX_S_POW2=triton.next_power_of_2(max(1, max_s)) if ordered else 1, SPIN=not interpreting(),
             **{**launch, **block_gradients_launch(cfg, fused_dq)})
         if ordered and interpreting() and int(order_errors.item()):  # CPU only: no device to synchronise
-            raise RuntimeError(f"vs_attention_bwd_triton: {int(order_errors.item())} fused dQ adds found their turn "
-                               "not yet come in launch order (a wrong turn count: on a GPU this would hang)")
+            raise RuntimeError(f"vs_attention_bwd_triton: {int(order_errors.item())} fused dQ adds found the turn "
+                               "counter off their turn in launch order (a wrong turn count, which on a GPU hangs or "
+                               "races, or a key block listed twice: duplicate slash offsets)")
 
     if max_v == 0:
         return
