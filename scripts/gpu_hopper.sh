@@ -12,10 +12,11 @@
 #   pp_ab   B = 128 at 128K: the ping-pong backward's GPU tests, then kernel.py with the lockstep and
 #           the ping-pong dQ and key-block kernels (MTRAINING_BACKWARD_SCHEDULE) in one call:
 #           kernelrerun_bwd{lockstep,pingpong}_b128_<device>.json
-#   fused_ab the fused dQ schedules (MTRAINING_DQ_SCHEDULE, kernels/triton_bwd.py): their GPU tests
-#           (time-limited: a wrong turn would spin), then kernel.py at 128K with the split, the fused
-#           (ordered) and the atomic schedule in one call, index blocks of BLOCK_SIZE (default 64):
-#           kernelrerun_dq{split,fused,atomic}_b<BLOCK_SIZE>_<device>.json
+#   fused_ab the fused dQ schedules (MTRAINING_DQ_SCHEDULE, kernels/triton_bwd.py; at B = 128 on sm_90 the
+#           Hopper key-block kernel's): kernel.py at 128K with the split, the fused (ordered) and the
+#           atomic schedule in one call, index blocks of BLOCK_SIZE (default 64), each run time-limited
+#           (a wrong turn would spin): kernelrerun_dq{split,fused,atomic}_b<BLOCK_SIZE>_<device>.json.
+#           Their GPU tests first, in a call of their own: STAGES=tests TESTS=tests/test_fused_dq.py
 #   packed  benchmarks/packed.py at 128K: packed_<device>.json
 #   report  issue 17's other figures, B = 64 and the default kernels, cuDNN beside (no Flex): 512K at 5%,
 #           128K at 2.5% and at 10%: kernel_report_{512k,d025,d10}_<device>.json (tabled, never the
@@ -65,8 +66,6 @@ if stage pp_ab; then
   done
 fi
 if stage fused_ab; then
-  timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_fused_dq.py > "$OUT/tests_fused_dq.log" 2>&1
-  echo "fused dQ tests rc=$?"; tail -3 "$OUT/tests_fused_dq.log"
   for schedule in split fused atomic; do
     name="dq${schedule}_b${BLOCK_SIZE:-64}"
     timeout 150 "$PY" benchmarks/kernel.py --seq-lens 131072 --block-size "${BLOCK_SIZE:-64}" \
