@@ -27,6 +27,15 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 setup_venv || exit 1
 stage() { case " ${STAGES:-kernel ab packed} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+# One A/B leg: kernel.py at 128K, no dense baselines, index blocks of BLOCK_SIZE (default 64), at
+# most $2 seconds: kernelrerun_$1_<device>.json; the further arguments go to kernel.py.
+ab_leg() {
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$PY" benchmarks/kernel.py --seq-lens 131072 --block-size "${BLOCK_SIZE:-64}" \
+      --skip dense,flex,check "$@" --out "$OUT/kernelrerun_${name}_$DEVICE_SLUG.json" > "$OUT/kernel_$name.log" 2>&1
+  echo "kernel $name rc=$?"; tail -4 "$OUT/kernel_$name.log"
+}
 if stage tests; then
   # The default fits one call with a cold set-up (~4 min on an H200). test_sparse_attention.py and
   # test_documents.py compile many small variants on the GPU: more than 7 minutes together, so a
@@ -47,11 +56,7 @@ if stage ab; then
 fi
 if stage bwd_ab; then
   for kernel in hopper triton; do
-    name="${kernel}bwd_b${BLOCK_SIZE:-64}"
-    timeout 150 "$PY" benchmarks/kernel.py --seq-lens 131072 --block-size "${BLOCK_SIZE:-64}" \
-        --skip dense,flex,check --backward-kernel $kernel --out "$OUT/kernelrerun_${name}_$DEVICE_SLUG.json" \
-        > "$OUT/kernel_$name.log" 2>&1
-    echo "kernel $name rc=$?"; tail -4 "$OUT/kernel_$name.log"
+    ab_leg "${kernel}bwd_b${BLOCK_SIZE:-64}" 150 --backward-kernel $kernel
   done
 fi
 if stage pp_ab; then
@@ -59,19 +64,12 @@ if stage pp_ab; then
       > "$OUT/tests_bwd_pingpong.log" 2>&1
   echo "pingpong backward tests rc=$?"; tail -3 "$OUT/tests_bwd_pingpong.log"
   for schedule in lockstep pingpong; do
-    MTRAINING_BACKWARD_SCHEDULE=$schedule timeout 120 "$PY" benchmarks/kernel.py --seq-lens 131072 \
-        --block-size 128 --skip dense,flex,check --out "$OUT/kernelrerun_bwd${schedule}_b128_$DEVICE_SLUG.json" \
-        > "$OUT/kernel_bwd$schedule.log" 2>&1
-    echo "kernel bwd $schedule rc=$?"; tail -4 "$OUT/kernel_bwd$schedule.log"
+    MTRAINING_BACKWARD_SCHEDULE=$schedule BLOCK_SIZE=128 ab_leg "bwd${schedule}_b128" 120
   done
 fi
 if stage fused_ab; then
   for schedule in split fused atomic; do
-    name="dq${schedule}_b${BLOCK_SIZE:-64}"
-    timeout 150 "$PY" benchmarks/kernel.py --seq-lens 131072 --block-size "${BLOCK_SIZE:-64}" \
-        --skip dense,flex,check --dq-schedule $schedule --out "$OUT/kernelrerun_${name}_$DEVICE_SLUG.json" \
-        > "$OUT/kernel_$name.log" 2>&1
-    echo "kernel $name rc=$?"; tail -4 "$OUT/kernel_$name.log"
+    ab_leg "dq${schedule}_b${BLOCK_SIZE:-64}" 150 --dq-schedule $schedule
   done
 fi
 if stage report; then
