@@ -26,12 +26,13 @@ Triton's dQ and key-block kernels (``triton_bwd.HOPPER_SLASH_BLOCK``) and this m
 
 ``MTRAINING_DQ_SCHEDULE=fused`` / ``atomic`` (``triton_bwd``'s docstring) give the key-block kernel
 dQ's slash part (``_add_tile_dq``: the tile's dS^T through shared memory, one more product, the
-turn protocol of the Triton kernel); cross-compiled, not yet run on a GPU.
+turn protocol of the Triton kernel); GPU-tested, but slower than the split schedule on an H200
+(``benchmarks/NOTES.md``, session 16), hence opt-in.
 
 ``MTRAINING_BACKWARD_SCHEDULE=pingpong`` runs dQ and the key-block dK/dV at B = 128 on
 ``hopper_pingpong.py``'s schedule instead (a producer warpgroup, the two consumer warpgroups taking
-turns on the tensor cores, as the B = 128 forward): cross-compiled, not yet run on a GPU, hence
-opt-in until its GPU tests pass.
+turns on the tensor cores, as the B = 128 forward): GPU-tested, but 23% slower than the lockstep
+kernels on an H200 (``benchmarks/NOTES.md``, session 16), hence opt-in.
 """
 
 from __future__ import annotations

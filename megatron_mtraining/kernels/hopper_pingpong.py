@@ -29,11 +29,11 @@ gradient accumulators of 128-wide tiles would not fit 240 registers):
     64-row query tile of the transposed lists (the GQA group's heads in passes, as
     ``hopper_bwd._dkdv_sm90_kernel``) into a ring of DKDV_STAGES; each consumer (64 keys) issues
     S^T and dP^T in turn, then dV += P^T dO and dK += dS^T Q.
-A slot goes back once both consumers' products that read it retired. Both have been cross-compiled
-only, never run on a GPU, so nothing calls them unless ``MTRAINING_BACKWARD_SCHEDULE=pingpong`` is
-set (``hopper_bwd.backward_schedule``); the GPU tests that must pass before they can become the
-default are ``test_pingpong_backward_matches_the_lockstep_one`` (``scripts/gpu_hopper.sh``, stage
-pp_ab, runs them and the A/B).
+A slot goes back once both consumers' products that read it retired. Both pass their GPU tests
+(``test_pingpong_backward_matches_the_lockstep_one``; ``scripts/gpu_hopper.sh`` stage pp_ab runs
+them and the A/B) but run ~23% slower than the lockstep kernels on an H200 (``benchmarks/NOTES.md``,
+session 16), so nothing calls them unless ``MTRAINING_BACKWARD_SCHEDULE=pingpong`` is set
+(``hopper_bwd.backward_schedule``).
 
 Covered: sm_90, bf16/fp16, head_dim 64 or 128, B = 128, the accumulate mode of ring steps, strided
 views, packed documents. Gluon has no CPU interpreter: cross-compiled in CI, tested on the GPU.

@@ -20,9 +20,11 @@ dQ has two schedules (``MTRAINING_DQ_SCHEDULE``, ``dq_schedule``):
     contributors before it (``_dq_turn``). Programs are launched in that order (the last key tile
     first), so a program only ever waits for programs launched before it: with in-order launch, the
     earliest unfinished program never waits, and nothing deadlocks (FA3's deterministic backward
-    relies on the same). Opt-in until measured on a GPU (benchmarks/spike_hopper_kernels.md, §11);
+    relies on the same). Opt-in: 2.4x slower than "split" on an H200 at 128K, the waits chaining across
+    the grid (benchmarks/NOTES.md, session 16; spike_hopper_kernels.md, §11);
   * "atomic": as "fused", but the adds are unordered fp32 atomics: not deterministic, for measuring
-    what the order costs (and a faster backward where bit-identical runs do not matter).
+    what the order costs (measured: still 1.5x slower than "split" at B = 64, Triton's scalar fp32
+    reductions; equal at B = 128 on the Hopper kernel).
 """
 
 from __future__ import annotations
