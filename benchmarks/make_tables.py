@@ -238,7 +238,8 @@ def ring_scaling(results: List[Result]) -> str:
 
 
 @renderer("ring")
-def render_ring(results: List[Result]) -> str:
+def render_ring(results: List[Result], heading: str = "**Ring attention, one layer over W GPUs.**",
+                density_key: str = "density_mean") -> str:
     header = ["device", "GPUs", "S", "density", "variant", "fwd+bwd ms", "fwd ms", "speedup fwd+bwd / fwd",
               "imbalance worker / step", "compute ratio", "commit", "note"]
     rows = []
@@ -250,7 +251,7 @@ def render_ring(results: List[Result]) -> str:
         conversion = "" if data.get("meta", {}).get("extension", "built with CUDA") == "built with CUDA" \
             else "conversion in PyTorch"
         for run in data.get("runs", []):
-            density = run.get("index", {}).get("density_mean")
+            density = run.get("index", {}).get(density_key)
             for name, section in run.get("variants", {}).items():
                 if "skipped" in section:   # e.g. the hierarchical ring on 2 GPUs; the JSON says why
                     continue
@@ -272,7 +273,7 @@ def render_ring(results: List[Result]) -> str:
     cfg = results[0][1].get("config", {})
     reps = " or ".join(str(r) for r in sorted({d.get("config", {}).get("reps") for _, d in results} - {None})) or "?"
     text = [
-        f"**Ring attention, one layer over W GPUs.** {cfg.get('heads')} query / {cfg.get('kv_heads')} KV "
+        f"{heading} {cfg.get('heads')} query / {cfg.get('kv_heads')} KV "
         f"heads, head dim {cfg.get('head_dim')}, {cfg.get('dtype')}, causal, batch {cfg.get('batch')}, block "
         f"{cfg.get('block_size')}, synthetic `{cfg.get('index_kind', 'fixed')}` index (same on every rank); "
         f"S/W tokens per GPU. Time: max over ranks of each rank's median of {reps} runs "
@@ -297,11 +298,12 @@ def render_ring(results: List[Result]) -> str:
 
 @renderer("ringpacked")
 def render_ring_packed(results: List[Result]) -> str:
-    return ("**Packed documents over the ring** (`ring.py --documents`): the document mix of the packed "
-            "table scaled to S, the fixed index at 5% of the document-causal pairs (the density column counts "
-            "causal pairs). The dense baseline is `dense_ring_attention(cu_seqlens=...)`: no cuDNN ring step "
-            "takes a document mask, so it runs our kernels on the all-blocks index with the documents (whole "
-            "blocks of earlier documents skipped).\n\n" + render_ring(results))
+    return render_ring(results, density_key="density_of_document_pairs", heading=(
+        "**Packed documents over the ring** (`ring.py --documents`): the document mix of the packed table "
+        "scaled to S in every sequence, the fixed index at the density of the document-causal pairs given. "
+        "The dense baseline is `dense_ring_attention(cu_seqlens=...)`: no cuDNN ring step takes a document "
+        "mask, so it runs our kernels on the all-blocks index with the documents (whole blocks of earlier "
+        "documents skipped). The rest as the ring table:"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -562,14 +564,39 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
                               ("mean_density", "MTraining's index at the longest trained context")):
                 if isinstance(summary_q.get(key), (int, float)):
                     values[key] = (summary_q[key], path, note)
-        if os.path.basename(path) == "quality_packed.json":
-            summary_q = data.get("summary", {})
-            for key, note in (("final_loss_gap", "held-out LM loss, MTraining - dense, packed documents"),
-                              ("retrieval_accuracy_gap", "points, dense - MTraining, packed probes with distractors"),
-                              ("mean_density", "of document-causal pairs, at the longest trained context"
-                               + document_cost_note())):
-                if isinstance(summary_q.get(key), (int, float)):
-                    values["packed_" + key] = (summary_q[key], path, note)
+    # Packed quality: the issue's benchmark mix at 128K where it has run (quality_packed_prolong.json),
+    # else the 3-8 random documents per 32K sequence (quality_packed.json).
+    packed_runs = {os.path.basename(path): (path, data) for path, data in results.get("quality", [])}
+    packed_name = next((n for n in ("quality_packed_prolong.json", "quality_packed.json") if n in packed_runs), None)
+    if packed_name:
+        path, data = packed_runs[packed_name]
+        summary_q = data.get("summary", {})
+        mix = ("the ProLong mix at 128K" if packed_name == "quality_packed_prolong.json"
+               else "3-8 random documents per 32K")
+        density_note = f"of document-causal pairs, at the longest trained context ({mix})"
+        if packed_name == "quality_packed.json":
+            density_note += document_cost_note()
+        elif isinstance(packed_runs.get("quality_packed.json", (None, {}))[1].get("summary", {}).get("mean_density"),
+                        float):
+            other = packed_runs["quality_packed.json"][1]["summary"]["mean_density"]
+            density_note += (f"; 3-8 random documents per 32K: {other:.3f} (quality_packed.json), where an offset "
+                             f"costs more of the pairs{offset_cost_ratio_note()}")
+        for key, note in (("final_loss_gap", f"held-out LM loss, MTraining - dense, packed documents ({mix})"),
+                          ("retrieval_accuracy_gap", "points, dense - MTraining, packed probes with distractors"),
+                          ("mean_density", density_note)):
+            if isinstance(summary_q.get(key), (int, float)):
+                values["packed_" + key] = (summary_q[key], path, note)
+    for path, data in results.get("ringpacked", []):
+        for run in data.get("runs", []):
+            striped = run.get("variants", {}).get("sparse_striped", {})
+            if not striped.get("fwdbwd_ms"):
+                continue
+            where = f"{tokens(run['seq_len'])} packed, {run['world_size']} GPUs"
+            values[f"packed_ring_speedup_vs_dense_{tokens(run['seq_len']).lower()}_{run['world_size']}gpu"] = (
+                striped.get("speedup", {}).get("vs_best_dense"), path,
+                f"sparse striped ring over dense_ring_attention with the same documents, {where}")
+            for key, value in striped.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {}).items():
+                values[f"packed_ring_{key}"] = (value, path, f"sparse striped ring, {where}")
     sources = {path for value, path, _ in values.values() if path}
     metas = [d.get("meta", {}) for kind in results for path, d in results[kind] if path in sources]
     latest = max(metas, key=lambda m: m.get("time_utc", ""), default={})
@@ -618,6 +645,19 @@ def document_cost_note(path: str = os.path.join(REPO, "benchmarks", "results", "
             f"~{packed['implied_offsets_per_head']:.0f} offsets per head would give "
             f"{packed['projected_density_prolong_mix_128k']:.3f} on the benchmark's ProLong mix at 128K "
             f"(a projection, analysis_document_costs.json)")
+
+
+def offset_cost_ratio_note(path: str = os.path.join(REPO, "benchmarks", "results",
+                                                      "analysis_document_costs.json")) -> str:
+    """How much more of the pairs a slash offset costs with 3-8 random documents per 32K than on
+    the ProLong mix at 128K (``document_costs.py``), or nothing where that analysis is missing."""
+    if not os.path.exists(path):
+        return ""
+    with open(path) as fh:
+        rows = {(r["documents"], r["seq_len"]): r["share_per_offset"] for r in json.load(fh)["rows"]}
+    if ("random_3_8", 32768) not in rows or ("prolong_mix", 131072) not in rows:
+        return ""
+    return f" ({rows[('random_3_8', 32768)] / rows[('prolong_mix', 131072)]:.1f}x, analysis_document_costs.json)"
 
 
 def load_results(results_dir: str) -> Dict[str, List[Result]]:

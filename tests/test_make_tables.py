@@ -103,3 +103,26 @@ def test_kernel_targets_come_from_the_targets_shape_only():
     summary = make_tables.summarise({"kernel": results})
     assert summary["kernel_fwdbwd_speedup_vs_cudnn_128k"] == 12.5
     assert summary["kernel_fwdbwd_effective_tflops_128k"] == 125.0
+
+
+def test_packed_targets_come_from_the_benchmark_mix_where_it_ran():
+    """The packed quality targets read the ProLong mix at 128K (quality_packed_prolong.json) when it
+    exists, else the random documents at 32K; the packed ring gives its speedup and imbalance keys."""
+    def quality(density):
+        return {"meta": {"device": "GPU"}, "summary": {"final_loss_gap": 0.001, "retrieval_accuracy_gap": 0.5,
+                                                        "mean_density": density}}
+    random_docs = ("benchmarks/results/quality_packed.json", quality(0.25))
+    prolong = ("benchmarks/results/quality_packed_prolong.json", quality(0.08))
+    summary = make_tables.summarise({"quality": [random_docs]})
+    assert summary["packed_mean_density"] == 0.25 and summary["details"]["packed_mean_density"]["met"] is False
+    summary = make_tables.summarise({"quality": [random_docs, prolong]})
+    assert summary["packed_mean_density"] == 0.08 and summary["details"]["packed_mean_density"]["met"] is True
+    assert "ProLong mix at 128K" in summary["details"]["packed_mean_density"]["note"]
+    assert "0.250 (quality_packed.json)" in summary["details"]["packed_mean_density"]["note"]
+    ring = _ring_result("aaaaaaa", 2, 90.0, dense_ms=1800.0)
+    striped = ring["runs"][0]["variants"]["sparse_striped"]
+    striped["speedup"] = {"vs_best_dense": 20.0}
+    striped["steps"] = {"fwd_bwd": {"imbalance": {"worker_imbalance": 1.02, "step_imbalance": 1.09}}}
+    summary = make_tables.summarise({"ringpacked": [("r/ringpacked_2gpu.json", ring)]})
+    assert summary["packed_ring_speedup_vs_dense_512k_2gpu"] == 20.0
+    assert summary["packed_ring_step_imbalance"] == 1.09 and summary["packed_ring_worker_imbalance"] == 1.02
