@@ -7,8 +7,9 @@ attention with the dense kernels (cuDNN: SDPA on one GPU, the zigzag ring over C
 Transformer Engine does; ``--mtraining-index dense --mtraining-layout zigzag
 --no-mtraining-deterministic``). ``--runs`` can add ``dense_sparse_kernels``, the dense index
 through MTraining's own kernels on the striped ring (the baseline of the results before session
-7, slower than cuDNN). Model: Qwen2.5-3B attention and MLP shapes (hidden 2048, FFN 11008, 16 query heads / 2
-KV groups, head dim 128, QKV bias, SwiGLU, RMSNorm) with fewer layers and a small vocabulary
+7, slower than cuDNN), and ``mtraining_b128``, MTraining with 128-token index blocks. Model:
+Qwen2.5-3B attention and MLP shapes (hidden 2048, FFN 11008, 16 query heads / 2 KV groups, head
+dim 128, QKV bias, SwiGLU, RMSNorm) with fewer layers and a small vocabulary
 (flags below). Parses Megatron's "elapsed time per iteration" lines, drops the warm-up
 iterations, and writes one JSON with both runs and their ratio.
 
@@ -102,7 +103,9 @@ def main():
     variants = {"mtraining": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "4"],
                 "dense": ["--mtraining", "--mtraining-index", "dense", "--mtraining-layout", "zigzag",
                           "--no-mtraining-deterministic"],
-                "dense_sparse_kernels": ["--mtraining", "--mtraining-index", "dense"]}
+                "dense_sparse_kernels": ["--mtraining", "--mtraining-index", "dense"],
+                "mtraining_b128": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "4",
+                                   "--mtraining-block-size", "128"]}
     unknown = [name for name in args.runs.split(",") if name not in variants]
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {sorted(variants)}")
@@ -121,6 +124,10 @@ def main():
         result["e2e_speedup"] = by_name["mtraining"]["tokens_per_s"] / by_name["dense"]["tokens_per_s"]
         print(f"tokens/s: MTraining {by_name['mtraining']['tokens_per_s']:.0f}, dense ring "
               f"{by_name['dense']['tokens_per_s']:.0f}: speedup {result['e2e_speedup']:.2f}x")
+    if by_name.get("dense", {}).get("tokens_per_s"):  # every run against the dense one
+        result["speedups"] = {r["name"]: r["tokens_per_s"] / by_name["dense"]["tokens_per_s"]
+                              for r in rows if r.get("tokens_per_s")}
+        print("speedups over dense:", {k: round(v, 2) for k, v in result["speedups"].items()})
     with open(out, "w") as f:
         json.dump(json_ready(result), f, indent=1)
     print(f"wrote {out}")
