@@ -29,9 +29,9 @@ from megatron_mtraining.kernels import column_words, triton_bwd, triton_delta, t
 
 def compiled_variants():
     """(kernel name, registers, spills, shared bytes) of every compiled variant of our kernels."""
-    from megatron_mtraining.kernels import hopper_bwd, hopper_fwd  # Gluon: imported on the GPU only
+    from megatron_mtraining.kernels import hopper_bwd, hopper_fwd, hopper_pingpong  # Gluon: on the GPU only
 
-    for module in (triton_fwd, triton_bwd, triton_delta, column_words, hopper_fwd, hopper_bwd):
+    for module in (triton_fwd, triton_bwd, triton_delta, column_words, hopper_fwd, hopper_bwd, hopper_pingpong):
         for name in dir(module):
             fn = getattr(module, name)
             caches = getattr(fn, "device_caches", None)
@@ -47,13 +47,15 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=65536)
     parser.add_argument("--launch", default="", help="as benchmarks/kernel.py --launch, e.g. fwd:4x2,bwd:4x2")
+    parser.add_argument("--block-size", type=int, default=64, help="index block size (128: the ping-pong kernels)")
     # The kernels that run: MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL (kernels/step.py)
-    # choose between the Hopper and the Triton ones, as in training.
+    # choose between the Hopper and the Triton ones, as in training; MTRAINING_BACKWARD_SCHEDULE
+    # between B = 128's lockstep and ping-pong backward.
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernels.py needs a CUDA device")
     triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(args.launch))
-    cfg = Config(seq_lens=[args.seq_len])
+    cfg = Config(seq_lens=[args.seq_len], block_size=args.block_size)
     device = torch.device("cuda")
     index, arg_sets = index_and_inputs(cfg, args.seq_len, device)
     scale = 1.0 / math.sqrt(cfg.head_dim)
