@@ -39,7 +39,6 @@ from megatron_mtraining import reference_attention, sparse_attention  # noqa: E4
 from megatron_mtraining.kernels import resolve_backend, single_device_plan, step_backward  # noqa: E402
 from megatron_mtraining.kernels.step import (BACKWARD_KERNEL_ENV, FORWARD_KERNEL_ENV, KERNEL_CHOICES,  # noqa: E402
                                              backward_kernel, forward_kernel)
-from megatron_mtraining.kernels.triton_bwd import DQ_SCHEDULE_ENV, DQ_SCHEDULES  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -75,7 +74,6 @@ class Config:
     launch: str = ""  # "fwd:WxS,bwd:WxS" num_warps x num_stages overrides ("" = the defaults)
     forward_kernel: str = "auto"  # kernels/step.py KERNEL_CHOICES: the GPU forward (auto: Hopper's on sm_90)
     backward_kernel: str = "auto"  # the same for the backward's dK/dV (key blocks and columns)
-    dq_schedule: str = "split"  # triton_bwd.DQ_SCHEDULES: dQ's slash part in its own kernel or fused
 
 
 # ----------------------------------------------------------------------------------------------
@@ -460,9 +458,6 @@ def parse_args(argv=None):
     p.add_argument("--backward-kernel", default=os.environ.get(BACKWARD_KERNEL_ENV, "auto"), choices=KERNEL_CHOICES,
                    help=f"our GPU dK/dV, key blocks and columns (sets {BACKWARD_KERNEL_ENV}; auto: the Hopper "
                    "kernel on sm_90)")
-    p.add_argument("--dq-schedule", default=os.environ.get(DQ_SCHEDULE_ENV) or "split", choices=DQ_SCHEDULES,
-                   help=f"dQ's slash part: split (its own kernel), or fused into the key-block kernel and added in "
-                   f"a fixed order (fused) or by atomics (atomic, not deterministic) (sets {DQ_SCHEDULE_ENV})")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--input-sets", type=int, default=3, help="input sets rotated between repetitions")
@@ -537,8 +532,7 @@ def make_config(args) -> Config:
     return Config(seq_lens=[int(s) for s in args.seq_lens.split(",")], block_size=args.block_size,
                   density=args.density, seed=args.seed, backend=args.backend, warmup=args.warmup,
                   reps=args.reps, input_sets=args.input_sets, check_len=args.check_len, skip=skip,
-                  launch=args.launch, forward_kernel=args.forward_kernel, backward_kernel=args.backward_kernel,
-                  dq_schedule=args.dq_schedule)
+                  launch=args.launch, forward_kernel=args.forward_kernel, backward_kernel=args.backward_kernel)
 
 
 def output_path(args, device: torch.device) -> str:
@@ -554,7 +548,6 @@ def main(argv=None) -> int:
     cfg = make_config(args)
     os.environ[FORWARD_KERNEL_ENV] = cfg.forward_kernel
     os.environ[BACKWARD_KERNEL_ENV] = cfg.backward_kernel
-    os.environ[DQ_SCHEDULE_ENV] = cfg.dq_schedule
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
     from megatron_mtraining.kernels import triton_fwd
     triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(cfg.launch))

@@ -12,11 +12,6 @@
 #   pp_ab   B = 128 at 128K: the ping-pong backward's GPU tests, then kernel.py with the lockstep and
 #           the ping-pong dQ and key-block kernels (MTRAINING_BACKWARD_SCHEDULE) in one call:
 #           kernelrerun_bwd{lockstep,pingpong}_b128_<device>.json
-#   fused_ab the fused dQ schedules (MTRAINING_DQ_SCHEDULE, kernels/triton_bwd.py; at B = 128 on sm_90 the
-#           Hopper key-block kernel's): kernel.py at 128K with the split, the fused (ordered) and the
-#           atomic schedule in one call, index blocks of BLOCK_SIZE (default 64), each run time-limited
-#           (a wrong turn would spin): kernelrerun_dq{split,fused,atomic}_b<BLOCK_SIZE>_<device>.json.
-#           Their GPU tests first, in a call of their own: STAGES=tests TESTS=tests/test_fused_dq.py
 #   packed  benchmarks/packed.py at 128K: packed_<device>.json
 #   report  issue 17's other figures, B = 64 and the default kernels, cuDNN beside (no Flex): 512K at 5%,
 #           128K at 2.5% and at 10%: kernel_report_{512k,d025,d10}_<device>.json (tabled, never the
@@ -65,11 +60,6 @@ if stage pp_ab; then
   echo "pingpong backward tests rc=$?"; tail -3 "$OUT/tests_bwd_pingpong.log"
   for schedule in lockstep pingpong; do
     MTRAINING_BACKWARD_SCHEDULE=$schedule BLOCK_SIZE=128 ab_leg "bwd${schedule}_b128" 120
-  done
-fi
-if stage fused_ab; then
-  for schedule in split fused atomic; do
-    ab_leg "dq${schedule}_b${BLOCK_SIZE:-64}" 150 --dq-schedule $schedule
   done
 fi
 if stage report; then

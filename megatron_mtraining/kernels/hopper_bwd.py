@@ -24,11 +24,6 @@ faster than Triton's (dQ 10.0 against 9.9, key blocks 10.4-10.9 against 9.9-10.1
 Triton's dQ and key-block kernels (``triton_bwd.HOPPER_SLASH_BLOCK``) and this module's columns
 (4.5 against 5.7 ms).
 
-``MTRAINING_DQ_SCHEDULE=fused`` / ``atomic`` (``triton_bwd``'s docstring) give the key-block kernel
-dQ's slash part (``_add_tile_dq``: the tile's dS^T through shared memory, one more product, the
-turn protocol of the Triton kernel); GPU-tested, but slower than the split schedule on an H200
-(``benchmarks/NOTES.md``, session 16), hence opt-in.
-
 ``MTRAINING_BACKWARD_SCHEDULE=pingpong`` runs dQ and the key-block dK/dV at B = 128 on
 ``hopper_pingpong.py``'s schedule instead (a producer warpgroup, the two consumer warpgroups taking
 turns on the tensor cores, as the B = 128 forward): GPU-tested, but 23% slower than the lockstep
@@ -39,7 +34,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -47,8 +41,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from .hopper_common import (TILE, _wide, copy_layout, mma_layout, register_operand_layout, shared_layout,
-                            split_columns_layout)
+from .hopper_common import TILE, _wide, copy_layout, mma_layout, register_operand_layout, shared_layout
 from .hopper_keys import _issue_tile, _mask_scores, _query_positions, _query_program, _tile_rows, _tile_scalars
 
 
@@ -101,43 +94,7 @@ def _issue_gradients_t(dk, dv, p_t, dp_t, di, q_tile, do_tile, a_layout: gl.cons
     dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t,))  # issued before dV's product
     ds_t = p_t * (dp_t - di[None, :])
     dk = warpgroup_mma(gl.convert_layout(ds_t.to(q_tile.dtype), a_layout), q_tile, dk, is_async=True)
-    return dk, dv, ds_t
-
-
-@gluon.jit
-def _add_tile_dq(ds_t, ds_smem, k_smem, DQ, Order, KVCnt, KVIdx, b, h, row, k_local, stride_dqb, stride_dqh,
-                 stride_dqn, sm_scale, HQ, NQB, MAX_S, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 WARPS: gl.constexpr, MAX_S_POW2: gl.constexpr, INT64: gl.constexpr, ORDERED: gl.constexpr):
-    """The fused dQ schedule (``triton_bwd``'s docstring) for one tile of a 128-key program: dQ rows
-    ``row ..`` (64 of query block ``row // BLOCK``) += dS K over both warpgroups' keys, added in turn
-    (ORDERED: the block's first sub-tile waits until the key blocks after this one in the query
-    block's slash list have added, its last hands the turn on) or by fp32 atomics."""
-    d_layout: gl.constexpr = split_columns_layout(HEAD_DIM, WARPS)
-    ds_smem.store(ds_t.to(ds_smem.dtype))
-    fence_async_shared()
-    gl.thread_barrier()  # every key's dS row in shared memory before either warpgroup's product reads it
-    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, gl.zeros([TILE, HEAD_DIM], gl.float32, d_layout),
-                       use_acc=False, is_async=True)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-    rows = _wide(row + gl.arange(0, TILE, layout=gl.SliceLayout(1, d_layout)), INT64)[:, None]
-    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, d_layout))[None, :]
-    ptrs = DQ + _wide(b, INT64) * stride_dqb + _wide(h, INT64) * stride_dqh + rows * stride_dqn + dims
-    if ORDERED:
-        list_row = _wide(b * HQ + h, INT64) * NQB + row // BLOCK
-        sub = row % BLOCK // TILE
-        if sub == 0:
-            offs = gl.arange(0, MAX_S_POW2, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
-            listed = gl.load(KVIdx + list_row * MAX_S + offs, mask=offs < gl.load(KVCnt + list_row), other=-1)
-            turn = gl.sum((listed > k_local).to(gl.int32), axis=0)
-            seen = gl.atomic_add(Order + list_row, 0, sem="acquire")
-            while seen < turn:  # (past it only for a key block listed twice: wrong sums, no hang)
-                seen = gl.atomic_add(Order + list_row, 0, sem="acquire")
-        gl.store(ptrs, gl.load(ptrs, cache_modifier=".cg") + dq * sm_scale)
-        if sub == BLOCK // TILE - 1:
-            gl.thread_barrier()  # every thread's dQ stores before the release hands the turn on
-            gl.atomic_add(Order + list_row, 1, sem="release")
-    else:
-        gl.atomic_add(ptrs, dq * sm_scale, sem="relaxed")
+    return dk, dv
 
 
 @gluon.jit
@@ -250,7 +207,7 @@ def _dkdv_col_sm90_kernel(
             if DOCS:
                 causal = causal & (c_pos[:, None] >= gl.load(DocStart + q_pos)[None, :])
             p_t = gl.where(causal, p_t, 0.0)
-        dk, dv, _ = _issue_gradients_t(dk, dv, p_t, dp_t, di, q_smem.index(slot), do_smem.index(slot), a_layout)
+        dk, dv = _issue_gradients_t(dk, dv, p_t, dp_t, di, q_smem.index(slot), do_smem.index(slot), a_layout)
         word = word_next
         q_blk = q_blk_next
     dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk,))
@@ -300,27 +257,22 @@ def _locate_query_tile(u, n_pass, ends, tiles, heads, g0, b, kvh, k_local, QCnt,
 
 @gluon.jit
 def _dkdv_sm90_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQ,
-    QBlk, KBlk, QCnt, QIdx, KVCnt, KVIdx, DocStart, DocLast, Order,
+    Q, K, V, DO, Lse, Delta, DK, DV,
+    QBlk, KBlk, QCnt, QIdx, DocStart, DocLast,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     stride_lb, stride_lh,
     stride_gb, stride_gh, stride_gn,
-    stride_dqb, stride_dqh, stride_dqn,
     qk_scale, sm_scale,
-    HQ, HKV, GROUP, NKB, NQB, MAX_S, MAX_S_KV,
+    HQ, HKV, GROUP, NKB, MAX_S,
     BLOCK: gl.constexpr, KEYS: gl.constexpr, HEAD_DIM: gl.constexpr, HEADS: gl.constexpr, INT64: gl.constexpr,
-    DOCS: gl.constexpr, SMEM_LAYOUT: gl.constexpr, FUSED_DQ: gl.constexpr, ORDERED: gl.constexpr,
-    MAX_S_POW2: gl.constexpr, DS_LAYOUT: gl.constexpr,
+    DOCS: gl.constexpr, SMEM_LAYOUT: gl.constexpr,
 ):
     """One program per (KEYS keys of an index block, batch x kv head); the GQA group's heads in
-    passes of up to HEADS, each pass one pipeline over its heads' transposed lists in turn. With
-    FUSED_DQ each tile also adds dS K into fp32 ``DQ`` (``_add_tile_dq``; DQ, KVCnt, KVIdx, Order,
-    the dQ strides, NQB and MAX_S_KV are unused otherwise)."""
+    passes of up to HEADS, each pass one pipeline over its heads' transposed lists in turn."""
     gl.static_assert(BLOCK % KEYS == 0 and KEYS % TILE == 0, "a program's keys lie in one index block")
-    gl.static_assert(not FUSED_DQ or KEYS == BLOCK, "the fused dQ's turns count whole key blocks")
     WARPS: gl.constexpr = KEYS // 16  # a warpgroup per 64 keys
     c_layout: gl.constexpr = copy_layout(HEAD_DIM, WARPS)
     s_layout: gl.constexpr = mma_layout(TILE, WARPS)  # S^T and dP^T
@@ -332,8 +284,6 @@ def _dkdv_sm90_kernel(
     heads_layout: gl.constexpr = gl.BlockedLayout([HEADS], [32], [WARPS], [0])  # every thread holds all
 
     pid_n = gl.program_id(0)
-    if ORDERED:  # the last key block is launched first: the order of the dQ adds
-        pid_n = gl.num_programs(0) - 1 - pid_n
     pid_bkv = gl.program_id(1)
     b = pid_bkv // HKV
     kvh = pid_bkv % HKV
@@ -349,8 +299,6 @@ def _dkdv_sm90_kernel(
     # programs per SM; 128 KB at 128 keys, one.
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, TILE, HEAD_DIM], SMEM_LAYOUT)
     do_smem = gl.allocate_shared_memory(DO.dtype.element_ty, [2, TILE, HEAD_DIM], SMEM_LAYOUT)
-    if FUSED_DQ:  # the tile's dS^T, the A operand (transposed) of its dQ product: 16 KB more
-        ds_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [KEYS, TILE], DS_LAYOUT)
     k_rows = _wide(pid_n * KEYS + gl.arange(0, KEYS, layout=rows_c), INT64)[:, None]
     async_copy.async_copy_global_to_shared(
         k_smem, K + _wide(b, INT64) * stride_kb + _wide(kvh, INT64) * stride_kh + k_rows * stride_kn + offs_d)
@@ -412,12 +360,7 @@ def _dkdv_sm90_kernel(
                 if DOCS:
                     keep = keep & (k_pos[:, None] >= gl.load(DocStart + q_pos)[None, :])
                 p_t = gl.where(keep, p_t, 0.0)
-            dk, dv, ds_t = _issue_gradients_t(dk, dv, p_t, dp_t, di, q_smem.index(slot), do_smem.index(slot),
-                                              a_layout)
-            if FUSED_DQ:
-                _add_tile_dq(ds_t, ds_smem, k_smem, DQ, Order, KVCnt, KVIdx, b, h, row, k_local, stride_dqb,
-                             stride_dqh, stride_dqn, sm_scale, HQ, NQB, MAX_S_KV, BLOCK, HEAD_DIM, WARPS, MAX_S_POW2,
-                             INT64, ORDERED)
+            dk, dv = _issue_gradients_t(dk, dv, p_t, dp_t, di, q_smem.index(slot), do_smem.index(slot), a_layout)
             h, row, q_first = h_next, row_next, q_first_next
             h_next, i_next, sub_next = h_after, i_after, sub_after
         # Retired; carried into the next pass as accumulators again.
@@ -548,43 +491,28 @@ def column_gradients_hopper(q, k, v, do, lse, delta, dk_part, dv_part, plan, col
 
 
 def block_gradients_hopper(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs: bool, int64: bool,
-                           strides, qk_scale: float, softmax_scale: float, dq=None, dq_schedule: str = "split") -> None:
+                           strides, qk_scale: float, softmax_scale: float) -> None:
     """``_dkdv_kernel``'s work (dK, dV of the key blocks through the transposed slash lists, added
     into fp32 ``dk``/``dv``) with one program per (index block, batch x kv head): a warpgroup per
-    64 keys, sharing every Q/dO tile. ``dq_schedule`` "fused" or "atomic" (``triton_bwd``) also
-    adds dQ's slash part into fp32 ``dq`` (lockstep schedule only)."""
+    64 keys, sharing every Q/dO tile."""
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     group = hq // hkv
     keys = plan.block_size
     if keys != 128:
         raise ValueError(f"block_gradients_hopper: index blocks of 128 only (got {keys}; B = 64 runs Triton's)")
-    fused, ordered = dq_schedule != "split", dq_schedule == "fused"
     if backward_schedule() == "pingpong":
-        if fused:
-            raise ValueError(f"{SCHEDULE_ENV}=pingpong has no fused dQ (MTRAINING_DQ_SCHEDULE={dq_schedule}): "
-                             "unset one of them")
         from .hopper_pingpong import block_gradients_pingpong
 
         return block_gradients_pingpong(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs, int64,
                                         strides, qk_scale, softmax_scale)
-    warps = keys // 16
-    # The fused schedule's turn counters (one per batch, head and query block), zero at the start.
-    order = torch.zeros(b * hq * (nq // keys), dtype=torch.int32, device=q.device) if ordered else plan.q_count
-    dq = dq if fused else dk  # unused without the fused schedule
-    max_s = plan.kv_blocks.shape[-1]
     _dkdv_sm90_kernel[(nk // keys, b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, dq,
-        plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks, plan.kv_count, plan.kv_blocks, doc_start,
-        doc_last, order,
-        *strides, dk.stride(0), dk.stride(1), dk.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-        qk_scale, softmax_scale,
-        hq, hkv, group, nk // plan.block_size, nq // plan.block_size, plan.q_blocks.shape[-1], max_s,
+        q, k, v, do, lse, delta, dk, dv,
+        plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks, doc_start, doc_last,
+        *strides, dk.stride(0), dk.stride(1), dk.stride(2), qk_scale, softmax_scale,
+        hq, hkv, group, nk // plan.block_size, plan.q_blocks.shape[-1],
         BLOCK=plan.block_size, KEYS=keys, HEAD_DIM=d, HEADS=min(8, triton.next_power_of_2(group)), INT64=int64,
-        DOCS=docs, SMEM_LAYOUT=shared_layout(d, q.dtype), FUSED_DQ=fused, ORDERED=ordered,
-        # A whole number of the list load's 32 * warps lanes (the lists hold max_s entries).
-        MAX_S_POW2=max(32 * warps, triton.next_power_of_2(max_s)) if ordered else 32 * warps,
-        DS_LAYOUT=shared_layout(TILE.value, q.dtype), num_warps=warps,
+        DOCS=docs, SMEM_LAYOUT=shared_layout(d, q.dtype), num_warps=keys // 16,
     )
 
 

@@ -38,15 +38,6 @@ def mma_layout(n, warps=4):
 
 
 @gluon.constexpr_function
-def split_columns_layout(n, warps=8):
-    """The wgmma accumulator of a [64, n] tile over ``warps // 4`` warpgroups that split its
-    columns (each the m64 atom over n / (warps // 4) of them): the fused dQ tile of a 128-key
-    program."""
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, warps // 4],
-                                     instr_shape=[16, n // (warps // 4), 16])
-
-
-@gluon.constexpr_function
 def register_operand_layout(head_dim, warps=4):
     """A [16 * warps, 64] A operand in registers (P or dS) of a product into a [16 * warps,
     head_dim] accumulator."""

@@ -523,7 +523,7 @@ def _consume_dkdv(DK, DV, Lse, Delta, q_smem, do_smem, k_smem, v_smem, kv_ready,
                 if DOCS:
                     keep = keep & (k_pos[:, None] >= gl.load(DocStart + q_pos)[None, :])
                 p_t = gl.where(keep, p_t, 0.0)
-            dk, dv, _ = _issue_gradients_t(dk, dv, p_t, dp_t, di, q_smem.index(slot), do_smem.index(slot), a_layout)
+            dk, dv = _issue_gradients_t(dk, dv, p_t, dp_t, di, q_smem.index(slot), do_smem.index(slot), a_layout)
             h, i, sub = h_next, i_next, sub_next
         # Retired; carried into the next pass as accumulators again (as in the lockstep kernel).
         dk = warpgroup_mma_init(warpgroup_mma_wait(num_outstanding=0, deps=(dk,)))

@@ -134,23 +134,14 @@ def step_backward(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softm
         vs_attention_bwd_torch(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
 
 
-def _fused_dq() -> bool:
-    from .triton_bwd import dq_schedule
-    return dq_schedule() != "split"
-
-
 def single_step_backward(backend: str, q, k, v, do, lse, delta, plan, softmax_scale: float):
     """(dq, dk, dv) in the inputs' dtypes for a one-step attention. The Triton dQ kernel is then
     the only writer of each dq row and stores it directly in q's dtype: no fp32 dq buffer to
-    fill, add into and cast (at 128K, 16 heads: 1 GB of fp32 and ~0.9 ms); except under the
-    fused dQ schedule, whose key blocks add into fp32 dq."""
+    fill, add into and cast (at 128K, 16 heads: 1 GB of fp32 and ~0.9 ms)."""
     acc = delta.dtype
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    if backend == "triton" and _fused_dq():  # dQ is added into by many key blocks: an fp32 sum
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        step_backward(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
-    elif backend == "triton":
+    if backend == "triton":
         from .triton_bwd import vs_attention_bwd_triton
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale, accumulate_dq=False,

@@ -9,28 +9,9 @@ and added into fp32 accumulators, so a ring can call this once per step:
   * ``_dkdv_col_kernel`` columns are read by every later query block: a split reduction over
     the query blocks from the first that can see the column tile (``first_query_blocks``)
     writes fp32 partials, summed in a fixed order afterwards (deterministic).
-
-dQ has two schedules (``MTRAINING_DQ_SCHEDULE``, ``dq_schedule``):
-  * "split" (the default): ``_dq_kernel`` recomputes S and dP for every slash pair, so dQ has one
-    writer per row and the backward computes seven tile products per pair where five suffice;
-  * "fused": ``_dq_kernel`` runs the columns only and ``_dkdv_kernel`` adds each tile's dS K into
-    fp32 dQ, in a fixed order, so still deterministic. Query block i's contributors are the key
-    blocks of its slash list; they add largest key block first (then, within a block, the last key
-    tile first), each waiting for an int32 turn counter of (batch, head, i) to reach the number of
-    contributors before it (``_dq_turn``). Programs are launched in that order (the last key tile
-    first), so a program only ever waits for programs launched before it: with in-order launch, the
-    earliest unfinished program never waits, and nothing deadlocks (FA3's deterministic backward
-    relies on the same). Opt-in: 2.4x slower than "split" on an H200 at 128K, the waits chaining across
-    the grid (benchmarks/NOTES.md, session 16; spike_hopper_kernels.md, §11);
-  * "atomic": as "fused", but the adds are unordered fp32 atomics: not deterministic, for measuring
-    what the order costs (measured: still 1.5x slower than "split" at B = 64, Triton's scalar fp32
-    reductions; equal at B = 128 on the Hopper kernel).
 """
 
 from __future__ import annotations
-
-import logging
-import os
 
 import torch
 import triton
@@ -40,10 +21,8 @@ from . import triton_fwd
 from .plan import first_query_blocks, query_block_ends
 from .triton_fwd import (LOG2E, _causal_columns, _column_begin, _column_tile, _document_starts, _head_offset,
                          _needs_token_mask, _query_documents, _tile_ptrs, _token_mask, _token_mask_t, _wide,
-                         _word_bits, document_arguments, interpreting, kernel_flags)
+                         _word_bits, document_arguments, kernel_flags)
 
-
-logger = logging.getLogger(__name__)
 
 # The index block size at which dQ and the key-block dK/dV run on the Hopper kernels
 # (``kernels="hopper"``): their programs hold a whole 128-token block, two warpgroups sharing
@@ -61,58 +40,12 @@ def _probs_t(k, q, lse2, qk_scale, DOT_PRECISION: tl.constexpr):
 @triton.jit
 def _grads_t(dk, dv, p_t, v, q, do, di, DOT_PRECISION: tl.constexpr):
     """Add one tile's (dk, dv) contributions (dk without softmax scale) from its masked
-    probabilities; the products accumulate in place. Also returns the tile's key-major dS (the
-    fused dQ schedule's input; unused, it compiles away)."""
+    probabilities; the products accumulate in place."""
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     ds_t = p_t * (dp_t - di[None, :])
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-    return dk, dv, ds_t
-
-
-@triton.jit
-def _dq_turn(KVCnt, KVIdx, Order, b, h, i, k_local_blk, key_tile, HQ, NQB, MAX_S, MAX_S_POW2: tl.constexpr,
-             KEY_TILES: tl.constexpr, INT64: tl.constexpr):
-    """(turn counter of (b, h, local query block i), this key tile's turn): the tiles of the key
-    blocks after ``k_local_blk`` in i's slash list add first, and within a block the later tiles."""
-    row = _wide(b * HQ + h, INT64) * NQB + i
-    offs = tl.arange(0, MAX_S_POW2)
-    listed = tl.load(KVIdx + row * MAX_S + offs, mask=offs < tl.load(KVCnt + row), other=-1)
-    later = tl.sum((listed > k_local_blk).to(tl.int32), 0)
-    return Order + row, later * KEY_TILES + (KEY_TILES - 1 - key_tile)
-
-
-@triton.jit
-def _wait_turn(order, turn, OrderErrors, SPIN: tl.constexpr):
-    """Wait until ``order`` reaches ``turn`` (acquire: the earlier adds are visible after it).
-    Returns 0, computed from the counter, for the dQ addresses: so that no compiler or pipeliner
-    can issue the dQ loads before the wait. The spin stops at ``turn`` or past it: a list holding
-    a key block twice (duplicate slash offsets, which only ``VSIndex.validate`` refuses, on CPU
-    indices) gives wrong sums, as with the split schedule, rather than a hang. Without SPIN
-    (Triton's interpreter runs the programs one after another, in launch order) the turn must be
-    exactly the counter: a count of the times it was not goes to ``OrderErrors``."""
-    seen = tl.atomic_add(order, 0, sem="acquire")
-    if SPIN:
-        while seen < turn:
-            seen = tl.atomic_add(order, 0, sem="acquire")
-    else:
-        tl.atomic_add(OrderErrors, (seen != turn).to(tl.int32))
-        seen = turn
-    return tl.minimum(seen - turn, 0)
-
-
-@triton.jit
-def _add_dq(DQ, b, h, rows, offs_d, dq, sm_scale, stride_dqb, stride_dqh, stride_dqn, after_turn,
-            INT64: tl.constexpr, ORDERED: tl.constexpr):
-    """dQ rows += dq * scale: in turn (``after_turn``, 0, is the wait's), read past L1 (another
-    program wrote them, possibly on another SM), or by unordered atomics."""
-    # (after_turn times 16 elements: the rows stay 16-byte aligned, so the loads stay 16 bytes wide.)
-    ptrs = _tile_ptrs(DQ + _head_offset(b, h, stride_dqb, stride_dqh, INT64) + after_turn * 16, rows, stride_dqn,
-                      offs_d, INT64)
-    if ORDERED:
-        tl.store(ptrs, tl.load(ptrs, cache_modifier=".cg") + dq * sm_scale)
-    else:
-        tl.atomic_add(ptrs, dq * sm_scale, sem="relaxed")
+    return dk, dv
 
 
 @triton.jit
@@ -165,7 +98,7 @@ def _dq_kernel(
     HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_COL: tl.constexpr,
     HEAD_DIM: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MASK_EVERY_TILE: tl.constexpr, DQ_ACCUMULATE: tl.constexpr, DOCS: tl.constexpr, SLASH: tl.constexpr,
+    MASK_EVERY_TILE: tl.constexpr, DQ_ACCUMULATE: tl.constexpr, DOCS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -189,9 +122,7 @@ def _dq_kernel(
 
     bh = _wide(pid_bh, INT64)  # times the plan's row lengths
     plan_row = bh * NQB + q_local_blk
-    n_blocks = 0  # not SLASH: the fused dQ schedule, where _dkdv_kernel adds the slash part
-    if SLASH:
-        n_blocks = tl.load(KVCnt + plan_row)
+    n_blocks = tl.load(KVCnt + plan_row)
     for t in range(0, n_blocks):
         j = tl.load(KVIdx + plan_row * MAX_S + t)
         k_blk = tl.load(KBlk + j)
@@ -235,27 +166,20 @@ def _dq_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, DQ,
-    QBlk, KBlk, QCnt, QIdx, KVCnt, KVIdx, DocStart, Order, OrderErrors,
+    Q, K, V, DO, Lse, Delta, DK, DV,
+    QBlk, KBlk, QCnt, QIdx, DocStart,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     stride_lb, stride_lh,
     stride_gb, stride_gh, stride_gn,
-    stride_dqb, stride_dqh, stride_dqn,
     qk_scale, sm_scale,
-    HQ, HKV, GROUP, NKB, NQB, MAX_S,
+    HQ, HKV, GROUP, NKB, MAX_S,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
-    FUSED_DQ: tl.constexpr, ORDERED: tl.constexpr, MAX_S_POW2: tl.constexpr, SPIN: tl.constexpr,
 ):
-    """dK/dV of one key tile over the transposed slash lists of its GQA group; with FUSED_DQ also
-    each tile's dS K into fp32 ``DQ``, in the fixed order of the module docstring (ORDERED) or by
-    atomics (DQ, KVCnt, KVIdx, Order, OrderErrors and the dQ strides are unused without FUSED_DQ)."""
     pid_n = tl.program_id(0)
-    if ORDERED:  # the last key tile is launched first: the order of the dQ adds
-        pid_n = tl.num_programs(0) - 1 - pid_n
     pid_bkv = tl.program_id(1)
     b = pid_bkv // HKV
     kvh = pid_bkv % HKV
@@ -280,10 +204,6 @@ def _dkdv_kernel(
         for t in range(0, n_blocks):
             i = tl.load(QIdx + plan_row * MAX_S + t)
             q_blk = tl.load(QBlk + i)
-            after_turn = 0  # the wait's zero (ORDERED), for the dQ addresses
-            if ORDERED:
-                order, turn = _dq_turn(KVCnt, KVIdx, Order, b, h, i, k_local_blk, pid_n % (BLOCK // BLOCK_N), HQ,
-                                       NQB, MAX_S, MAX_S_POW2, BLOCK // BLOCK_N, INT64)
             for sub in tl.static_range(0, BLOCK, BLOCK_M):
                 q_pos = q_blk * BLOCK + sub + offs_m
                 q, do, lse2, di = _load_query_side(Q, DO, Lse, Delta, b, h, i * BLOCK + sub + offs_m, offs_d,
@@ -296,16 +216,7 @@ def _dkdv_kernel(
                 q_doc = _document_starts(DocStart, q_pos, DOCS)
                 p_t = tl.where(_token_mask_t(k_pos, q_pos, q_doc, DOCS), _probs_t(k, q, lse2, qk_scale, DOT_PRECISION),
                                0.0)
-                dk, dv, ds_t = _grads_t(dk, dv, p_t, v, q, do, di, DOT_PRECISION)
-                if FUSED_DQ:
-                    dq = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PRECISION)
-                    if ORDERED and sub == 0:  # the first sub-tile's products ran while earlier key tiles added
-                        after_turn = _wait_turn(order, turn, OrderErrors, SPIN)
-                    _add_dq(DQ, b, h, i * BLOCK + sub + offs_m, offs_d, dq, sm_scale, stride_dqb, stride_dqh,
-                            stride_dqn, after_turn, INT64, ORDERED)
-            if ORDERED:
-                tl.debug_barrier()  # every thread's dQ stores, before the release hands the turn on
-                tl.atomic_add(order, 1, sem="release")
+                dk, dv = _grads_t(dk, dv, p_t, v, q, do, di, DOT_PRECISION)
     g_head = _head_offset(b, kvh, stride_gb, stride_gh, INT64)
     dk_ptrs = _tile_ptrs(DK + g_head, k_rows, stride_gn, offs_d, INT64)
     dv_ptrs = _tile_ptrs(DV + g_head, k_rows, stride_gn, offs_d, INT64)
@@ -331,7 +242,7 @@ def _column_gradients(dk, dv, k, v, c_pos, first_bit, words, i_start, i_end, any
             q_doc = _document_starts(DocStart, q_pos, DOCS)
             keep = live[:, None] & (_token_mask_t(c_pos, q_pos, q_doc, DOCS) | (not any_diag))
             p_t = tl.where(keep, _probs_t(k, q, lse2, qk_scale, DOT_PRECISION), 0.0)
-            dk, dv, _ = _grads_t(dk, dv, p_t, v, q, do, di, DOT_PRECISION)
+            dk, dv = _grads_t(dk, dv, p_t, v, q, do, di, DOT_PRECISION)
     return dk, dv
 
 
@@ -400,33 +311,6 @@ def _dkdv_col_kernel(
     tl.store(_tile_ptrs(DVP + part, offs_c, HEAD_DIM, offs_d, True), tl.where(c_ok[:, None], dv, 0.0))
 
 
-DQ_SCHEDULE_ENV = "MTRAINING_DQ_SCHEDULE"
-DQ_SCHEDULES = ("split", "fused", "atomic")
-_WARNED_ATOMIC = []
-
-
-def dq_schedule() -> str:
-    """Where dQ's slash part is computed, from MTRAINING_DQ_SCHEDULE: "split" (``_dq_kernel``, the
-    default), "fused" (``_dkdv_kernel``, added in a fixed order) or "atomic" (``_dkdv_kernel``, added
-    by atomics: not deterministic); see the module docstring."""
-    value = os.environ.get(DQ_SCHEDULE_ENV, "split") or "split"
-    if value not in DQ_SCHEDULES:
-        raise ValueError(f"{DQ_SCHEDULE_ENV}={value!r}: must be one of {', '.join(DQ_SCHEDULES)}")
-    if value == "atomic" and not _WARNED_ATOMIC:
-        _WARNED_ATOMIC.append(True)
-        logger.warning("MTraining: %s=atomic: dQ is added by unordered atomics, so the backward is not "
-                       "deterministic (runs are not bit-identical, whatever --mtraining-deterministic says)",
-                       DQ_SCHEDULE_ENV)
-    return value
-
-
-def block_gradients_launch(cfg: dict, fused_dq: bool) -> dict:
-    """num_warps / num_stages of ``_dkdv_kernel``. Fused with dQ, its 64-row tiles take 8 warps: dK,
-    dV and the dQ tile's accumulators spill 820 bytes at 4 warps (ptxas, sm_90a), 248 at 8."""
-    warps = max(cfg["num_warps"], 8) if fused_dq else cfg["num_warps"]
-    return dict(num_warps=warps, num_stages=cfg["num_stages"])
-
-
 def _column_splits(nqb: int, programs_per_split: int, target: int) -> int:
     """Query-range splits of the column reduction: about ``target`` programs, to fill a large GPU
     (more splits: shorter programs, more fp32 partials to sum)."""
@@ -440,9 +324,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     ``kernels="hopper"`` runs the Hopper kernels of ``hopper_bwd`` instead (sm_90; the caller
     checks ``step.backward_kernel``): the same work split, partials and reduction. dQ and the
     key-block dK/dV go to them only at B = 128 (``HOPPER_SLASH_BLOCK``), where a program holds
-    a whole index block; at B = 64 Triton's are as fast or faster (NOTES, session 12). The fused
-    dQ schedules (``dq_schedule``) need ``accumulate_dq``; Triton's dQ kernel then runs the columns
-    and the key-block kernel (Triton's, or at B = 128 the Hopper one) adds the slash part.
+    a whole index block; at B = 64 Triton's are as fast or faster (NOTES, session 12).
 
     ``lse`` and ``delta`` (fp32 ``[b, hq, nq]``, same strides) belong to the FINAL output.
     """
@@ -465,50 +347,27 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
                lse.stride(0), lse.stride(1))
     cols, col_pos, words, diag, n_words = triton_fwd.column_arguments(plan)
     doc_start, doc_last, col_start, docs = document_arguments(plan)
-    schedule = dq_schedule()
-    fused_dq, ordered = schedule != "split", schedule == "fused"
-    if fused_dq and not accumulate_dq:
-        raise ValueError(f"vs_attention_bwd_triton: {DQ_SCHEDULE_ENV}={schedule} adds into an fp32 dq "
-                         "(accumulate_dq=True)")
 
-    def query_gradients_triton(slash: bool):
-        """``_dq_kernel``: the slash part and the columns, or (not ``slash``) the columns only."""
+    if kernels == "hopper" and B == HOPPER_SLASH_BLOCK:
+        from .hopper_bwd import block_gradients_hopper, query_gradients_hopper
+        query_gradients_hopper(q, k, v, do, lse, delta, dq, plan, accumulate_dq, launch["INT64"], strides, qk_scale,
+                               softmax_scale)
+        block_gradients_hopper(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs, launch["INT64"],
+                               strides, qk_scale, softmax_scale)
+    else:
         _dq_kernel[(nq // block_m, b * hq)](
             q, k, v, do, lse, delta, dq,
             plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos,
             words, diag, doc_start, doc_last, col_start, *strides, dq.stride(0), dq.stride(1), dq.stride(2),
             qk_scale, softmax_scale, hq, group, nqb, max_s, max_v, n_words,
             BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_COL=block_col, HEAD_DIM=d,
-            MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], DQ_ACCUMULATE=accumulate_dq, DOCS=docs, SLASH=slash, **launch)
-
-    if kernels == "hopper" and B == HOPPER_SLASH_BLOCK:
-        from .hopper_bwd import block_gradients_hopper, query_gradients_hopper
-        if fused_dq:  # the columns' dQ first: the rows' first adds, before the key blocks' ordered ones
-            query_gradients_triton(slash=False)
-        else:
-            query_gradients_hopper(q, k, v, do, lse, delta, dq, plan, accumulate_dq, launch["INT64"], strides,
-                                   qk_scale, softmax_scale)
-        block_gradients_hopper(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs, launch["INT64"],
-                               strides, qk_scale, softmax_scale, dq=dq, dq_schedule=schedule)
-    else:
-        query_gradients_triton(slash=not fused_dq)
-        # The fused schedule's turn counters, one per (batch, head, query block), and (interpreter)
-        # the count of turns that had not come; the split schedule passes placeholders.
-        order = torch.zeros(b * hq * nqb, dtype=torch.int32, device=q.device) if ordered else plan.kv_count
-        order_errors = torch.zeros(1, dtype=torch.int32, device=q.device) if ordered else plan.kv_count
+            MASK_EVERY_TILE=cfg["MASK_EVERY_TILE"], DQ_ACCUMULATE=accumulate_dq, DOCS=docs, **launch)
         _dkdv_kernel[(nk // block_n, b * hkv)](
-            q, k, v, do, lse, delta, dk, dv, dq,
-            plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks, plan.kv_count, plan.kv_blocks,
-            doc_start, order, order_errors,
-            *strides, dk.stride(0), dk.stride(1), dk.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
-            qk_scale, softmax_scale, hq, hkv, group, nkb, nqb, max_s,
-            BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, DOCS=docs, FUSED_DQ=fused_dq, ORDERED=ordered,
-            MAX_S_POW2=triton.next_power_of_2(max(1, max_s)) if ordered else 1, SPIN=not interpreting(),
-            **{**launch, **block_gradients_launch(cfg, fused_dq)})
-        if ordered and interpreting() and int(order_errors.item()):  # CPU only: no device to synchronise
-            raise RuntimeError(f"vs_attention_bwd_triton: {int(order_errors.item())} fused dQ adds found the turn "
-                               "counter off their turn in launch order (a wrong turn count, which on a GPU hangs or "
-                               "races, or a key block listed twice: duplicate slash offsets)")
+            q, k, v, do, lse, delta, dk, dv,
+            plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks, doc_start,
+            *strides, dk.stride(0), dk.stride(1), dk.stride(2),
+            qk_scale, softmax_scale, hq, hkv, group, nkb, max_s,
+            BLOCK=B, BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=d, DOCS=docs, **launch)
 
     if max_v == 0:
         return
