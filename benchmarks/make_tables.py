@@ -571,28 +571,7 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
                               ("mean_density", "MTraining's index at the longest trained context")):
                 if isinstance(summary_q.get(key), (int, float)):
                     values[key] = (summary_q[key], path, note)
-    # Packed quality: the issue's benchmark mix at 128K where it has run (quality_packed_prolong.json),
-    # else the 3-8 random documents per 32K sequence (quality_packed.json).
-    packed_runs = {os.path.basename(path): (path, data) for path, data in results.get("quality", [])}
-    packed_name = next((n for n in ("quality_packed_prolong.json", "quality_packed.json") if n in packed_runs), None)
-    if packed_name:
-        path, data = packed_runs[packed_name]
-        summary_q = data.get("summary", {})
-        mix = ("the ProLong mix at 128K" if packed_name == "quality_packed_prolong.json"
-               else "3-8 random documents per 32K")
-        density_note = f"of document-causal pairs, at the longest trained context ({mix})"
-        if packed_name == "quality_packed.json":
-            density_note += document_cost_note()
-        elif isinstance(packed_runs.get("quality_packed.json", (None, {}))[1].get("summary", {}).get("mean_density"),
-                        float):
-            other = packed_runs["quality_packed.json"][1]["summary"]["mean_density"]
-            density_note += (f"; 3-8 random documents per 32K: {other:.3f} (quality_packed.json), where an offset "
-                             f"costs more of the pairs{offset_cost_ratio_note()}")
-        for key, note in (("final_loss_gap", f"held-out LM loss, MTraining - dense, packed documents ({mix})"),
-                          ("retrieval_accuracy_gap", "points, dense - MTraining, packed probes with distractors"),
-                          ("mean_density", density_note)):
-            if isinstance(summary_q.get(key), (int, float)):
-                values["packed_" + key] = (summary_q[key], path, note)
+    values.update(packed_quality_values(results.get("quality", [])))
     for path, data in results.get("ringpacked", []):
         for run in data.get("runs", []):
             striped = run.get("variants", {}).get("sparse_striped", {})
@@ -655,6 +634,32 @@ def document_cost_note(path: str = os.path.join(REPO, "benchmarks", "results", "
             f"~{packed['implied_offsets_per_head']:.0f} offsets per head would give "
             f"{packed['projected_density_prolong_mix_128k']:.3f} on the benchmark's ProLong mix at 128K "
             f"(a projection, analysis_document_costs.json)")
+
+
+def packed_quality_values(quality: List[Result]) -> Dict:
+    """The packed quality targets (``packed_*`` keys: value, source, note) from the issue's
+    benchmark mix at 128K where it has run (quality_packed_prolong.json), else from 3-8 random
+    documents per 32K sequence (quality_packed.json)."""
+    runs = {os.path.basename(path): (path, data) for path, data in quality}
+    name = next((n for n in ("quality_packed_prolong.json", "quality_packed.json") if n in runs), None)
+    if name is None:
+        return {}
+    path, data = runs[name]
+    prolong = name == "quality_packed_prolong.json"
+    mix = "the ProLong mix at 128K" if prolong else "3-8 random documents per 32K"
+    density_note = f"of document-causal pairs, at the longest trained context ({mix})"
+    random_docs = runs.get("quality_packed.json", (None, {}))[1].get("summary", {}).get("mean_density")
+    if not prolong:
+        density_note += document_cost_note()
+    elif isinstance(random_docs, float):
+        density_note += (f"; 3-8 random documents per 32K: {random_docs:.3f} (quality_packed.json), where an "
+                         f"offset costs more of the pairs{offset_cost_ratio_note()}")
+    summary_q = data.get("summary", {})
+    notes = {"final_loss_gap": f"held-out LM loss, MTraining - dense, packed documents ({mix})",
+             "retrieval_accuracy_gap": "points, dense - MTraining, packed probes with distractors",
+             "mean_density": density_note}
+    return {"packed_" + key: (summary_q[key], path, note) for key, note in notes.items()
+            if isinstance(summary_q.get(key), (int, float))}
 
 
 def offset_cost_ratio_note(path: str = os.path.join(REPO, "benchmarks", "results",
