@@ -189,6 +189,10 @@ class VSIndex:
                 ss, vv = list(slash[i][j]), list(vertical[i][j])
                 if len(ss) > ms or len(vv) > mv:
                     raise ValueError(f"VSIndex.from_lists: entries for ({i}, {j}) exceed capacity")
+                # Checked here, on the host, for free: on a GPU the kernels never check the order,
+                # and a duplicate entry would count its pairs twice.
+                _check_ascending("slash", "block offsets", ss, (i, j))
+                _check_ascending("vertical", "columns", vv, (i, j))
                 s[i, j, :len(ss)] = torch.tensor(ss, dtype=torch.int32)
                 v[i, j, :len(vv)] = torch.tensor(vv, dtype=torch.int32)
                 ns[i, j], nv[i, j] = len(ss), len(vv)
@@ -237,3 +241,13 @@ class VSIndex:
     def __repr__(self) -> str:
         return (f"VSIndex(batch={self.batch}, heads={self.heads}, max_slash={self.slash.shape[-1]}, "
                 f"max_vertical={self.vertical.shape[-1]}, block_size={self.block_size}, device={self.device})")
+
+
+def _check_ascending(name: str, what: str, entries: Sequence[int], where) -> None:
+    """Host-side check of one (batch, head)'s entries: strictly ascending (sorted, no duplicates)."""
+    for a, b in zip(entries, entries[1:]):
+        if b == a:
+            raise ValueError(f"VSIndex.{name}: duplicate {what} for (batch, head) {where}: {a} twice")
+        if b < a:
+            raise ValueError(f"VSIndex.{name}: {what} must be sorted ascending, got {b} after {a} for "
+                             f"(batch, head) {where}")

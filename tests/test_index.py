@@ -28,6 +28,15 @@ def test_validate_names_the_problem(slash, vertical, message):
         make(slash, vertical).validate(64)
 
 
+@pytest.mark.parametrize("slash, vertical, message", [([0, 2, 2], [], "duplicate block offsets"),
+                                                      ([0], [9, 3], "columns must be sorted ascending")])
+def test_from_lists_refuses_unsorted_entries_when_built(slash, vertical, message):
+    """At construction, before any validate(): attention on a GPU never checks the order (it would
+    synchronise), and a duplicate entry would count its pairs twice."""
+    with pytest.raises(ValueError, match=message):
+        make(slash, vertical)
+
+
 def test_validate_count_above_capacity():
     idx = make([0, 1], [3])
     idx.n_slash.fill_(5)
