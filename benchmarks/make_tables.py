@@ -618,14 +618,26 @@ def render_summary(summary: Dict) -> str:
             f"{summary['device']}):\n\n" + table(["key", "value", "target", "met", "note"], rows))
 
 
-def document_cost_note(path: str = os.path.join(REPO, "benchmarks", "results", "analysis_document_costs.json")) -> str:
-    """The packed density's projection onto the benchmark's ProLong mix at 128K
-    (``document_costs.py``), or nothing where that analysis has not been run."""
+DOCUMENT_COSTS = os.path.join(REPO, "benchmarks", "results", "analysis_document_costs.json")
+
+
+def document_costs(path: str = DOCUMENT_COSTS) -> Optional[Dict]:
+    """``document_costs.py``'s analysis with its rows keyed by (documents, seq_len), or None where
+    it has not been run."""
     if not os.path.exists(path):
-        return ""
+        return None
     with open(path) as fh:
         data = json.load(fh)
-    rows = {(r["documents"], r["seq_len"]): r for r in data["rows"]}
+    return dict(data, rows={(r["documents"], r["seq_len"]): r for r in data["rows"]})
+
+
+def document_cost_note(path: str = DOCUMENT_COSTS) -> str:
+    """The packed density's projection onto the benchmark's ProLong mix at 128K
+    (``document_costs.py``), or nothing where that analysis has not been run."""
+    data = document_costs(path)
+    if data is None:
+        return ""
+    rows = data["rows"]
     packed = next((p for p in data.get("projections", []) if p["quality_run"] == "quality_packed.json"), None)
     if packed is None or ("random_3_8", 32768) not in rows or ("unpacked", 32768) not in rows:
         return ""
@@ -662,17 +674,15 @@ def packed_quality_values(quality: List[Result]) -> Dict:
             if isinstance(summary_q.get(key), (int, float))}
 
 
-def offset_cost_ratio_note(path: str = os.path.join(REPO, "benchmarks", "results",
-                                                      "analysis_document_costs.json")) -> str:
+def offset_cost_ratio_note(path: str = DOCUMENT_COSTS) -> str:
     """How much more of the pairs a slash offset costs with 3-8 random documents per 32K than on
     the ProLong mix at 128K (``document_costs.py``), or nothing where that analysis is missing."""
-    if not os.path.exists(path):
-        return ""
-    with open(path) as fh:
-        rows = {(r["documents"], r["seq_len"]): r["share_per_offset"] for r in json.load(fh)["rows"]}
+    data = document_costs(path)
+    rows = data["rows"] if data else {}
     if ("random_3_8", 32768) not in rows or ("prolong_mix", 131072) not in rows:
         return ""
-    return f" ({rows[('random_3_8', 32768)] / rows[('prolong_mix', 131072)]:.1f}x, analysis_document_costs.json)"
+    ratio = rows[("random_3_8", 32768)]["share_per_offset"] / rows[("prolong_mix", 131072)]["share_per_offset"]
+    return f" ({ratio:.1f}x, analysis_document_costs.json)"
 
 
 def load_results(results_dir: str) -> Dict[str, List[Result]]:

@@ -40,6 +40,8 @@ from megatron_mtraining.integration import attention as mt_attention  # noqa: E4
 from megatron_mtraining.integration import packing, patches  # noqa: E402
 from megatron_mtraining.integration.cpu_shims import apply_cpu_shims  # noqa: E402
 from megatron_mtraining.integration.spec import get_gpt_layer_spec  # noqa: E402
+from megatron_batch import cp_split  # noqa: E402
+from oracle import rel_err  # noqa: E402
 
 SEQ, VOCAB, EOD, BLOCK = 512, 128, 7, 64
 EOD_AT = (37, 100, 101, 250, 400)  # documents end after these tokens: lengths 38, 63, 1, 149, 150, 111
@@ -85,10 +87,6 @@ def sample(seed=0, eod_at=EOD_AT):
                 position_ids=torch.arange(SEQ)[None], mask=mask[None])
 
 
-def rel_err(a, b) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def loss_of(logits, labels, loss_mask, total_tokens):
     """Megatron's masked LM loss summed locally, over the global token count (CP ranks add up)."""
     losses = F.cross_entropy(logits.float().reshape(-1, VOCAB), labels.reshape(-1), reduction="none")
@@ -102,13 +100,6 @@ def run_reference(model, data, mask=True):
     loss = loss_of(logits, data["labels"], data["loss_mask"], data["tokens"].numel())
     loss.backward()
     return logits.detach(), loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
-def cp_split(batch, cp_group=None):
-    """Megatron's public CP batch split, called as its training loop calls it."""
-    if "is_hybrid_cp" in inspect.signature(core_utils.get_batch_on_this_cp_rank).parameters:  # >= 0.17
-        return core_utils.get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
-    return core_utils.get_batch_on_this_cp_rank(batch, cp_group=cp_group)
 
 
 def cp_split_thd(batch, cu, max_seqlen, cp_group=None, per_sequence=False):

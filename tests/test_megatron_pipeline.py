@@ -39,7 +39,6 @@ What megatron-core's schedules need on a CPU is shimmed here, in the test, with 
 """
 
 import functools
-import inspect
 import re
 
 import pytest
@@ -58,6 +57,8 @@ from megatron_mtraining.integration import attention as mt_attention  # noqa: E4
 from megatron_mtraining.integration import packing, patches  # noqa: E402
 from megatron_mtraining.integration.cpu_shims import apply_cpu_shims  # noqa: E402
 from megatron_mtraining.integration.spec import get_gpt_layer_spec  # noqa: E402
+from megatron_batch import cp_split  # noqa: E402
+from oracle import rel_err  # noqa: E402
 
 SEQ, VOCAB, BLOCK = 512, 128, 64
 LAYERS, PP, CP, MICRO = 4, 2, 2, 3
@@ -100,10 +101,6 @@ def micro_batches(seed=0, count=MICRO):
                  labels=torch.randint(0, VOCAB, (1, SEQ), generator=g),
                  loss_mask=(torch.rand(1, SEQ, generator=g) > 0.1).float(),
                  position_ids=torch.arange(SEQ)[None]) for _ in range(count)]
-
-
-def rel_err(a, b) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def run_reference(model, batches):
@@ -197,15 +194,6 @@ def _finalize_grads(model_chunks, num_tokens, pg_collection=None, force_all_redu
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=cp_group)
                 p.grad /= num_tokens
-
-
-def cp_split(batch, cp_group):
-    """Megatron's public CP batch split (patched by ``patches.install``), called as its training loop calls it."""
-    from megatron.core import utils as core_utils
-
-    if "is_hybrid_cp" in inspect.signature(core_utils.get_batch_on_this_cp_rank).parameters:  # >= 0.17
-        return core_utils.get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
-    return core_utils.get_batch_on_this_cp_rank(batch, cp_group=cp_group)
 
 
 def _forward_step(cp_group, data_iterator, model):

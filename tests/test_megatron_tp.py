@@ -23,7 +23,6 @@ import torch.nn.functional as F
 pytest.importorskip("megatron.core")
 
 from megatron.core import parallel_state  # noqa: E402
-from megatron.core import utils as core_utils  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
@@ -32,6 +31,8 @@ from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.integration import patches  # noqa: E402
 from megatron_mtraining.integration.cpu_shims import apply_cpu_shims  # noqa: E402
 from megatron_mtraining.integration.spec import get_gpt_layer_spec  # noqa: E402
+from megatron_batch import cp_split  # noqa: E402
+from oracle import rel_err  # noqa: E402
 
 SEQ, VOCAB, BLOCK, TP = 512, 128, 64, 2
 TOL = 1e-5
@@ -56,14 +57,6 @@ def sample(seed: int = 0) -> dict:
     return dict(tokens=torch.randint(0, VOCAB, (1, SEQ), generator=g),
                 labels=torch.randint(0, VOCAB, (1, SEQ), generator=g),
                 position_ids=torch.arange(SEQ)[None])
-
-
-def cp_split(batch: dict, cp_group) -> dict:
-    """Megatron's CP batch split (patched by ``patches.install`` to MTraining's layout)."""
-    import inspect
-    if "is_hybrid_cp" in inspect.signature(core_utils.get_batch_on_this_cp_rank).parameters:  # >= 0.17
-        return core_utils.get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
-    return core_utils.get_batch_on_this_cp_rank(batch, cp_group=cp_group)
 
 
 def _torch_norm_under_sequence_parallel(cls, config, hidden_size, eps=1e-5, **kwargs):
@@ -118,10 +111,6 @@ def _worker(rank, world_size, cases, data):
         parallel_state.destroy_model_parallel()
         patches.uninstall()
         shims.remove()
-
-
-def rel_err(a, b) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 SETTINGS = [  # (layout, index, sequence parallel)

@@ -16,6 +16,7 @@ from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedd
 from megatron_mtraining.config import MTrainingConfig  # noqa: E402
 from megatron_mtraining.integration import patches  # noqa: E402
 from megatron_mtraining.layout import local_positions, shard_sequence  # noqa: E402
+from megatron_batch import cp_split  # noqa: E402
 
 try:
     from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
@@ -27,13 +28,6 @@ NEW_BATCH_NAME = "_get_batch_on_this_cp_rank_per_sequence_balancing"
 BATCH_ATTR = NEW_BATCH_NAME if hasattr(core_utils, NEW_BATCH_NAME) else "get_batch_on_this_cp_rank"
 
 
-def split_batch(batch, **kwargs):
-    """Megatron's public CP batch split, as its callers call it (0.19 added ``is_hybrid_cp``)."""
-    import inspect
-
-    if "is_hybrid_cp" in inspect.signature(core_utils.get_batch_on_this_cp_rank).parameters:
-        kwargs.setdefault("is_hybrid_cp", False)
-    return core_utils.get_batch_on_this_cp_rank(batch, **kwargs)
 ROPE_MODULES = [m for m in (rope_utils, rotary_pos_embedding, yarn_rotary_pos_embedding)
                 if m is not None and hasattr(m, "get_pos_emb_on_this_cp_rank")]
 
@@ -153,7 +147,7 @@ def test_batch_split_is_striped(monkeypatch, rank):
     mock_cp(monkeypatch, 2, rank)
     full = make_batch()
     patches.install(cfg(layout="striped"))
-    out = split_batch(dict(full))
+    out = cp_split(dict(full))
     for key, val in full.items():
         dim = 2 if key == "attention_mask" else 1
         assert torch.equal(out[key], shard_sequence(val, dim, "striped", 2, rank, BLOCK)), key
@@ -164,7 +158,7 @@ def test_batch_split_with_cp_group(monkeypatch):
     mock_cp(monkeypatch, 1, 0)  # must not be used when a group is passed
     full = make_batch()
     patches.install(cfg(layout="striped"))
-    out = split_batch(dict(full), cp_group=FakeGroup(4, 3))
+    out = cp_split(dict(full), cp_group=FakeGroup(4, 3))
     assert torch.equal(out["tokens"], shard_sequence(full["tokens"], 1, "striped", 4, 3, BLOCK))
 
 
@@ -172,9 +166,9 @@ def test_batch_split_with_cp_group(monkeypatch):
 def test_batch_split_zigzag_keeps_megatron(monkeypatch, rank):
     mock_cp(monkeypatch, 2, rank)
     full = make_batch()
-    expected = split_batch(dict(full))  # Megatron's own split
+    expected = cp_split(dict(full))  # Megatron's own split
     patches.install(cfg(layout="zigzag"))
-    out = split_batch(dict(full))
+    out = cp_split(dict(full))
     for key in full:
         assert torch.equal(out[key], expected[key]), key
         dim = 2 if key == "attention_mask" else 1
@@ -186,14 +180,14 @@ def test_batch_split_rejects_indivisible_length(monkeypatch, layout, s):
     mock_cp(monkeypatch, 2, 0)
     patches.install(cfg(layout=layout))
     with pytest.raises(ValueError, match="not divisible"):
-        split_batch(make_batch(s=s))
+        cp_split(make_batch(s=s))
 
 
 def test_batch_split_cp1_unchanged(monkeypatch):
     mock_cp(monkeypatch, 1, 0)
     full = make_batch(s=100)
     patches.install(cfg())
-    out = split_batch(dict(full))
+    out = cp_split(dict(full))
     assert all(torch.equal(out[k], full[k]) for k in full)
 
 
@@ -206,7 +200,7 @@ def test_batch_split_keeps_thd_metadata(monkeypatch, layout):
     del full["attention_mask"]
     cu = torch.tensor([[0, 10, 200, 256]], dtype=torch.int32)
     patches.install(cfg(layout=layout))
-    out = split_batch(dict(full, cu_seqlens=cu, max_seqlen=torch.tensor([190])))
+    out = cp_split(dict(full, cu_seqlens=cu, max_seqlen=torch.tensor([190])))
     assert out["cu_seqlens"] is cu and out["max_seqlen"].tolist() == [190]
     assert torch.equal(out["tokens"], shard_sequence(full["tokens"], 1, layout, 2, 1, BLOCK))
 
@@ -273,7 +267,7 @@ def test_batch_split_skips_metadata(monkeypatch):
     batch["dataset_id"] = torch.zeros(2, dtype=torch.long)
     batch["cu_seqlens"] = None
     patches.install(cfg())
-    out = split_batch(batch)
+    out = cp_split(batch)
     assert out["dataset_id"].shape == (2,) and out["cu_seqlens"] is None
     assert out["tokens"].shape == (2, 128)
 
