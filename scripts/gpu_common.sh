@@ -52,3 +52,35 @@ setup_venv() {
   DEVICE_SLUG=$("$PY" -c "import sys, torch; sys.path.insert(0, 'benchmarks'); from common import device_slug; print(device_slug(torch.device('cuda')))" 2>/dev/null)
   [ -n "$DEVICE_SLUG" ] || DEVICE_SLUG=gpu  # no CUDA device, or torch missing: still a valid file name
 }
+
+# Wheels over the 64 MiB a device call may carry (issue 17: the CuTe DSL runtime,
+# nvidia-cutlass-dsl-libs-cu13, is ~92 MB) travel split over two calls to one warm machine:
+#   here:    split -b 55000000 -d --additional-suffix= BIG.whl BIG.whl.part  (names end .partNN)
+#            first folder: the first part(s); second folder: the rest and the other wheels
+#   call 1:  stash_wheel_parts .fa4a          (copies the parts out of the repository copy)
+#   call 2:  install_split_wheels .fa4b SITE  (the same machine, within its 30 s warm window)
+# Parts wait in $WHEEL_PARTS (default /tmp/mtraining_wheel_parts), outside the repository copy,
+# because a path a call does not carry is removed there.
+WHEEL_PARTS=${WHEEL_PARTS:-/tmp/mtraining_wheel_parts}
+stash_wheel_parts() {
+  mkdir -p "$WHEEL_PARTS" && cp "$1"/* "$WHEEL_PARTS"/ && ls -la "$WHEEL_PARTS"
+}
+# install_split_wheels DIR SITE: DIR's files join the stashed parts, every BIG.whl.partNN set is
+# joined in order into BIG.whl, and every wheel is installed (no index, no dependencies) into SITE,
+# which goes first on PYTHONPATH; a sitecustomize.py there runs SITE's .pth files (PYTHONPATH alone
+# skips them, and nvidia-cutlass-dsl finds its `cutlass` package through one). Returns non-zero,
+# saying which, when a wheel is missing or broken.
+install_split_wheels() {
+  local dir=$1 site=$2 part whole
+  stash_wheel_parts "$dir" > /dev/null || return 1
+  for part in "$WHEEL_PARTS"/*.whl.part00; do
+    [ -e "$part" ] || continue
+    whole=${part%.part00}
+    cat "$whole".part* > "$whole" || return 1
+    python3 -m zipfile -t "$whole" > /dev/null || { echo "joined wheel $whole is broken (a part missing?)" >&2; return 1; }
+  done
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+      "$WHEEL_PARTS"/*.whl || return 1
+  printf 'import site\nsite.addsitedir(%s)\n' "'$site'" > "$site/sitecustomize.py"
+  export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+}
