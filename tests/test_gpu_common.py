@@ -60,3 +60,75 @@ def test_benchmark_metadata_reads_the_dirty_mark(monkeypatch):
     assert common.git_commit() == {"commit": "f83643e", "dirty": True}
     monkeypatch.setenv("GIT_COMMIT", "5856e0f")
     assert json.loads(json.dumps(common.git_commit())) == {"commit": "5856e0f", "dirty": None}
+
+
+# ------------------------------------------------------------------------------------------------
+# Wheels carried split over two device calls (stash_wheel_parts, then install_split_wheels)
+# ------------------------------------------------------------------------------------------------
+
+
+def make_wheel(folder):
+    """A small pure-Python wheel whose module is reachable only through its .pth file (as
+    nvidia-cutlass-dsl's `cutlass`), padded so that it splits into several parts."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {
+        "split_demo/__init__.py": "VALUE = 7\n",
+        "split_demo/extra/hidden_mod.py": "MARK = 'via pth'\n# " + "x" * 4000 + "\n",
+        "split_demo.pth": "import os, split_demo; import sys; "
+                          "sys.path.insert(0, os.path.join(split_demo.__path__[0], 'extra'))\n",
+        "split_demo-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: split-demo\nVersion: 1.0\n",
+        "split_demo-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                          "Tag: py3-none-any\n",
+    }
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(text.encode())}")
+    record.append("split_demo-1.0.dist-info/RECORD,,")
+    files["split_demo-1.0.dist-info/RECORD"] = "\n".join(record) + "\n"
+    path = folder / "split_demo-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
+
+
+def split_into(path, first, second, size=1500):
+    """Parts NAME.partNN of ``size`` bytes: the first in ``first``, the others in ``second``."""
+    data = path.read_bytes()
+    chunks = [data[i:i + size] for i in range(0, len(data), size)]
+    assert len(chunks) >= 3
+    for i, chunk in enumerate(chunks):
+        ((first if i == 0 else second) / f"{path.name}.part{i:02d}").write_bytes(chunk)
+
+
+def run_phases(tmp_path, second_call):
+    parts = tmp_path / "parts"
+    script = (f"export WHEEL_PARTS={parts} OUT={tmp_path}/out; source {REPO}/scripts/gpu_common.sh >/dev/null && "
+              f"stash_wheel_parts {tmp_path}/a >/dev/null && {second_call}")
+    return subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+
+def test_split_wheel_is_joined_installed_and_its_pth_runs(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    split_into(make_wheel(tmp_path), tmp_path / "a", tmp_path / "b")
+    site = tmp_path / "site"
+    done = run_phases(tmp_path, f"install_split_wheels {tmp_path}/b {site} && "
+                                f"{sys.executable} -c 'import split_demo, hidden_mod; print(split_demo.VALUE, hidden_mod.MARK)'")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("7 via pth")
+
+
+def test_a_missing_part_is_refused_before_pip(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    split_into(make_wheel(tmp_path), tmp_path / "a", tmp_path / "b")
+    sorted((tmp_path / "b").iterdir())[0].unlink()  # the second call forgot a part
+    done = run_phases(tmp_path, f"install_split_wheels {tmp_path}/b {tmp_path}/site")
+    assert done.returncode != 0
+    assert "broken" in done.stderr
+    assert not (tmp_path / "site").exists()
