@@ -12,9 +12,6 @@
 #   pp_ab   B = 128 at 128K: the ping-pong backward's GPU tests, then kernel.py with the lockstep and
 #           the ping-pong dQ and key-block kernels (MTRAINING_BACKWARD_SCHEDULE) in one call:
 #           kernelrerun_bwd{lockstep,pingpong}_b128_<device>.json
-#   persist_ab  the persistent forward (MTRAINING_FORWARD_PERSISTENT=1, hopper_fwd.py): the forward's GPU
-#           tests with it on, then kernel.py (128K, no baselines) and packed.py (no Flex) with it off and
-#           on, twice, interleaved: kernelrerun_persist{0,1}_<device>.json, packedrerun_persist{0,1}_<device>.json
 #   packed  benchmarks/packed.py at 128K: packed_<device>.json
 #   report  issue 17's other figures, B = 64 and the default kernels, cuDNN beside (no Flex): 512K at 5%,
 #           128K at 2.5% and at 10%: kernel_report_{512k,d025,d10}_<device>.json (tabled, never the
@@ -72,23 +69,6 @@ if stage report; then
         --out "$OUT/kernel_report_${name}_$DEVICE_SLUG.json" > "$OUT/kernel_report_$name.log" 2>&1
     echo "kernel report $name rc=$?"; tail -3 "$OUT/kernel_report_$name.log"
   done
-fi
-if stage persist_ab; then
-  MTRAINING_FORWARD_PERSISTENT=1 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_hopper_kernels.py \
-      -k "persistent or matches_reference_and_triton or test_packed_documents or ring_steps_merge or strided_views_give" \
-      > "$OUT/tests_persistent.log" 2>&1
-  echo "persistent forward tests rc=$?"; tail -3 "$OUT/tests_persistent.log"
-  # Round 1 warms up and writes to scratch; round 2's JSONs come back (the device tool returns 8 files).
-  for round in 1 2; do
-    for p in 0 1; do
-      dest=$OUT; [ "$round" = 1 ] && dest=$(mktemp -d)
-      MTRAINING_FORWARD_PERSISTENT=$p OUT=$dest ab_leg "persist$p" 100 --reps 10
-      MTRAINING_FORWARD_PERSISTENT=$p timeout 120 "$PY" benchmarks/packed.py --seq-lens 131072 --skip flex,check \
-          --out "$dest/packedrerun_persist${p}_$DEVICE_SLUG.json" > "$dest/packed_persist$p.log" 2>&1
-      echo "packed persist$p round $round rc=$?"; grep -E "^ 131072" "$dest/packed_persist$p.log"
-    done
-  done
-  rm -f "$OUT"/kernel_persist*.log "$OUT"/packed_persist*.log
 fi
 if stage packed; then
   timeout 300 "$PY" benchmarks/packed.py --seq-lens 131072 --out "$OUT/packed_$DEVICE_SLUG.json" \

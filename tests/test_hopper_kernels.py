@@ -46,8 +46,8 @@ def test_cross_compiles_for_sm90a_without_serialised_wgmma(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     configs = json.loads(out.read_text())["configs"]
     assert sorted({e["kernel"] for e in configs.values()}) == ["dkdv", "dkdv_col", "dkdv_pp", "dq", "dq_pp", "fwd",
-                                                                "fwd_persistent", "fwd_pp"]
-    assert len(configs) == 60
+                                                                "fwd_pp"]
+    assert len(configs) == 51
     for name, e in configs.items():
         assert "error" not in e, (name, e.get("error"))
         assert e["ptxas_ok"] and not e["wgmma_serialized"], (name, e)
@@ -80,9 +80,8 @@ def test_cross_compiles_for_sm90a_without_serialised_wgmma(tmp_path):
             assert e["num_warps"] == rows // 16, (name, e)  # a warpgroup per 64 rows
             # 64-row programs: two per SM (<= 113 KB each at d 128); 128-row ones: one (128 KB).
             limit_kb = 113 if rows == 64 else 128
-            barrier = 8 if e["kernel"] == "fwd_persistent" else 0  # its Q tile's mbarrier
-            assert e["shared_bytes"] <= (limit_kb if d == 128 else limit_kb // 2) * 1024 + barrier, (name, e)
-            if e["kernel"] in ("fwd", "fwd_persistent"):
+            assert e["shared_bytes"] <= (limit_kb if d == 128 else limit_kb // 2) * 1024, (name, e)
+            if e["kernel"] == "fwd":
                 # Per tile d/16 wgmma for S and 64/16 for PV, each in two places (tile 0 and the
                 # loop; the loop and the last tile). No spills.
                 assert e["wgmma"] == 2 * (d // 16 + 4), (name, e)
@@ -316,61 +315,6 @@ def test_megatron_strided_views_give_the_same_bits(B):
     want, want_lse = _forward("hopper", *(x.contiguous() for x in (q, k, v)), plan)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
-
-
-@pytest.mark.parametrize("n, B, d, hq, hkv, dtype, kind, docs", [
-    (2048, 64, 128, 8, 2, torch.bfloat16, "random", False),
-    (4096, 64, 128, 16, 2, torch.bfloat16, "many_columns", False),  # more items than programs
-    (1024, 64, 64, 4, 4, torch.float16, "random", False),
-    (1024, 128, 128, 4, 2, torch.bfloat16, "random", True),  # B = 128 with 64-row programs, documents
-    (1024, 64, 128, 4, 2, torch.bfloat16, "no_columns", False),
-    (1024, 64, 128, 4, 2, torch.bfloat16, "dense", False),
-    (64, 64, 128, 4, 2, torch.bfloat16, "random", False),  # fewer items than programs
-    (1024, 64, 128, 4, 2, torch.bfloat16, "no_diagonal", True),
-], ids=lambda x: str(x).replace("torch.", ""))
-@pytest.mark.gpu
-@needs_hopper
-def test_persistent_forward_gives_the_per_item_kernels_bits(monkeypatch, n, B, d, hq, hkv, dtype, kind, docs):
-    """MTRAINING_FORWARD_PERSISTENT=1 (one program per SM slot, the K/V ring running on across
-    items) computes every item as the one-item programs do: the same bits, in the merge mode of
-    ring steps too (zigzag steps leave items with no tile), and on Megatron's strided views."""
-    from test_step import token_rows, zigzag_blocks
-
-    g = torch.Generator().manual_seed(n + B + d + docs)
-    q, k, v = (torch.randn(2, h, n, d, generator=g).to("cuda", dtype) for h in (hq, hkv, hkv))
-    index = _index(kind, 2, hq, n, B, g).to("cuda")
-    cu = torch.tensor([0, 100, 101, 700, n], dtype=torch.int32, device="cuda") if docs else None
-    documents = as_documents(cu, n, B, q.device)
-    plan = single_device_plan(index, n, documents=documents)
-
-    def both(*args, **kwargs):
-        results = []
-        for persistent in ("0", "1"):
-            monkeypatch.setenv("MTRAINING_FORWARD_PERSISTENT", persistent)
-            results.append(_forward("hopper", *args, rows=64, **kwargs))
-        return results
-
-    (want, want_lse), (got, got_lse) = both(q, k, v, plan)
-    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
-    if kind == "random":
-        _check(q, k, v, index, plan, cu_seqlens=cu)  # and against the reference (persistent still set)
-    nb = n // B
-    if nb >= 4:  # a zigzag ring step of W = 2 in the merge mode: some items have no key tile
-        chunks = [zigzag_blocks(nb, 2, r) for r in range(2)]
-        rows = [token_rows(c, B).cuda() for c in chunks]
-        step_plan = build_step_plan(index, chunks[0], chunks[1], nb, documents=documents)
-        start_out = torch.randn(2, hq, len(rows[0]), d, generator=g).cuda()  # earlier steps' partial result
-        start_lse = torch.randn(2, hq, len(rows[0]), generator=g).cuda()
-        outs = []
-        for persistent in ("0", "1"):
-            monkeypatch.setenv("MTRAINING_FORWARD_PERSISTENT", persistent)
-            out, lse = start_out.clone(), start_lse.clone()
-            outs.append(_forward("hopper", q[:, :, rows[0]], k[:, :, rows[1]], v[:, :, rows[1]], step_plan, out, lse,
-                                 accumulate=True))
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-    strided = [x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for x in (q, k, v)]  # Megatron's views
-    (want_s, _), (got_s, _) = both(*strided, plan)
-    assert torch.equal(got_s, want) and torch.equal(want_s, want)
 
 
 @pytest.mark.gpu

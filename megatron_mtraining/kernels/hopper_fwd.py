@@ -31,35 +31,16 @@ ping-ponging warpgroups sharing every K/V tile); ``rows=64`` keeps this kernel t
 
 from __future__ import annotations
 
-import functools
-import os
-
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .hopper_common import TILE, _wide, copy_layout, mma_layout, register_operand_layout, shared_layout
 from .hopper_keys import _issue_tile, _mask_scores, _query_positions, _query_program, _tile_rows, _tile_scalars
 from .triton_fwd import LOG2E, column_arguments, document_arguments, int64_offsets, plan_tensors
 
 STAGES = 3  # K/V ring slots: 16 KB (Q) + 3 x 32 KB = 112 KB, two programs per SM
-PROGRAMS_PER_SM = 2  # the persistent kernel's grid: as many programs as fit at once
-PERSISTENT_ENV = "MTRAINING_FORWARD_PERSISTENT"  # A/B switch while the persistent forward is measured
-
-
-def persistent_forward() -> bool:
-    """Whether the 64-row forward runs as a persistent kernel (``MTRAINING_FORWARD_PERSISTENT=1``)."""
-    value = os.environ.get(PERSISTENT_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{PERSISTENT_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @gluon.jit
@@ -211,218 +192,6 @@ def _vs_attn_fwd_sm90_kernel(
     _write_output(acc, m_i, l_i, Out, Lse, b, h, rows, stride_ob, stride_oh, stride_on, stride_lb, stride_lh,
                   INT64, ACCUMULATE, rows_c, c_layout)
 
-@gluon.jit
-def _item_keys(item, N_M, QBlk, KVCnt, ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS,
-               BLOCK: gl.constexpr, ROWS: gl.constexpr, INT64: gl.constexpr, DOCS: gl.constexpr,
-               HAS_COLS: gl.constexpr):
-    """``_query_program`` of work item ``item`` (query tile ``item % N_M`` of batch x head
-    ``item // N_M``), with the tile first: (pid_m, b, h, kv head, q block, list row, column row,
-    word row, slash tiles, column limit, diag, first column slot, tiles)."""
-    pid_m = item % N_M
-    b, h, kvh, q_blk, list_row, col_row, word_row, n_slash, n_cols, diag, c_begin, n_tiles = _query_program(
-        pid_m, item // N_M, QBlk, KVCnt, ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS, BLOCK,
-        ROWS, INT64, DOCS, HAS_COLS)
-    return pid_m, b, h, kvh, q_blk, list_row, col_row, word_row, n_slash, n_cols, diag, c_begin, n_tiles
-
-
-@gluon.jit
-def _cursor_next(item, u, n, n_slash, list_row, col_row, c_begin, n_cols, b, kvh, n_items, G, N_M,
-                 QBlk, KVCnt, ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS,
-                 BLOCK: gl.constexpr, ROWS: gl.constexpr, INT64: gl.constexpr, DOCS: gl.constexpr,
-                 HAS_COLS: gl.constexpr):
-    """The copy cursor one tile on: tile ``u + 1`` of ``item``, or the first tile of this program's
-    next item that has tiles (items step by the grid size G); past the last one it stays put with
-    n = 0 (its copies are then empty groups)."""
-    u = u + 1
-    while (u >= n) & (item < n_items):
-        item = item + G
-        u = u * 0
-        if item < n_items:
-            _, b, _, kvh, _, list_row, col_row, _, n_slash, n_cols, _, c_begin, n = _item_keys(
-                item, N_M, QBlk, KVCnt, ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS, BLOCK,
-                ROWS, INT64, DOCS, HAS_COLS)
-        else:
-            n = n * 0
-    return item, u, n, n_slash, list_row, col_row, c_begin, n_cols, b, kvh
-
-
-@gluon.jit
-def _issue_query(item, n_items, N_M, Q, q_smem, q_ready, stride_qb, stride_qh, stride_qn, HQ, ROWS: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, INT64: gl.constexpr, c_layout: gl.constexpr):
-    """Start copying item ``item``'s Q tile into ``q_smem``; every thread's copies arrive on
-    ``q_ready`` when they land (nothing past the last item)."""
-    if item < n_items:
-        pid_bh = item // N_M
-        b = _wide(pid_bh // HQ, INT64)
-        h = _wide(pid_bh % HQ, INT64)
-        rows = (item % N_M) * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, c_layout))
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))
-        async_copy.async_copy_global_to_shared(
-            q_smem, Q + b * stride_qb + h * stride_qh + _wide(rows, INT64)[:, None] * stride_qn + offs_d[None, :])
-        async_copy.mbarrier_arrive(q_ready, increment_count=False)
-
-
-@gluon.jit
-def _vs_attn_fwd_sm90_persistent_kernel(
-    Q, K, V, Out, Lse,
-    QBlk, KBlk, KVCnt, KVIdx, ColLimit, Cols, ColPos, Words, Diag, DocStart, DocLast, ColStart,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_on,
-    stride_lb, stride_lh,
-    qk_scale,
-    HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS, N_M, n_items,
-    BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    ACCUMULATE: gl.constexpr, INT64: gl.constexpr, DOCS: gl.constexpr, HAS_COLS: gl.constexpr,
-    SMEM_LAYOUT: gl.constexpr,
-):
-    """``_vs_attn_fwd_sm90_kernel``'s loop over a work list: program ``p`` of G runs items
-    p, p + G, ... (item = query tile + N_M x (batch x head)), and the K/V ring runs on across
-    items. A copy cursor walks this program's stream of tiles STAGES - 1 ahead of the products,
-    into the next items; the next item's Q tile is copied as soon as the current item's last
-    score product has read Q (its own mbarrier). So an item's first tiles and Q are in flight
-    while the previous item finishes its last product and writes its output, which a one-item
-    program cannot overlap (NOTES.md, session 17)."""
-    gl.static_assert(STAGES >= 2, "a slot is refilled once its PV product retires: 2 slots or more")
-    ROWS: gl.constexpr = TILE
-    WARPS: gl.constexpr = 4
-    c_layout: gl.constexpr = copy_layout(HEAD_DIM, WARPS)
-    s_layout: gl.constexpr = mma_layout(TILE, WARPS)
-    o_layout: gl.constexpr = mma_layout(HEAD_DIM, WARPS)
-    p_layout: gl.constexpr = register_operand_layout(HEAD_DIM, WARPS)
-    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-    rows_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    rows_c: gl.constexpr = gl.SliceLayout(1, c_layout)
-
-    G = gl.num_programs(0)
-    item = gl.program_id(0)
-    q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [ROWS, HEAD_DIM], SMEM_LAYOUT)
-    k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, TILE, HEAD_DIM], SMEM_LAYOUT)
-    v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, TILE, HEAD_DIM], SMEM_LAYOUT)
-    q_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout()).index(0)
-    mbarrier.init(q_ready, count=WARPS * 32)
-    fence_async_shared()
-
-    _issue_query(item, n_items, N_M, Q, q_smem, q_ready, stride_qb, stride_qh, stride_qn, HQ, ROWS, HEAD_DIM,
-                 INT64, c_layout)
-    # The copy cursor starts one before this program's first item's first tile.
-    _, c_b, _, c_kvh, _, c_list, c_col, _, c_slash, c_ncols, _, c_begin, c_n = _item_keys(
-        item, N_M, QBlk, KVCnt, ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS, BLOCK, ROWS,
-        INT64, DOCS, HAS_COLS)
-    c_item, c_u, c_n, c_slash, c_list, c_col, c_begin, c_ncols, c_b, c_kvh = _cursor_next(
-        item, c_n * 0 - 1, c_n, c_slash, c_list, c_col, c_begin, c_ncols, c_b, c_kvh, n_items, G, N_M, QBlk, KVCnt,
-        ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS, BLOCK, ROWS, INT64, DOCS, HAS_COLS)
-    issued = c_n * 0  # real tiles copied so far: tile k of the stream sits in slot k % STAGES
-    for i in gl.static_range(STAGES):
-        kv_rows = _tile_rows(c_u, c_n, c_slash, KVIdx, Cols, c_list, c_col, c_begin, c_ncols, BLOCK, INT64, rows_c)
-        real = (c_u < c_n).to(gl.int32)
-        _issue_tile(issued, issued + real, kv_rows, K + c_b * stride_kb + c_kvh * stride_kh,
-                    V + c_b * stride_vb + c_kvh * stride_vh, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM, STAGES,
-                    c_layout)
-        issued += real
-        c_item, c_u, c_n, c_slash, c_list, c_col, c_begin, c_ncols, c_b, c_kvh = _cursor_next(
-            c_item, c_u, c_n, c_slash, c_list, c_col, c_begin, c_ncols, c_b, c_kvh, n_items, G, N_M, QBlk, KVCnt,
-            ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS, BLOCK, ROWS, INT64, DOCS, HAS_COLS)
-
-    pid_m, b, h, kvh, q_blk, list_row, col_row, word_row, n_slash, n_cols, diag, c0, n_tiles = _item_keys(
-        item, N_M, QBlk, KVCnt, ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS, BLOCK, ROWS,
-        INT64, DOCS, HAS_COLS)
-    base = issued * 0  # stream position of this item's tile 0
-    phase = 0
-    while item < n_items:
-        q_first, q_pos, q_doc, doc_mask_below = _query_positions(pid_m, q_blk, DocStart, DocLast, BLOCK, ROWS, DOCS,
-                                                                 rows_s)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_s)
-        l_i = gl.zeros([ROWS], gl.float32, layout=rows_s)
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        mbarrier.wait(q_ready, phase)
-        phase ^= 1
-        if n_tiles > 0:
-            k_first, word = _tile_scalars(0, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c0, BLOCK,
-                                          HAS_COLS)
-            async_copy.wait_group(STAGES - 1)
-            gl.thread_barrier()
-            fence_async_shared()
-            s = warpgroup_mma(q_smem, k_smem.index(base % STAGES).permute((1, 0)),
-                              gl.zeros([ROWS, TILE], gl.float32, s_layout), use_acc=False, is_async=True)
-            next_first, next_word = _tile_scalars(1, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c0,
-                                                  BLOCK, HAS_COLS)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            p, alpha, m_i, l_i = _fold_tile(s, 0, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below,
-                                            diag, m_i, l_i, qk_scale, ColPos, col_row, c0, n_cols, BLOCK, DOCS,
-                                            HAS_COLS, cols_s)
-            p_op = gl.convert_layout(p.to(Q.dtype.element_ty), p_layout)
-            for t in range(1, n_tiles):
-                k_first = next_first
-                word = next_word
-                next_first, next_word = _tile_scalars(t + 1, n_tiles, n_slash, KVIdx, KBlk, Words, list_row,
-                                                      word_row, c0, BLOCK, HAS_COLS)
-                kv_rows = _tile_rows(c_u, c_n, c_slash, KVIdx, Cols, c_list, c_col, c_begin, c_ncols, BLOCK, INT64,
-                                     rows_c)
-                async_copy.wait_group(STAGES - 2)
-                gl.thread_barrier()
-                fence_async_shared()
-                s = warpgroup_mma(q_smem, k_smem.index((base + t) % STAGES).permute((1, 0)),
-                                  gl.zeros([ROWS, TILE], gl.float32, s_layout), use_acc=False, is_async=True)
-                acc = warpgroup_mma(p_op, v_smem.index((base + t - 1) % STAGES), acc, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-                p, alpha, m_i, l_i = _fold_tile(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below,
-                                                diag, m_i, l_i, qk_scale, ColPos, col_row, c0, n_cols, BLOCK, DOCS,
-                                                HAS_COLS, cols_s)
-                p_op = gl.convert_layout(p.to(Q.dtype.element_ty), p_layout)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                acc = acc * gl.convert_layout(alpha, rows_o)[:, None]
-                gl.thread_barrier()  # every warp's PV_{t-1} retired: its slot takes the cursor's tile
-                real = (c_u < c_n).to(gl.int32)
-                _issue_tile(issued, issued + real, kv_rows, K + c_b * stride_kb + c_kvh * stride_kh,
-                            V + c_b * stride_vb + c_kvh * stride_vh, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM,
-                            STAGES, c_layout)
-                issued += real
-                c_item, c_u, c_n, c_slash, c_list, c_col, c_begin, c_ncols, c_b, c_kvh = _cursor_next(
-                    c_item, c_u, c_n, c_slash, c_list, c_col, c_begin, c_ncols, c_b, c_kvh, n_items, G, N_M, QBlk,
-                    KVCnt, ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS, BLOCK, ROWS, INT64,
-                    DOCS, HAS_COLS)
-            # Every score product has read Q: the next item's Q tile starts now, behind the last PV.
-            kv_rows = _tile_rows(c_u, c_n, c_slash, KVIdx, Cols, c_list, c_col, c_begin, c_ncols, BLOCK, INT64,
-                                 rows_c)
-            gl.thread_barrier()
-            _issue_query(item + G, n_items, N_M, Q, q_smem, q_ready, stride_qb, stride_qh, stride_qn, HQ, ROWS,
-                         HEAD_DIM, INT64, c_layout)
-            acc = warpgroup_mma(p_op, v_smem.index((base + n_tiles - 1) % STAGES), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            gl.thread_barrier()  # the last tile's slot is free: one more copy, so that every tile issues one
-            real = (c_u < c_n).to(gl.int32)
-            _issue_tile(issued, issued + real, kv_rows, K + c_b * stride_kb + c_kvh * stride_kh,
-                        V + c_b * stride_vb + c_kvh * stride_vh, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM,
-                        STAGES, c_layout)
-            issued += real
-            c_item, c_u, c_n, c_slash, c_list, c_col, c_begin, c_ncols, c_b, c_kvh = _cursor_next(
-                c_item, c_u, c_n, c_slash, c_list, c_col, c_begin, c_ncols, c_b, c_kvh, n_items, G, N_M, QBlk, KVCnt,
-                ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS, BLOCK, ROWS, INT64, DOCS, HAS_COLS)
-        else:
-            gl.thread_barrier()
-            _issue_query(item + G, n_items, N_M, Q, q_smem, q_ready, stride_qb, stride_qh, stride_qn, HQ, ROWS,
-                         HEAD_DIM, INT64, c_layout)
-        base += n_tiles
-        rows = pid_m * ROWS + gl.arange(0, ROWS, layout=rows_o)
-        out_b = b
-        out_h = h
-        # The next item's keys load while this one writes its output.
-        item += G
-        if item < n_items:
-            pid_m, b, h, kvh, q_blk, list_row, col_row, word_row, n_slash, n_cols, diag, c0, n_tiles = _item_keys(
-                item, N_M, QBlk, KVCnt, ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS, BLOCK,
-                ROWS, INT64, DOCS, HAS_COLS)
-        # Stored from the accumulator's layout: a coalescing conversion would need shared memory
-        # that the ring, live across items, leaves no room for (two programs per SM).
-        _write_output(acc, m_i, l_i, Out, Lse, out_b, out_h, rows, stride_ob, stride_oh, stride_on, stride_lb,
-                      stride_lh, INT64, ACCUMULATE, rows_o, o_layout)
-    async_copy.wait_group(0)  # no copy outlives the program
-    mbarrier.invalidate(q_ready)
-
-
 def vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool,
                             rows: int | None = None) -> None:
     """``vs_attention_fwd_triton``'s contract on an sm_90 GPU (``unsupported_reason`` must be ''):
@@ -444,25 +213,6 @@ def vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale: float, accum
                          f"with {B}-token blocks")
     cols, col_pos, words, diag, n_words = column_arguments(plan)
     doc_start, doc_last, col_start, docs = document_arguments(plan)
-    if persistent_forward():
-        n_m = nq // 64
-        n_items = n_m * b * hq
-        _vs_attn_fwd_sm90_persistent_kernel[(min(n_items, PROGRAMS_PER_SM * sm_count(q.device)),)](
-            q, k, v, out, lse,
-            plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos, words,
-            diag, doc_start, doc_last, col_start,
-            q.stride(0), q.stride(1), q.stride(2),
-            k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1),
-            softmax_scale * LOG2E,
-            hq, hq // k.shape[1], nq // B, plan.kv_blocks.shape[-1], plan.cols.shape[-1], n_words, n_m, n_items,
-            BLOCK=B, HEAD_DIM=d, STAGES=STAGES, ACCUMULATE=accumulate,
-            INT64=int64_offsets(q, k, v, out, lse, *plan_tensors(plan)), DOCS=docs,
-            HAS_COLS=plan.cols.shape[-1] > 0, SMEM_LAYOUT=shared_layout(d, q.dtype), num_warps=4,
-        )
-        return
     _vs_attn_fwd_sm90_kernel[(nq // 64, b * hq)](
         q, k, v, out, lse,
         plan.q_block_ids, plan.k_block_ids, plan.kv_count, plan.kv_blocks, plan.col_limit, cols, col_pos, words,
