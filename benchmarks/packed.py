@@ -175,6 +175,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq-lens", default="131072")
     p.add_argument("--density", type=float, default=0.05, help="target share of document-causal pairs")
+    p.add_argument("--block-size", type=int, default=64, help="index block size (the unpacked runs' too)")
     p.add_argument("--skip", default="", help="comma-separated: flex, unpacked, breakdown, check")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU: tests the script itself")
@@ -185,8 +186,8 @@ def main(argv=None) -> int:
         cfg = kernel.Config(seq_lens=[1024], heads=4, kv_heads=2, head_dim=32, dtype="fp32", density=args.density,
                             backend="torch", warmup=1, reps=2, input_sets=1, check_len=1024, skip=skip, smoke=True)
     else:
-        cfg = kernel.Config(seq_lens=[int(s) for s in args.seq_lens.split(",")], density=args.density,
-                            reps=args.reps, skip=skip)
+        cfg = kernel.Config(seq_lens=[int(s) for s in args.seq_lens.split(",")], block_size=args.block_size,
+                            density=args.density, reps=args.reps, skip=skip)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
     result: Dict = {"benchmark": "packed", "smoke": cfg.smoke, "meta": run_metadata(device),
                     "config": dataclasses.asdict(cfg), "runs": []}

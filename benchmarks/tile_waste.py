@@ -31,14 +31,16 @@ TILE = 64
 
 
 def plan_tiles(plan, documents: bool) -> dict:
-    """Slash and column tiles the 64-row forward computes over a single-device plan."""
-    slash = int(plan.kv_count.long().sum()) * (plan.block_size // TILE)
+    """Slash and column tiles the 64-row forward computes over a single-device plan: each of a
+    query block's B/64 row programs reads B/64 tiles per slash key block and its columns."""
+    rows = plan.block_size // TILE
+    slash = int(plan.kv_count.long().sum()) * rows * rows
     limit = plan.col_limit.long()
     start = (plan.col_start.long() // TILE) * TILE if documents else torch.zeros_like(limit)
     slots = (limit - start).clamp(min=0)
-    columns = int(((slots + TILE - 1) // TILE).sum())
+    columns = int(((slots + TILE - 1) // TILE).sum()) * rows
     return {"slash_tiles": slash, "column_tiles": columns,
-            "column_slots_used": float(slots.sum()) / max(1, columns * TILE)}
+            "column_slots_used": float(slots.sum()) * rows / max(1, columns * TILE)}
 
 
 def analyse(seq_len: int, heads: int = 16, block_size: int = 64, density: float = 0.05) -> dict:
@@ -72,9 +74,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=131072)
     p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
-    result = analyse(args.seq_len, args.heads)
+    result = analyse(args.seq_len, args.heads, args.block_size)
     for name in ("packed", "unpacked", "unpacked_equal_work"):
         e = result[name]
         print(f"{name:20s} tiles/item {e['tiles_per_item']:6.2f}  active/computed {e['active_over_computed']:.3f}  "

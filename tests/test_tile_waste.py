@@ -3,6 +3,7 @@
 import os
 import sys
 
+import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -14,11 +15,12 @@ from megatron_mtraining import VSIndex  # noqa: E402
 from megatron_mtraining.kernels import single_device_plan  # noqa: E402
 
 
-def test_dense_index_computes_the_causal_block_triangle():
+@pytest.mark.parametrize("B", [64, 128])
+def test_dense_index_computes_the_causal_block_triangle(B):
     n, heads = 1024, 2
-    nb = n // 64
-    tiles = tile_waste.plan_tiles(single_device_plan(VSIndex.dense(1, heads, n, 64), n), documents=False)
-    assert tiles["slash_tiles"] == heads * nb * (nb + 1) // 2
+    nb = n // B
+    tiles = tile_waste.plan_tiles(single_device_plan(VSIndex.dense(1, heads, n, B), n), documents=False)
+    assert tiles["slash_tiles"] == heads * nb * (nb + 1) // 2 * (B // 64) ** 2  # 64 x 64 tiles per block pair
     assert tiles["column_tiles"] == 0
 
 
