@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 17 spike on one sm_90 GPU: FlashAttention-4's Hopper kernels (flash-attn-4, CuTe DSL) on
-# our slash lists at B = 128, against our kernels in the same call (benchmarks/spike_fa4.py).
+# our slash lists at B = 128 and 64, against our kernels in the same call (benchmarks/spike_fa4.py).
 # Its wheels exceed one call's 64 MiB, so two calls to one warm machine (gpu_common.sh):
 #   call 1: PHASE=stash  (carry .fa4a: the first part of nvidia-cutlass-dsl-libs-cu13), then STAGES
 #           of gpu_hopper.sh if given, so the call does useful work while it carries
@@ -11,7 +11,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
 case ${PHASE:-run} in
   stash)
     stash_wheel_parts .fa4a || exit 1
-    [ -n "${STAGES:-}" ] && bash scripts/gpu_hopper.sh ;;
+    if [ -n "${STAGES:-}" ]; then bash scripts/gpu_hopper.sh; fi ;;
   run)
     REUSE_VENV=${REUSE_VENV:-1} setup_venv || exit 1
     install_split_wheels .fa4b /tmp/fa4_site || exit 1
