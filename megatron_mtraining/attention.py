@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
 
-from .documents import as_documents
+from .documents import as_documents, validate_cu_seqlens
 from .index import VSIndex
 from .kernels.plan import single_device_plan
 from .kernels.step import backward_delta, resolve_backend, single_step_backward, step_forward
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Debugging switch: "1" runs the checks that read tensor values (an index's order, ranges and
+# duplicates; cu_seqlens) on GPU tensors too, one device synchronisation per call.
+VALIDATE_ENV = "MTRAINING_VALIDATE"
+
+
+def value_checks(device: torch.device) -> bool:
+    """Whether to check the index's and cu_seqlens' values: always on the CPU, where it costs no
+    device synchronisation; on a GPU only with MTRAINING_VALIDATE=1 (a wrong index there, such as
+    a duplicate offset, otherwise gives wrong numbers rather than an error)."""
+    value = os.environ.get(VALIDATE_ENV, "0") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{VALIDATE_ENV} must be 0 or 1, got {value!r}")
+    return device.type == "cpu" or value == "1"
 
 
 def check_qkv(q, k, v, backend: str) -> None:
@@ -85,14 +99,17 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: V
     ``VSIndex`` for batch ``b`` and ``hq`` heads on the same device. Differentiable in q, k, v.
     ``backend``: "auto" (Triton on CUDA, PyTorch on CPU), "triton" or "torch".
     ``cu_seqlens``: packed documents, int32 ``[0, e1, ..., n]`` shared by the batch; attention
-    stays within each document (``documents.py``; values are checked here on CPU tensors only, as
-    checking a GPU tensor would synchronise: see ``documents.validate_cu_seqlens``).
+    stays within each document (``documents.py``). The index's and cu_seqlens' values are checked
+    here on CPU tensors; on a GPU only with MTRAINING_VALIDATE=1 (``value_checks``), since the
+    check synchronises.
     Returns the output ``[b, hq, n, d]`` in q's dtype (and the fp32 lse with ``return_lse``).
     """
     backend = resolve_backend(backend, q.device)
     check_attention_inputs(q, k, v, index, backend)
-    if q.device.type == "cpu":  # full index validation is free of device syncs on the CPU
+    if value_checks(q.device):
         index.validate(q.shape[2])
+        if cu_seqlens is not None:
+            validate_cu_seqlens(cu_seqlens, q.shape[2])
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     documents = as_documents(cu_seqlens, q.shape[2], index.block_size, q.device)

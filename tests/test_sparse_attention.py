@@ -264,3 +264,18 @@ def test_triton_rejects_non_positive_softmax_scale(scale):
     index = VSIndex.dense(1, 2, 32, 16, device=DEVICE)
     with pytest.raises(ValueError, match="softmax_scale must be positive"):
         sparse_attention(q, k, v, index, softmax_scale=scale, backend="triton")
+
+
+def test_value_checks_switch(monkeypatch):
+    """The index's and cu_seqlens' values are checked on the CPU always, on a GPU only with
+    MTRAINING_VALIDATE=1 (the check synchronises); other values of the switch are refused."""
+    from megatron_mtraining.attention import value_checks
+
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("MTRAINING_VALIDATE", raising=False)
+    assert value_checks(torch.device("cpu")) and not value_checks(cuda)
+    monkeypatch.setenv("MTRAINING_VALIDATE", "1")
+    assert value_checks(cuda)
+    monkeypatch.setenv("MTRAINING_VALIDATE", "yes")
+    with pytest.raises(ValueError, match="MTRAINING_VALIDATE must be 0 or 1"):
+        value_checks(torch.device("cpu"))

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..attention import check_attention_inputs, check_qkv
+from ..attention import check_attention_inputs, check_qkv, value_checks
 from ..documents import as_documents, check_documents_across_ranks
 from ..index import VSIndex
 from ..kernels.plan import build_step_plan
@@ -134,7 +134,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     cp_group = (group if group is not None else dist.group.WORLD) if topo.world_size > 1 else None
     if cp_group is not None:
         _check_same_on_all_ranks(topo, cp_group, q, k, index, layout)
-    if q.device.type == "cpu":  # full index validation costs no device sync on the CPU
+    if value_checks(q.device):  # the CPU always; a GPU with MTRAINING_VALIDATE=1 (it synchronises)
         index.validate(seq_len)
     if cu_seqlens is not None:
         check_documents_across_ranks(cu_seqlens, seq_len, cp_group)
