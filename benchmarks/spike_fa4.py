@@ -130,11 +130,9 @@ def main(argv=None) -> int:
             return out[0] if isinstance(out, tuple) else out
         return attn
 
-    def fa4_dense_fn(deterministic):
-        def attn(q, k, v):
-            out = flash_attn_func(q, k, v, softmax_scale=scale, causal=True, deterministic=deterministic)
-            return out[0] if isinstance(out, tuple) else out
-        return attn
+    def fa4_dense(q, k, v):
+        out = flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+        return out[0] if isinstance(out, tuple) else out
 
     def fa4_layout(sets):
         return [tuple(x.detach().transpose(1, 2).contiguous().requires_grad_(x.requires_grad) for x in s)
@@ -217,7 +215,7 @@ def main(argv=None) -> int:
     if not args.skip_dense:
         _, arg_sets = index_and_inputs(cfg, args.seq_len, device)
         dense_flops = 2 * args.seq_len ** 2 * cfg.head_dim * cfg.heads * cfg.batch
-        measure("fa4_dense", fa4_dense_fn(False), fa4_layout(arg_sets), dense_flops)
+        measure("fa4_dense", fa4_dense, fa4_layout(arg_sets), dense_flops)
         name, backend, gqa, _ = pick_dense(cfg, device)
         if name is not None:
             sets = arg_sets if gqa else expand_kv(arg_sets, cfg.heads // cfg.kv_heads)

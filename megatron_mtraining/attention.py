@@ -3,30 +3,16 @@
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 
-from .documents import as_documents, validate_cu_seqlens
-from .index import VSIndex
+from .documents import as_documents
+from .index import VSIndex, value_checks
 from .kernels.plan import single_device_plan
 from .kernels.step import backward_delta, resolve_backend, single_step_backward, step_forward
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Debugging switch: "1" runs the checks that read tensor values (an index's order, ranges and
-# duplicates; cu_seqlens) on GPU tensors too, one device synchronisation per call.
-VALIDATE_ENV = "MTRAINING_VALIDATE"
-
-
-def value_checks(device: torch.device) -> bool:
-    """Whether to check the index's and cu_seqlens' values: always on the CPU, where it costs no
-    device synchronisation; on a GPU only with MTRAINING_VALIDATE=1 (a wrong index there, such as
-    a duplicate offset, otherwise gives wrong numbers rather than an error)."""
-    value = os.environ.get(VALIDATE_ENV, "0") or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{VALIDATE_ENV} must be 0 or 1, got {value!r}")
-    return device.type == "cpu" or value == "1"
 
 
 def check_qkv(q, k, v, backend: str) -> None:
@@ -106,10 +92,8 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: V
     """
     backend = resolve_backend(backend, q.device)
     check_attention_inputs(q, k, v, index, backend)
-    if value_checks(q.device):
+    if value_checks(q.device):  # cu_seqlens: checked the same way when its tables are built
         index.validate(q.shape[2])
-        if cu_seqlens is not None:
-            validate_cu_seqlens(cu_seqlens, q.shape[2])
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     documents = as_documents(cu_seqlens, q.shape[2], index.block_size, q.device)

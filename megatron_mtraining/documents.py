@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .index import value_checks
+
 
 def check_cu_seqlens_structure(cu_seqlens: torch.Tensor, where: str = "cu_seqlens") -> None:
     """dtype, rank and length checks; no host synchronisation."""
@@ -60,8 +62,9 @@ def validate_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, where: str = "cu
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int, where: str = "cu_seqlens") -> None:
-    """The checks that are free here: the full check on CPU tensors, the structure elsewhere."""
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type == "cpu":
+    """The checks that are free here: the full check on CPU tensors (and on GPU ones with
+    MTRAINING_VALIDATE=1, ``index.value_checks``), the structure elsewhere."""
+    if isinstance(cu_seqlens, torch.Tensor) and value_checks(cu_seqlens.device):
         validate_cu_seqlens(cu_seqlens, seq_len, where)
     else:
         check_cu_seqlens_structure(cu_seqlens, where)

@@ -10,9 +10,24 @@ Entries past a count are padding and are never read.
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
+
+# Debugging switch: "1" runs the checks that read tensor values (an index's order, ranges and
+# duplicates; cu_seqlens) on GPU tensors too, one device synchronisation per call.
+VALIDATE_ENV = "MTRAINING_VALIDATE"
+
+
+def value_checks(device: torch.device) -> bool:
+    """Whether to check an index's or cu_seqlens' values: always on the CPU, where it costs no
+    device synchronisation; on a GPU only with MTRAINING_VALIDATE=1 (a wrong index there, such as
+    a duplicate offset, otherwise gives wrong numbers rather than an error)."""
+    value = os.environ.get(VALIDATE_ENV, "0") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{VALIDATE_ENV} must be 0 or 1, got {value!r}")
+    return device.type == "cpu" or value == "1"
 
 
 def _is_power_of_two(x: int) -> bool:

@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..attention import check_attention_inputs, check_qkv, value_checks
+from ..attention import check_attention_inputs, check_qkv
 from ..documents import as_documents, check_documents_across_ranks
-from ..index import VSIndex
+from ..index import VSIndex, value_checks
 from ..kernels.plan import build_step_plan
 from ..kernels.step import backward_delta, resolve_backend, step_backward, step_forward
 from ..layout import check_layout, local_block_ids
