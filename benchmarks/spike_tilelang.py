@@ -41,11 +41,74 @@ def lists_of(index, seq_len: int, kv_heads: int):
     return slash_block_lists(index.slash_bitmap(seq_len // B), seq_len // B, kv_heads, B)
 
 
+# (num_stages, programs per SM) of each kernel, per block size. B = 128 programs have 2 consumer
+# warpgroups and ~190 KB of shared memory at 2 stages: one per SM. B = 64 ones have one consumer
+# warpgroup: a second program per SM is the only other warpgroup there to overlap with.
+SWEEP = {128: [(1, 1), (2, 1)], 64: [(2, 1), (1, 2), (2, 2)]}
+
+
+def sweep(args, cfg, scale, device, result) -> None:
+    """Each TileLang kernel alone, per (num_stages, programs per SM), against our kernels' own
+    breakdown of the same fwd+bwd (torch.profiler); variants must reproduce the default's outputs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tilelang_slash as tls
+    from common import kernel_times_ms
+
+    out = result.setdefault("sweep", {})
+    for B in args.block_sizes:
+        index, arg_sets = index_and_inputs(Config(seq_lens=[args.seq_len], block_size=B), args.seq_len, device)
+        index = slash_only(index)
+        fi, fc, bi, bc = lists_of(index, args.seq_len, cfg.kv_heads)
+        q, k, v, dout = (x.detach() for x in arg_sets[0])
+        b, hq, n, d = q.shape
+        hk = k.shape[1]
+        shapes = dict(fwd=(b, hq, hk, n, d, B, fi.shape[-1], scale), dkdv=(b, hq, hk, n, d, B, bi.shape[-1], scale),
+                      dq=(b, hq, hk, n, d, B, fi.shape[-1], scale))
+        factories = dict(fwd=tls.forward_kernel, dkdv=tls.dkdv_kernel, dq=tls.dq_kernel)
+        jobs = [(name, variant) for name in factories for variant in SWEEP[B]]
+        with ThreadPoolExecutor(8) as pool:
+            built = {job: pool.submit(factories[job[0]], *shapes[job[0]], *job[1]) for job in jobs}
+        o, lse = torch.empty_like(q), torch.empty(b, hq, n, dtype=torch.float32, device=device)
+        delta = torch.empty_like(lse)
+        outputs = {"fwd": lambda: (torch.empty_like(q), torch.empty_like(lse)),
+                   "dkdv": lambda: (torch.empty_like(k), torch.empty_like(v)), "dq": lambda: (torch.empty_like(q),)}
+        inputs = {"fwd": lambda: (q, k, v, fi, fc), "dkdv": lambda: (q, k, v, dout, lse, delta, bi, bc),
+                  "dq": lambda: (q, k, v, dout, lse, delta, fi, fc)}
+        first = {}
+        for name, variant in jobs:  # the forward's variants first: its first output feeds the backward's
+            key = f"b{B}_{name}_stages{variant[0]}_programs{variant[1]}"
+            kernel = attempt(out, key + "_build", lambda: built[name, variant].result())
+            if kernel is None:
+                continue
+            out.pop(key + "_build")
+            dst = outputs[name]()
+            if name == "fwd" and not first:
+                kernel(*inputs[name](), o, lse)
+                tls.delta_kernel(b, hq, n, d)(o, dout, delta)
+            ms = attempt(out, key + "_ms", lambda: median(time_ms(lambda: kernel(*inputs[name](), *dst), [()],
+                                                                  device, 3, args.reps)))
+            if ms is None:
+                continue
+            if name in first:  # every variant computes the same numbers
+                out[key + "_equal"] = all(torch.equal(x, y) for x, y in zip(dst, first[name]))
+            else:
+                first[name] = dst
+            print(f"{key:40s} {ms:.3f} ms", flush=True)
+        ours = kernel_times_ms(forward_and_backward(lambda q_, k_, v_: sparse_attention(q_, k_, v_, index, scale)),
+                               arg_sets[0])
+        out[f"b{B}_ours_kernels_ms"] = {name: t for name, t in ours.items() if t > 0.05}
+        print(f"b{B} ours:", {name[:60]: round(t, 3) for name, t in ours.items() if t > 0.05}, flush=True)
+        if args.out:
+            write_json(args.out, result)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=131072)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[128, 64])
+    p.add_argument("--sweep", action="store_true", help="each kernel alone over SWEEP's variants instead")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     device = torch.device("cuda")
@@ -53,6 +116,10 @@ def main(argv=None) -> int:
     scale = 1.0 / math.sqrt(cfg.head_dim)
     result = dict(meta=run_metadata(device), seq_len=args.seq_len, block_sizes=args.block_sizes, ms={}, tflops={},
                   checks={}, compile_s={})
+
+    if args.sweep:
+        sweep(args, cfg, scale, device, result)
+        return 0
 
     def ours_fn(index):
         return lambda q, k, v: sparse_attention(q, k, v, index, scale)

@@ -73,13 +73,24 @@ def _tl():
     return tilelang, T
 
 
-def _fast_math():
+def _pass_configs():
     tilelang, _ = _tl()
     return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
 
 
+PRODUCER_REGISTERS = 24  # the loading warpgroup's registers after its setmaxnreg.dec
+
+
+def consumer_registers(programs: int, consumer_threads: int) -> int:
+    """Registers per consumer thread with ``programs`` programs per SM: what the SM's 64K leave
+    after the producer warpgroup's (TileLang's default, 240, would make a second program's
+    consumers wait in setmaxnreg for registers that never come)."""
+    per_program = 65536 // programs - 128 * PRODUCER_REGISTERS
+    return min(240, per_program // consumer_threads // 8 * 8)
+
+
 @functools.lru_cache(maxsize=None)
-def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_stages=2):
+def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_stages=2, programs_per_sm=1):
     tilelang, T = _tl()
     nb = seq // block
     groups = heads // kv_heads
@@ -93,6 +104,10 @@ def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, n
             Cnt: T.Tensor([batch, heads, nb], T.int32), O: T.Tensor([batch, heads, seq, dim], dtype),
             LSE: T.Tensor([batch, heads, seq], acc)):
         with T.Kernel(nb, heads, batch, threads=threads) as (qb, h, bz):
+            if programs_per_sm > 1:  # TileLang's parser needs these statements in the body itself
+                T.annotate_min_blocks_per_sm(programs_per_sm)
+                T.annotate_producer_reg_dealloc(PRODUCER_REGISTERS)
+                T.annotate_consumer_reg_alloc(consumer_registers(programs_per_sm, threads))
             q_s = T.alloc_shared([block, dim], dtype)
             k_s = T.alloc_shared([block, dim], dtype)
             v_s = T.alloc_shared([block, dim], dtype)
@@ -138,7 +153,7 @@ def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, n
                 l[i] = T.log2(l[i]) + m[i] * scale
             T.copy(l, LSE[bz, h, qb * block:(qb + 1) * block])
 
-    return tilelang.compile(fwd, pass_configs=_fast_math())
+    return tilelang.compile(fwd, pass_configs=_pass_configs())
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,11 +175,11 @@ def delta_kernel(batch, heads, seq, dim):
             T.reduce_sum(o, d, dim=1)
             T.copy(d, D[bz, h, rb * rows:(rb + 1) * rows])
 
-    return tilelang.compile(delta, pass_configs=_fast_math())
+    return tilelang.compile(delta, pass_configs=_pass_configs())
 
 
 @functools.lru_cache(maxsize=None)
-def dkdv_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_stages=2):
+def dkdv_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_stages=2, programs_per_sm=1):
     tilelang, T = _tl()
     nb = seq // block
     n_tiles = seq // QUERY_TILE
@@ -181,6 +196,10 @@ def dkdv_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_
              Idx: T.Tensor([batch, kv_heads, nb, max_cnt], T.int32), Cnt: T.Tensor([batch, kv_heads, nb], T.int32),
              dK: T.Tensor([batch, kv_heads, seq, dim], dtype), dV: T.Tensor([batch, kv_heads, seq, dim], dtype)):
         with T.Kernel(nb, kv_heads, batch, threads=threads) as (kb, hk, bz):
+            if programs_per_sm > 1:  # TileLang's parser needs these statements in the body itself
+                T.annotate_min_blocks_per_sm(programs_per_sm)
+                T.annotate_producer_reg_dealloc(PRODUCER_REGISTERS)
+                T.annotate_consumer_reg_alloc(consumer_registers(programs_per_sm, threads))
             k_s = T.alloc_shared([block, dim], dtype)
             v_s = T.alloc_shared([block, dim], dtype)
             q_s = T.alloc_shared([rows, dim], dtype)
@@ -224,11 +243,11 @@ def dkdv_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_
             T.copy(dk, out_s)
             T.copy(out_s, dK[bz, hk, kb * block:(kb + 1) * block, :])
 
-    return tilelang.compile(dkdv, pass_configs=_fast_math())
+    return tilelang.compile(dkdv, pass_configs=_pass_configs())
 
 
 @functools.lru_cache(maxsize=None)
-def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_stages=2):
+def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_stages=2, programs_per_sm=1):
     tilelang, T = _tl()
     nb = seq // block
     groups = heads // kv_heads
@@ -243,6 +262,10 @@ def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_st
            Idx: T.Tensor([batch, heads, nb, max_cnt], T.int32), Cnt: T.Tensor([batch, heads, nb], T.int32),
            dQ: T.Tensor([batch, heads, seq, dim], dtype)):
         with T.Kernel(nb, heads, batch, threads=threads) as (qb, h, bz):
+            if programs_per_sm > 1:  # TileLang's parser needs these statements in the body itself
+                T.annotate_min_blocks_per_sm(programs_per_sm)
+                T.annotate_producer_reg_dealloc(PRODUCER_REGISTERS)
+                T.annotate_consumer_reg_alloc(consumer_registers(programs_per_sm, threads))
             q_s = T.alloc_shared([block, dim], dtype)
             do_s = T.alloc_shared([block, dim], dtype)
             k_s = T.alloc_shared([block, dim], dtype)
@@ -278,7 +301,7 @@ def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_st
             T.copy(dq_acc, out_s)
             T.copy(out_s, dQ[bz, h, qb * block:(qb + 1) * block, :])
 
-    return tilelang.compile(dq, pass_configs=_fast_math())
+    return tilelang.compile(dq, pass_configs=_pass_configs())
 
 
 class SlashAttention(torch.autograd.Function):

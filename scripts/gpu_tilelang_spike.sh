@@ -5,7 +5,7 @@
 # warm machine (gpu_common.sh):
 #   call 1: PHASE=stash  (carry .tla: the tilelang wheel)
 #   call 2: PHASE=run    (carry .tlb: z3-solver, apache-tvm-ffi 0.1.12 and the small wheels)
-#           -> $OUT/spike_tilelang_<device>.json
+#           -> $OUT/spike_tilelang_<device>.json (SWEEP=1: the per-kernel sweep instead)
 # How to fill .tla / .tlb: benchmarks/NOTES.md, session 18. TileLang compiles its kernels with the
 # machine's nvcc (CUDA 13), found on PATH or under CUDA_HOME.
 # shellcheck source=SCRIPTDIR/gpu_common.sh
@@ -20,9 +20,11 @@ case ${PHASE:-run} in
       export CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
     fi
     "$PY" -c "import tilelang; print('tilelang', tilelang.__version__, 'from', tilelang.__file__)" || exit 1
-    timeout "${SPIKE_TIMEOUT:-520}" "$PY" benchmarks/spike_tilelang.py ${SPIKE_ARGS:-} \
-        --out "$OUT/spike_tilelang_$DEVICE_SLUG.json" > "$OUT/spike_tilelang.log" 2>&1
-    echo "spike rc=$?"; grep -E "^(checks|b[0-9]+_)" "$OUT/spike_tilelang.log" | tail -20
-    tail -5 "$OUT/spike_tilelang.log" ;;
+    # SWEEP=1: each kernel alone over the script's variants (spike_tilelang_sweep_<device>.json)
+    name=spike_tilelang${SWEEP:+_sweep}
+    timeout "${SPIKE_TIMEOUT:-520}" "$PY" benchmarks/spike_tilelang.py ${SWEEP:+--sweep} \
+        --out "$OUT/${name}_$DEVICE_SLUG.json" > "$OUT/$name.log" 2>&1
+    echo "spike rc=$?"; grep -E "^(checks|b[0-9]+)" "$OUT/$name.log" | tail -24
+    tail -3 "$OUT/$name.log" ;;
   *) echo "PHASE must be stash or run" >&2; exit 1 ;;
 esac
