@@ -1,17 +1,20 @@
-"""Issue 17 spike: TileLang kernels (``tilelang_slash.py``) on our problem's slash part, against our
-kernels on the same pairs, one call.
+"""Issue 17 spike: TileLang kernels (``tilelang_slash.py``) on our problem, against our kernels on
+the same pairs, one call.
 
-The same problem as ``spike_fa4.py`` (the canonical fixed 5% index at 128K, columns dropped), so
-the two candidates' figures sit side by side: per query block the key blocks ``q - o``, causal on
-the diagonal. Measured, each on the same inputs:
+The problem of ``spike_fa4.py`` (the canonical fixed 5% index at 128K), in two parts:
 
-  ours      ``sparse_attention`` on the slash-only index (the default kernels)
-  tilelang  the four TileLang kernels (forward; delta, dK/dV and dQ backward, deterministic)
+  slash   the index's slash part alone (columns dropped), fwd and fwd+bwd through autograd:
+          ours (``sparse_attention``) against the four TileLang kernels (forward; delta, dK/dV and
+          dQ; deterministic, no atomics). FlashAttention-4's figures are on the same problem.
+  full    the whole index, columns too: TileLang's forward and dQ kernels take the column tiles
+          (pre-gathered column rows after the sequence in K and V, one copy per call, timed), so
+          each kernel is timed alone against our kernels' own breakdown of the same fwd+bwd (the
+          spike has no TileLang column dK/dV: the projection takes ours).
 
-Correctness first, on the timed problem itself (TileLang against ours, relative L2 of out and the
-three gradients; the backward run twice must agree bit for bit), then the timings. Each kernel's
-shapes are compile-time constants in TileLang, so one length means one build per block size. Rates are on active
-pairs (4d FLOPs per pair forward, x3.5 forward+backward, as kernel.py).
+Correctness first, on the timed problem itself (TileLang against ours: relative L2 of out and
+the gradients; the backward run twice must agree bit for bit), then the timings. Rates are on
+active pairs (4d FLOPs per pair forward, x3.5 forward+backward, as kernel.py). ``--sweep`` times
+each kernel alone over (pipeline stages, programs per SM) instead.
 
     python benchmarks/spike_tilelang.py [--seq-len 131072] [--block-sizes 128,64] [--out F.json]
 """
@@ -29,65 +32,161 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common import describe_index, median, relative_l2, run_metadata, tflops, time_ms, write_json  # noqa: E402
+from common import (describe_index, kernel_times_ms, median, relative_l2, run_metadata, tflops,  # noqa: E402
+                    time_ms, write_json)
 from kernel import FWD_BWD_FLOP_FACTOR, Config, forward_and_backward, forward_only, index_and_inputs  # noqa: E402
 from megatron_mtraining import sparse_attention  # noqa: E402
 from spike_fa4 import attempt, slash_only  # noqa: E402
-from tilelang_slash import compile_kernels, slash_attention, slash_block_lists  # noqa: E402
+import tilelang_slash as tls  # noqa: E402
 
-
-def lists_of(index, seq_len: int, kv_heads: int):
-    B = index.block_size
-    return slash_block_lists(index.slash_bitmap(seq_len // B), seq_len // B, kv_heads, B)
-
-
-# (num_stages, programs per SM) of each kernel, per block size. B = 128 programs have 2 consumer
+# (num_stages, programs per SM) of the attention kernels. B = 128 programs have 2 consumer
 # warpgroups and ~190 KB of shared memory at 2 stages: one per SM. B = 64 ones have one consumer
 # warpgroup: a second program per SM is the only other warpgroup there to overlap with.
 SWEEP = {128: [(1, 1), (2, 1)], 64: [(2, 1), (1, 2), (2, 2)]}
+BEST = {128: (2, 1), 64: (2, 2)}  # the sweep's fastest on an H100 (session 18)
+
+
+def ours_fn(index, scale):
+    return lambda q, k, v: sparse_attention(q, k, v, index, scale)
+
+
+def kernel_alone_ms(kernel, args, device, reps) -> float:
+    return median(time_ms(lambda: kernel(*args), [()], device, 3, reps))
+
+
+def slash_part(args, B, cfg, scale, device, result, measure) -> None:
+    """The slash-only index through autograd: checks, then fwd and fwd+bwd against ours."""
+    index, arg_sets = index_and_inputs(Config(seq_lens=[args.seq_len], block_size=B), args.seq_len, device)
+    index = slash_only(index)
+    plan = tls.make_plan(index, args.seq_len, cfg.kv_heads, columns=False)
+    q, k, v, dout = arg_sets[0]
+    variant = BEST[B]
+
+    def build():
+        start = time.time()
+        tls.compile_kernels(plan, q.shape, k.shape[1], scale, (variant,))
+        return time.time() - start
+
+    if attempt(result["compile_s"], f"b{B}_slash", build) is None:
+        return
+    attn = (lambda q_, k_, v_: tls.slash_attention(q_, k_, v_, plan, scale, variant))
+    ref_out = ours_fn(index, scale)(q, k, v)
+    ref = forward_and_backward(ours_fn(index, scale))(q, k, v, dout)
+    got_out = attempt(result["checks"], f"b{B}_out", lambda: relative_l2(attn(q, k, v), ref_out))
+    got = attempt(result["checks"], f"b{B}_grads", lambda: forward_and_backward(attn)(q, k, v, dout))
+    if got is not None:
+        result["checks"].pop(f"b{B}_grads")
+        for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+            result["checks"][f"b{B}_{name}"] = relative_l2(g, r)
+        again = forward_and_backward(attn)(q, k, v, dout)
+        result["checks"][f"b{B}_bitwise_repeatable"] = all(torch.equal(a, b) for a, b in zip(got, again))
+    ref_out = ref = None  # the memory, before the timings
+    print("checks (rel L2, TileLang against ours):", result["checks"], flush=True)
+    if got_out is None or got is None:
+        return
+    pairs = describe_index(index, args.seq_len)["active_pairs"]
+    result[f"b{B}_active_pairs"] = pairs
+    flops = 4 * cfg.head_dim * pairs
+    measure(f"b{B}_ours", ours_fn(index, scale), arg_sets, flops)
+    measure(f"b{B}_tilelang", attn, arg_sets, flops)
+    for kind in ("fwd", "fwdbwd"):
+        ours, theirs = result["ms"].get(f"b{B}_ours_{kind}"), result["ms"].get(f"b{B}_tilelang_{kind}")
+        if ours and theirs:
+            result.setdefault("ours_over_tilelang", {})[f"b{B}_{kind}"] = ours / theirs
+
+
+def full_index(args, B, cfg, scale, device, result, measure) -> None:
+    """The whole index: TileLang's forward and dQ with the column tiles, each kernel alone,
+    against our kernels' breakdown; checks against ours first."""
+    index, arg_sets = index_and_inputs(Config(seq_lens=[args.seq_len], block_size=B), args.seq_len, device)
+    plan = tls.make_plan(index, args.seq_len, cfg.kv_heads, columns=True)
+    q, k, v, dout = (x.detach() for x in arg_sets[0])
+    b, hq, n, d = q.shape
+    variant = BEST[B]
+    section = result.setdefault("full", {})
+    kernels = attempt(section, f"b{B}_build", lambda: tls.compile_kernels(plan, q.shape, k.shape[1], scale, (variant,)))
+    if kernels is None:
+        return
+    section.pop(f"b{B}_build")
+    fwd_k, dq_k = kernels["forward", variant], kernels["dq", variant]
+    dkdv_k, delta_k = kernels["dkdv", variant], kernels["delta", ()]
+
+    def extend():
+        return tls.with_columns(k, plan.col_pos, plan.max_cols), tls.with_columns(v, plan.col_pos, plan.max_cols)
+
+    k_rows, v_rows = extend()
+    out, lse = torch.empty_like(q), torch.empty(b, hq, n, dtype=torch.float32, device=device)
+    fwd_args = (q, k_rows, v_rows, plan.fwd_idx, plan.fwd_cnt, plan.col_pos, plan.col_tiles, plan.col_limit,
+                plan.slash, out, lse)
+    attempt(section, f"b{B}_forward_run", lambda: fwd_k(*fwd_args))
+    if f"b{B}_forward_run_error" in section:
+        return
+    section.pop(f"b{B}_forward_run", None)
+    delta = torch.empty_like(lse)
+    delta_k(out, dout, delta)
+    dq = torch.empty_like(q)
+    dq_args = (q, k_rows, v_rows, dout, lse, delta, plan.fwd_idx, plan.fwd_cnt, plan.col_pos, plan.col_tiles,
+               plan.col_limit, plan.slash, dq)
+    dq_k(*dq_args)
+    # Checks: against ours on the same inputs.
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    ref_out = sparse_attention(qg, kg, vg, index, scale)
+    ref_dq, = torch.autograd.grad(ref_out, (qg,), dout)
+    section[f"b{B}_check_out"] = relative_l2(out, ref_out)
+    section[f"b{B}_check_dq"] = relative_l2(dq, ref_dq)
+    print(f"b{B} full-index checks: out {section[f'b{B}_check_out']:.2e}  dq {section[f'b{B}_check_dq']:.2e}",
+          flush=True)
+    ref_out = ref_dq = qg = kg = vg = None
+    # Each kernel alone; the slash-only dK/dV (the plan's transposed lists) as in the slash part.
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    alone = {
+        "with_columns": (extend, ()),
+        "forward": (fwd_k, fwd_args),
+        "delta": (delta_k, (out, dout, delta)),
+        "dq": (dq_k, dq_args),
+        "dkdv_slash": (dkdv_k, (q, k, v, dout, lse, delta, plan.bwd_idx, plan.bwd_cnt, dk, dv)),
+    }
+    ms = {name: kernel_alone_ms(fn, fn_args, device, args.reps) for name, (fn, fn_args) in alone.items()}
+    section[f"b{B}_tilelang_kernels_ms"] = ms
+    ours = kernel_times_ms(forward_and_backward(ours_fn(index, scale)), arg_sets[0])
+    section[f"b{B}_ours_kernels_ms"] = {name: t for name, t in ours.items() if t > 0.02}
+    pairs = describe_index(index, args.seq_len)["active_pairs"]
+    section[f"b{B}_active_pairs"] = pairs
+    measure(f"b{B}_ours_full_index", ours_fn(index, scale), arg_sets, 4 * cfg.head_dim * pairs)
+    print(f"b{B} full index, TileLang kernels alone (ms):", {name: round(t, 3) for name, t in ms.items()})
+    print(f"b{B} full index, ours (ms):", {name[:48]: round(t, 3) for name, t in ours.items() if t > 0.02},
+          flush=True)
 
 
 def sweep(args, cfg, scale, device, result) -> None:
-    """Each TileLang kernel alone, per (num_stages, programs per SM), against our kernels' own
-    breakdown of the same fwd+bwd (torch.profiler); variants must reproduce the default's outputs."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    import tilelang_slash as tls
-    from common import kernel_times_ms
-
+    """Each TileLang kernel alone (slash part), per (num_stages, programs per SM), against our
+    kernels' own breakdown of the same fwd+bwd; variants must reproduce the first one's outputs."""
     out = result.setdefault("sweep", {})
     for B in args.block_sizes:
         index, arg_sets = index_and_inputs(Config(seq_lens=[args.seq_len], block_size=B), args.seq_len, device)
         index = slash_only(index)
-        fi, fc, bi, bc = lists_of(index, args.seq_len, cfg.kv_heads)
+        plan = tls.make_plan(index, args.seq_len, cfg.kv_heads, columns=False)
         q, k, v, dout = (x.detach() for x in arg_sets[0])
         b, hq, n, d = q.shape
-        hk = k.shape[1]
-        shapes = dict(fwd=(b, hq, hk, n, d, B, fi.shape[-1], scale), dkdv=(b, hq, hk, n, d, B, bi.shape[-1], scale),
-                      dq=(b, hq, hk, n, d, B, fi.shape[-1], scale))
-        factories = dict(fwd=tls.forward_kernel, dkdv=tls.dkdv_kernel, dq=tls.dq_kernel)
-        jobs = [(name, variant) for name in factories for variant in SWEEP[B]]
-        with ThreadPoolExecutor(8) as pool:
-            built = {job: pool.submit(factories[job[0]], *shapes[job[0]], *job[1]) for job in jobs}
-        o, lse = torch.empty_like(q), torch.empty(b, hq, n, dtype=torch.float32, device=device)
+        kernels = tls.compile_kernels(plan, q.shape, k.shape[1], scale, SWEEP[B])
+        o, lse = tls.forward(q, k, v, plan, scale, SWEEP[B][0])
         delta = torch.empty_like(lse)
-        outputs = {"fwd": lambda: (torch.empty_like(q), torch.empty_like(lse)),
-                   "dkdv": lambda: (torch.empty_like(k), torch.empty_like(v)), "dq": lambda: (torch.empty_like(q),)}
-        inputs = {"fwd": lambda: (q, k, v, fi, fc), "dkdv": lambda: (q, k, v, dout, lse, delta, bi, bc),
-                  "dq": lambda: (q, k, v, dout, lse, delta, fi, fc)}
+        kernels["delta", ()](o, dout, delta)
+        cols = (plan.col_pos, plan.col_tiles, plan.col_limit, plan.slash)
+        calls = {"forward": (lambda: (q, k, v, plan.fwd_idx, plan.fwd_cnt, *cols), lambda: (torch.empty_like(q),
+                                                                                             torch.empty_like(lse))),
+                 "dkdv": (lambda: (q, k, v, dout, lse, delta, plan.bwd_idx, plan.bwd_cnt),
+                          lambda: (torch.empty_like(k), torch.empty_like(v))),
+                 "dq": (lambda: (q, k, v, dout, lse, delta, plan.fwd_idx, plan.fwd_cnt, *cols),
+                        lambda: (torch.empty_like(q),))}
         first = {}
-        for name, variant in jobs:  # the forward's variants first: its first output feeds the backward's
-            key = f"b{B}_{name}_stages{variant[0]}_programs{variant[1]}"
-            kernel = attempt(out, key + "_build", lambda: built[name, variant].result())
-            if kernel is None:
+        for (name, variant), kernel in kernels.items():
+            if name == "delta":
                 continue
-            out.pop(key + "_build")
-            dst = outputs[name]()
-            if name == "fwd" and not first:
-                kernel(*inputs[name](), o, lse)
-                tls.delta_kernel(b, hq, n, d)(o, dout, delta)
-            ms = attempt(out, key + "_ms", lambda: median(time_ms(lambda: kernel(*inputs[name](), *dst), [()],
-                                                                  device, 3, args.reps)))
+            key = f"b{B}_{name}_stages{variant[0]}_programs{variant[1]}"
+            inputs, outputs = calls[name]
+            dst = outputs()
+            ms = attempt(out, key + "_ms", lambda: kernel_alone_ms(kernel, (*inputs(), *dst), device, args.reps))
             if ms is None:
                 continue
             if name in first:  # every variant computes the same numbers
@@ -95,8 +194,7 @@ def sweep(args, cfg, scale, device, result) -> None:
             else:
                 first[name] = dst
             print(f"{key:40s} {ms:.3f} ms", flush=True)
-        ours = kernel_times_ms(forward_and_backward(lambda q_, k_, v_: sparse_attention(q_, k_, v_, index, scale)),
-                               arg_sets[0])
+        ours = kernel_times_ms(forward_and_backward(ours_fn(index, scale)), arg_sets[0])
         out[f"b{B}_ours_kernels_ms"] = {name: t for name, t in ours.items() if t > 0.05}
         print(f"b{B} ours:", {name[:60]: round(t, 3) for name, t in ours.items() if t > 0.05}, flush=True)
         if args.out:
@@ -108,6 +206,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=131072)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[128, 64])
+    p.add_argument("--parts", default="slash,full", help="slash, full or both")
     p.add_argument("--sweep", action="store_true", help="each kernel alone over SWEEP's variants instead")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
@@ -115,17 +214,10 @@ def main(argv=None) -> int:
     cfg = Config(seq_lens=[args.seq_len], reps=args.reps)
     scale = 1.0 / math.sqrt(cfg.head_dim)
     result = dict(meta=run_metadata(device), seq_len=args.seq_len, block_sizes=args.block_sizes, ms={}, tflops={},
-                  checks={}, compile_s={})
-
+                  checks={}, compile_s={}, variants={str(B): BEST[B] for B in args.block_sizes})
     if args.sweep:
         sweep(args, cfg, scale, device, result)
         return 0
-
-    def ours_fn(index):
-        return lambda q, k, v: sparse_attention(q, k, v, index, scale)
-
-    def tilelang_fn(lists, B):
-        return lambda q, k, v: slash_attention(q, k, v, lists, B, scale)
 
     def measure(run_name, attn, sets, flops):
         for kind, wrap, factor in (("fwd", forward_only, 1.0), ("fwdbwd", forward_and_backward, FWD_BWD_FLOP_FACTOR)):
@@ -139,44 +231,14 @@ def main(argv=None) -> int:
                 write_json(args.out, result)
         torch.cuda.empty_cache()
 
+    parts = args.parts.split(",")
     for B in args.block_sizes:
-        index, arg_sets = index_and_inputs(Config(seq_lens=[args.seq_len], block_size=B), args.seq_len, device)
-        index = slash_only(index)
-        lists = lists_of(index, args.seq_len, cfg.kv_heads)
-        q, k, v, dout = arg_sets[0]
-        def build():
-            start = time.time()
-            compile_kernels(q.shape, k.shape[1], lists, B, scale)
-            return time.time() - start
-
-        if attempt(result["compile_s"], f"b{B}", build) is None:
-            continue
-        # Correctness first: TileLang against ours on the same inputs and index.
-        attn = tilelang_fn(lists, B)
-        ref_out = ours_fn(index)(q, k, v)
-        ref = forward_and_backward(ours_fn(index))(q, k, v, dout)
-        got_out = attempt(result["checks"], f"b{B}_out", lambda: relative_l2(attn(q, k, v), ref_out))
-        got = attempt(result["checks"], f"b{B}_grads", lambda: forward_and_backward(attn)(q, k, v, dout))
-        if got is not None:
-            result["checks"].pop(f"b{B}_grads")
-            for name, g, r in zip(("dq", "dk", "dv"), got, ref):
-                result["checks"][f"b{B}_{name}"] = relative_l2(g, r)
-            again = forward_and_backward(attn)(q, k, v, dout)
-            result["checks"][f"b{B}_bitwise_repeatable"] = all(torch.equal(a, b) for a, b in zip(got, again))
-        ref_out = ref = None  # the memory, before the timings
-        print("checks (rel L2, TileLang against ours):", result["checks"], flush=True)
-        if got_out is None or got is None:
-            continue
-
-        pairs = describe_index(index, args.seq_len)["active_pairs"]
-        result[f"b{B}_active_pairs"] = pairs
-        flops = 4 * cfg.head_dim * pairs
-        measure(f"b{B}_ours", ours_fn(index), arg_sets, flops)
-        measure(f"b{B}_tilelang", attn, arg_sets, flops)
-        for kind in ("fwd", "fwdbwd"):
-            ours, theirs = result["ms"].get(f"b{B}_ours_{kind}"), result["ms"].get(f"b{B}_tilelang_{kind}")
-            if ours and theirs:
-                result.setdefault("ours_over_tilelang", {})[f"b{B}_{kind}"] = ours / theirs
+        if "slash" in parts:
+            slash_part(args, B, cfg, scale, device, result, measure)
+        if "full" in parts:
+            attempt(result, f"b{B}_full", lambda: full_index(args, B, cfg, scale, device, result, measure))
+        if args.out:
+            write_json(args.out, result)
     print({k: v for k, v in result.items() if k != "meta"})
     if args.out:
         write_json(args.out, result)

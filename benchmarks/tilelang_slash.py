@@ -25,10 +25,12 @@ import annotations`` here: TileLang evaluates the kernels' tensor annotations in
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
-QUERY_TILE = 64  # rows of the query tile in dkdv; also the forward's rows per consumer warpgroup
+QUERY_TILE = 64  # rows of the query tile in dkdv
+COLUMN_TILE = 64  # gathered key columns per tile (forward and dq)
 
 
 def slash_block_lists(slash_bitmap: torch.Tensor, num_blocks: int, kv_heads: int, block_size: int):
@@ -67,6 +69,40 @@ def slash_block_lists(slash_bitmap: torch.Tensor, num_blocks: int, kv_heads: int
     return fwd_idx, fwd_cnt, bwd_idx, bwd_cnt
 
 
+def column_lists(vertical: torch.Tensor, n_vertical: torch.Tensor, seq_len: int, block_size: int):
+    """The column part for the kernels: ``(col_pos, col_tiles, col_limit)``.
+
+    ``col_pos`` int32 [b, hq, max_cols]: each head's columns ascending, padded with 0 to a
+    multiple of the block (max_cols = 0 when no head has columns); ``col_limit`` int32
+    [b, hq, nb]: how many of them lie before the query block's end (the ones it may attend; those
+    inside a selected slash block are masked in the kernels); ``col_tiles`` = ceil(limit / B).
+    """
+    b, hq, width = vertical.shape
+    nb = seq_len // block_size
+    valid = torch.arange(width, device=vertical.device) < n_vertical[..., None]
+    pos = torch.where(valid, vertical.long(), seq_len).sort(-1).values
+    max_cols = -(-int(n_vertical.max()) // block_size) * block_size if width else 0
+    pos = torch.nn.functional.pad(pos, (0, max(max_cols - width, 0)), value=seq_len)[..., :max_cols].contiguous()
+    ends = ((torch.arange(nb, device=vertical.device) + 1) * block_size).expand(b, hq, nb).contiguous()
+    limit = torch.searchsorted(pos, ends).to(torch.int32)
+    tiles = ((limit + block_size - 1) // block_size).to(torch.int32)
+    col_pos = torch.where(pos < seq_len, pos, 0).to(torch.int32)
+    if max_cols == 0:
+        col_pos = torch.zeros(b, hq, 1, dtype=torch.int32, device=vertical.device)
+    return col_pos.contiguous(), tiles.contiguous(), limit.contiguous()
+
+
+def with_columns(x: torch.Tensor, col_pos: torch.Tensor, max_cols: int) -> torch.Tensor:
+    """K or V [b, hk, n, d] with each query head's gathered column rows after the sequence:
+    [b, hk, n + groups * max_cols, d] (the group's heads in order), so one TMA copy in the kernels
+    reads a slash block or a column tile alike. Costs one copy of K or V per call."""
+    if max_cols == 0:
+        return x
+    b, hk, n, d = x.shape
+    idx = col_pos.reshape(b, hk, -1).long()
+    return torch.cat([x, torch.gather(x, 2, idx[..., None].expand(-1, -1, -1, d))], 2)
+
+
 def _tl():
     import tilelang
     import tilelang.language as T
@@ -90,19 +126,39 @@ def consumer_registers(programs: int, consumer_threads: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_stages=2, programs_per_sm=1):
+def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, max_cols, sm_scale, num_stages=2,
+                   programs_per_sm=1):
     tilelang, T = _tl()
     nb = seq // block
     groups = heads // kv_heads
     scale = sm_scale * 1.44269504  # scores in base 2
     threads = 128 * (block // 64)
+    rows = seq + groups * max_cols  # K and V with their heads' gathered columns after the sequence
     dtype, acc = T.bfloat16, T.float32
 
+    @T.macro
+    def online_softmax(scores, probs, o, m, m_prev, corr, row_sum, l):
+        """Fold one tile's scores into the running max, sum and output (base 2); probs <- P."""
+        T.copy(m, m_prev)
+        T.reduce_max(scores, m, dim=1, clear=False)
+        for i in T.Parallel(block):
+            corr[i] = T.exp2(m_prev[i] * scale - m[i] * scale)
+        for i, j in T.Parallel(block, scores.shape[1]):
+            scores[i, j] = T.exp2(scores[i, j] * scale - m[i] * scale)
+        T.reduce_sum(scores, row_sum, dim=1)
+        for i in T.Parallel(block):
+            l[i] = l[i] * corr[i] + row_sum[i]
+        T.copy(scores, probs)
+        for i, j in T.Parallel(block, dim):
+            o[i, j] *= corr[i]
+
     @T.prim_func
-    def fwd(Q: T.Tensor([batch, heads, seq, dim], dtype), K: T.Tensor([batch, kv_heads, seq, dim], dtype),
-            V: T.Tensor([batch, kv_heads, seq, dim], dtype), Idx: T.Tensor([batch, heads, nb, max_cnt], T.int32),
-            Cnt: T.Tensor([batch, heads, nb], T.int32), O: T.Tensor([batch, heads, seq, dim], dtype),
-            LSE: T.Tensor([batch, heads, seq], acc)):
+    def fwd(Q: T.Tensor([batch, heads, seq, dim], dtype), K: T.Tensor([batch, kv_heads, rows, dim], dtype),
+            V: T.Tensor([batch, kv_heads, rows, dim], dtype), Idx: T.Tensor([batch, heads, nb, max_cnt], T.int32),
+            Cnt: T.Tensor([batch, heads, nb], T.int32), ColPos: T.Tensor([batch, heads, max(max_cols, 1)], T.int32),
+            ColTiles: T.Tensor([batch, heads, nb], T.int32), ColLimit: T.Tensor([batch, heads, nb], T.int32),
+            Slash: T.Tensor([batch, heads, nb], T.int8),
+            O: T.Tensor([batch, heads, seq, dim], dtype), LSE: T.Tensor([batch, heads, seq], acc)):
         with T.Kernel(nb, heads, batch, threads=threads) as (qb, h, bz):
             if programs_per_sm > 1:  # TileLang's parser needs these statements in the body itself
                 T.annotate_min_blocks_per_sm(programs_per_sm)
@@ -112,6 +168,7 @@ def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, n
             k_s = T.alloc_shared([block, dim], dtype)
             v_s = T.alloc_shared([block, dim], dtype)
             o_s = T.alloc_shared([block, dim], dtype)
+            slash_s = T.alloc_shared([nb], T.int8)
             s = T.alloc_fragment([block, block], acc)
             p = T.alloc_fragment([block, block], dtype)
             o = T.alloc_fragment([block, dim], acc)
@@ -125,25 +182,30 @@ def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, n
             T.fill(o, 0)
             T.fill(l, 0)
             T.fill(m, -T.infinity(acc))
-            for t in T.Pipelined(Cnt[bz, h, qb], num_stages=num_stages):
-                kb = Idx[bz, h, qb, t]
-                T.copy(K[bz, hk, kb * block:(kb + 1) * block, :], k_s)
-                for i, j in T.Parallel(block, block):  # causal only on the diagonal block
-                    s[i, j] = T.if_then_else((kb == qb) & (j > i), -T.infinity(acc), 0)
-                T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(m, m_prev)
-                T.reduce_max(s, m, dim=1, clear=False)
-                for i in T.Parallel(block):
-                    corr[i] = T.exp2(m_prev[i] * scale - m[i] * scale)
+            # One loop over the slash blocks (ascending, the diagonal last: the running max is
+            # finite from then on) and then the column tiles: the head's columns before this
+            # block's end, ``block`` at a time, from the rows of its pre-gathered columns after the
+            # sequence in K and V (``with_columns``), so one TMA copy serves both. A column inside
+            # a selected slash block is the slash part's (DESIGN.md: the union). One loop with
+            # one copy, because TileLang's automatic warp specialisation pipelines one loop per
+            # kernel and no copy under a branch.
+            T.copy(Slash[bz, h, :], slash_s)
+            n_slash = Cnt[bz, h, qb]
+            col_base = seq + (h % groups) * max_cols
+            for t in T.Pipelined(n_slash + ColTiles[bz, h, qb], num_stages=num_stages):
+                kb = Idx[bz, h, qb, T.min(t, max_cnt - 1)]
+                tc = t - n_slash
+                row = T.if_then_else(t < n_slash, kb * block, col_base + tc * block)
+                T.copy(K[bz, hk, row:row + block, :], k_s)
                 for i, j in T.Parallel(block, block):
-                    s[i, j] = T.exp2(s[i, j] * scale - m[i] * scale)
-                T.reduce_sum(s, row_sum, dim=1)
-                for i in T.Parallel(block):
-                    l[i] = l[i] * corr[i] + row_sum[i]
-                T.copy(s, p)
-                for i, j in T.Parallel(block, dim):
-                    o[i, j] *= corr[i]
-                T.copy(V[bz, hk, kb * block:(kb + 1) * block, :], v_s)
+                    s[i, j] = T.if_then_else(
+                        T.if_then_else(t < n_slash, (kb == qb) & (j > i),
+                                       (tc * block + j >= ColLimit[bz, h, qb])
+                                       | (slash_s[T.max(qb - ColPos[bz, h, tc * block + j] // block, 0)] != 0)),
+                        -T.infinity(acc), 0)
+                T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                online_softmax(s, p, o, m, m_prev, corr, row_sum, l)
+                T.copy(V[bz, hk, row:row + block, :], v_s)
                 T.gemm(p, v_s, o, policy=T.GemmWarpPolicy.FullRow)
             for i, j in T.Parallel(block, dim):
                 o[i, j] /= l[i]
@@ -247,19 +309,23 @@ def dkdv_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_
 
 
 @functools.lru_cache(maxsize=None)
-def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_stages=2, programs_per_sm=1):
+def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, max_cols, sm_scale, num_stages=2,
+              programs_per_sm=1):
     tilelang, T = _tl()
     nb = seq // block
     groups = heads // kv_heads
     scale = sm_scale * 1.44269504
     threads = 128 * (block // 64)
+    rows = seq + groups * max_cols  # as the forward's
     dtype, acc = T.bfloat16, T.float32
 
     @T.prim_func
-    def dq(Q: T.Tensor([batch, heads, seq, dim], dtype), K: T.Tensor([batch, kv_heads, seq, dim], dtype),
-           V: T.Tensor([batch, kv_heads, seq, dim], dtype), dO: T.Tensor([batch, heads, seq, dim], dtype),
+    def dq(Q: T.Tensor([batch, heads, seq, dim], dtype), K: T.Tensor([batch, kv_heads, rows, dim], dtype),
+           V: T.Tensor([batch, kv_heads, rows, dim], dtype), dO: T.Tensor([batch, heads, seq, dim], dtype),
            LSE: T.Tensor([batch, heads, seq], acc), D: T.Tensor([batch, heads, seq], acc),
            Idx: T.Tensor([batch, heads, nb, max_cnt], T.int32), Cnt: T.Tensor([batch, heads, nb], T.int32),
+           ColPos: T.Tensor([batch, heads, max(max_cols, 1)], T.int32), ColTiles: T.Tensor([batch, heads, nb], T.int32),
+           ColLimit: T.Tensor([batch, heads, nb], T.int32), Slash: T.Tensor([batch, heads, nb], T.int8),
            dQ: T.Tensor([batch, heads, seq, dim], dtype)):
         with T.Kernel(nb, heads, batch, threads=threads) as (qb, h, bz):
             if programs_per_sm > 1:  # TileLang's parser needs these statements in the body itself
@@ -272,6 +338,7 @@ def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_st
             v_s = T.alloc_shared([block, dim], dtype)
             ds_s = T.alloc_shared([block, block], dtype)
             out_s = T.alloc_shared([block, dim], dtype)
+            slash_s = T.alloc_shared([nb], T.int8)
             lse = T.alloc_fragment([block], acc)
             dd = T.alloc_fragment([block], acc)
             s = T.alloc_fragment([block, block], acc)
@@ -282,18 +349,26 @@ def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_st
             T.copy(dO[bz, h, qb * block:(qb + 1) * block, :], do_s)
             T.copy(LSE[bz, h, qb * block:(qb + 1) * block], lse)
             T.copy(D[bz, h, qb * block:(qb + 1) * block], dd)
+            T.copy(Slash[bz, h, :], slash_s)
             T.clear(dq_acc)
-            for t in T.Pipelined(Cnt[bz, h, qb], num_stages=num_stages):
-                kb = Idx[bz, h, qb, t]
-                T.copy(K[bz, hk, kb * block:(kb + 1) * block, :], k_s)
-                T.copy(V[bz, hk, kb * block:(kb + 1) * block, :], v_s)
+            n_slash = Cnt[bz, h, qb]
+            col_base = seq + (h % groups) * max_cols
+            for t in T.Pipelined(n_slash + ColTiles[bz, h, qb], num_stages=num_stages):  # as the forward's
+                kb = Idx[bz, h, qb, T.min(t, max_cnt - 1)]
+                tc = t - n_slash
+                row = T.if_then_else(t < n_slash, kb * block, col_base + tc * block)
+                T.copy(K[bz, hk, row:row + block, :], k_s)
+                T.copy(V[bz, hk, row:row + block, :], v_s)
                 T.clear(s)
                 T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.clear(dp)
                 T.gemm(do_s, v_s, dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(block, block):  # dS, zero above the diagonal
-                    s[i, j] = T.if_then_else((kb < qb) | (j <= i),
-                                             T.exp2(s[i, j] * scale - lse[i]) * (dp[i, j] - dd[i]), 0)
+                for i, j in T.Parallel(block, block):  # dS where the pair is attended, else 0
+                    s[i, j] = T.if_then_else(
+                        T.if_then_else(t < n_slash, (kb == qb) & (j > i),
+                                       (tc * block + j >= ColLimit[bz, h, qb])
+                                       | (slash_s[T.max(qb - ColPos[bz, h, tc * block + j] // block, 0)] != 0)),
+                        0, T.exp2(s[i, j] * scale - lse[i]) * (dp[i, j] - dd[i]))
                 T.copy(s, ds_s)
                 T.gemm(ds_s, k_s, dq_acc, policy=T.GemmWarpPolicy.FullRow)
             for i, j in T.Parallel(block, dim):
@@ -304,55 +379,102 @@ def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_st
     return tilelang.compile(dq, pass_configs=_pass_configs())
 
 
+class Plan(NamedTuple):
+    """Everything the kernels walk: the slash lists (``slash_block_lists``), the column part
+    (``column_lists``; ``max_cols`` = 0 without columns) and the slash bitmap [b, hq, nb] int8."""
+    block: int
+    fwd_idx: torch.Tensor
+    fwd_cnt: torch.Tensor
+    bwd_idx: torch.Tensor
+    bwd_cnt: torch.Tensor
+    col_pos: torch.Tensor
+    col_tiles: torch.Tensor
+    col_limit: torch.Tensor
+    slash: torch.Tensor
+    max_cols: int
+
+
+def make_plan(index, seq_len: int, kv_heads: int, columns: bool = True) -> Plan:
+    """The plan of a VSIndex (``columns=False``: its slash part only)."""
+    B = index.block_size
+    nb = seq_len // B
+    slash = index.slash_bitmap(nb)
+    lists = slash_block_lists(slash, nb, kv_heads, B)
+    n_vertical = index.n_vertical if columns else torch.zeros_like(index.n_vertical)
+    col_pos, col_tiles, col_limit = column_lists(index.vertical, n_vertical, seq_len, B)
+    max_cols = -(-int(n_vertical.max()) // B) * B
+    return Plan(B, *lists, col_pos, col_tiles, col_limit, slash, max_cols)
+
+
+def kernel_args(plan: Plan, q_shape, kv_heads: int, sm_scale: float) -> dict:
+    """Each kernel factory's arguments for one problem (its shapes and list widths)."""
+    b, hq, n, d = q_shape
+    common = (b, hq, kv_heads, n, d, plan.block)
+    return dict(forward=common + (plan.fwd_idx.shape[-1], plan.max_cols, sm_scale),
+                delta=(b, hq, n, d),
+                dkdv=common + (plan.bwd_idx.shape[-1], sm_scale),
+                dq=common + (plan.fwd_idx.shape[-1], plan.max_cols, sm_scale))
+
+
+FACTORIES = dict(forward=forward_kernel, delta=delta_kernel, dkdv=dkdv_kernel, dq=dq_kernel)
+
+
+def compile_kernels(plan: Plan, q_shape, kv_heads: int, sm_scale: float, variants=((2, 1),)) -> dict:
+    """Build the kernels of one problem at once, each (num_stages, programs per SM) variant of
+    the attention kernels (nvcc runs in parallel; shapes and list widths are compile-time
+    constants, so a new problem is a new build). Returns {(name, variant): kernel}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    args = kernel_args(plan, q_shape, kv_heads, sm_scale)
+    jobs = [("delta", ())] + [(name, v) for name in ("forward", "dkdv", "dq") for v in variants]
+    with ThreadPoolExecutor(8) as pool:
+        futures = {job: pool.submit(FACTORIES[job[0]], *args[job[0]], *job[1]) for job in jobs}
+    return {job: f.result() for job, f in futures.items()}
+
+
+def forward(q, k_rows, v_rows, plan: Plan, sm_scale: float, variant=(2, 1)):
+    """(out, lse base 2) with ``k_rows``/``v_rows`` from ``with_columns``."""
+    b, hq, n, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
+    kernel = forward_kernel(*kernel_args(plan, q.shape, k_rows.shape[1], sm_scale)["forward"], *variant)
+    kernel(q, k_rows, v_rows, plan.fwd_idx, plan.fwd_cnt, plan.col_pos, plan.col_tiles, plan.col_limit,
+           plan.slash, out, lse)
+    return out, lse
+
+
 class SlashAttention(torch.autograd.Function):
-    """Forward and backward of the slash part through the four TileLang kernels."""
+    """Forward and backward of a slash-only plan through the four TileLang kernels (the column
+    part's dK/dV has no TileLang kernel in this spike: plans with columns are forward/dQ only)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, lists, block, sm_scale):
-        fwd_idx, fwd_cnt, bwd_idx, bwd_cnt = lists
-        b, hq, n, d = q.shape
-        hk = k.shape[1]
-        out = torch.empty_like(q)
-        lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
-        forward_kernel(b, hq, hk, n, d, block, fwd_idx.shape[-1], sm_scale)(q, k, v, fwd_idx, fwd_cnt, out, lse)
-        ctx.save_for_backward(q, k, v, out, lse, fwd_idx, fwd_cnt, bwd_idx, bwd_cnt)
-        ctx.block, ctx.sm_scale = block, sm_scale
+    def forward(ctx, q, k, v, plan, sm_scale, variant):
+        if plan.max_cols:
+            raise NotImplementedError("the spike has no column dK/dV kernel: use a plan without columns")
+        out, lse = forward(q, k, v, plan, sm_scale, variant)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.sm_scale, ctx.variant = plan, sm_scale, variant
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, fwd_idx, fwd_cnt, bwd_idx, bwd_cnt = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
+        plan = ctx.plan
         b, hq, n, d = q.shape
-        hk = k.shape[1]
+        args = kernel_args(plan, q.shape, k.shape[1], ctx.sm_scale)
         dout = dout.contiguous()
         delta = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
-        delta_kernel(b, hq, n, d)(out, dout, delta)
+        delta_kernel(*args["delta"])(out, dout, delta)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dkdv_kernel(b, hq, hk, n, d, ctx.block, bwd_idx.shape[-1], ctx.sm_scale)(
-            q, k, v, dout, lse, delta, bwd_idx, bwd_cnt, dk, dv)
-        dq_kernel(b, hq, hk, n, d, ctx.block, fwd_idx.shape[-1], ctx.sm_scale)(
-            q, k, v, dout, lse, delta, fwd_idx, fwd_cnt, dq)
+        dkdv_kernel(*args["dkdv"], *ctx.variant)(q, k, v, dout, lse, delta, plan.bwd_idx, plan.bwd_cnt, dk, dv)
+        dq_kernel(*args["dq"], *ctx.variant)(q, k, v, dout, lse, delta, plan.fwd_idx, plan.fwd_cnt, plan.col_pos,
+                                             plan.col_tiles, plan.col_limit, plan.slash, dq)
         return dq, dk, dv, None, None, None
 
 
-def compile_kernels(q_shape, kv_heads, lists, block, sm_scale) -> None:
-    """Build the four kernels of one problem at once (nvcc runs in parallel; each kernel's shapes,
-    list widths included, are compile-time constants, so a new shape is a new build)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    b, hq, n, d = q_shape
-    fwd_width, bwd_width = lists[0].shape[-1], lists[2].shape[-1]
-    jobs = [(forward_kernel, (b, hq, kv_heads, n, d, block, fwd_width, sm_scale)),
-            (delta_kernel, (b, hq, n, d)),
-            (dkdv_kernel, (b, hq, kv_heads, n, d, block, bwd_width, sm_scale)),
-            (dq_kernel, (b, hq, kv_heads, n, d, block, fwd_width, sm_scale))]
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        for future in [pool.submit(fn, *args) for fn, args in jobs]:
-            future.result()
-
-
-def slash_attention(q, k, v, lists, block, sm_scale=None):
-    """Attention over the slash block lists (``slash_block_lists``); q [b, hq, n, d] bf16."""
+def slash_attention(q, k, v, plan: Plan, sm_scale=None, variant=(2, 1)):
+    """Attention over a slash-only plan; q [b, hq, n, d] bf16. ``variant``: (num_stages,
+    programs per SM) of the attention kernels."""
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    return SlashAttention.apply(q, k, v, lists, block, float(sm_scale))
+    return SlashAttention.apply(q, k, v, plan, float(sm_scale), tuple(variant))

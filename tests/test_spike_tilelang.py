@@ -73,3 +73,76 @@ def test_padding_stays_in_range():
     fwd_idx, _, bwd_idx, _ = slash_block_lists(bitmap, nb, 1, block)
     assert 0 <= int(fwd_idx.min()) and int(fwd_idx.max()) < nb
     assert 0 <= int(bwd_idx.min()) and int(bwd_idx.max()) < 2 * nb * block // QUERY_TILE
+
+
+def walked_pairs(plan, seq_len):
+    """int [b, hq, n, n]: how often the plan's forward and dQ kernels attend each pair, written
+    from the kernels' loops: the listed slash blocks (causal on the diagonal), then each head's
+    first ``col_limit`` columns unless their block offset is a selected slash one."""
+    B = plan.block
+    b, hq, nb = plan.fwd_cnt.shape
+    mask = torch.zeros(b, hq, seq_len, seq_len, dtype=torch.int32)
+    rows = torch.arange(B)
+    for bi in range(b):
+        for h in range(hq):
+            for qb in range(nb):
+                q_rows = qb * B + rows
+                for kb in plan.fwd_idx[bi, h, qb, :plan.fwd_cnt[bi, h, qb]].tolist():
+                    keys = kb * B + rows
+                    mask[bi, h, q_rows[:, None], keys[None, :]] += (keys[None, :] <= q_rows[:, None]).int()
+                limit = int(plan.col_limit[bi, h, qb])
+                assert int(plan.col_tiles[bi, h, qb]) == -(-limit // B)
+                for pos in plan.col_pos[bi, h, :limit].tolist():
+                    if not plan.slash[bi, h, qb - pos // B]:
+                        mask[bi, h, q_rows, pos] += 1
+    return mask
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_plan_walks_exactly_the_index_pairs(block):
+    """Slash lists and column tiles together cover the index's pairs (vs_mask, the reference's
+    mask) once each: a column inside a selected slash block is left to the slash part."""
+    from megatron_mtraining.index import VSIndex
+    from megatron_mtraining.kernels.reference import vs_mask
+    from tilelang_slash import make_plan, with_columns
+
+    seq_len, heads, kv_heads = 1024, 4, 2
+    nb = seq_len // block
+    gen = torch.Generator().manual_seed(block)
+    slash = torch.zeros(1, heads, 4, dtype=torch.int32)
+    for h in range(heads):
+        slash[0, h, 1:] = (torch.randperm(nb - 1, generator=gen)[:3] + 1).sort().values.to(torch.int32)
+    n_slash = torch.tensor([[1, 4, 2, 4]], dtype=torch.int32)
+    width = 40
+    inside = torch.tensor([0, block, block + 1])  # head 1: columns inside slash blocks too
+    heads_cols = []
+    for h in range(heads):
+        perm = torch.randperm(seq_len, generator=gen)
+        perm = perm[~torch.isin(perm, inside)]
+        cols = torch.cat([inside, perm[:width - 3]]) if h == 1 else perm[:width]
+        heads_cols.append(cols.sort().values)
+    vertical = torch.stack(heads_cols)[None].to(torch.int32)
+    n_vertical = torch.tensor([[0, width, 17, 1]], dtype=torch.int32)  # none; all; some; one
+    index = VSIndex(slash, n_slash, vertical, n_vertical, block)
+    plan = make_plan(index, seq_len, kv_heads, columns=True)
+    assert plan.max_cols == -(-width // block) * block and plan.col_pos.shape[-1] == plan.max_cols
+    positions = torch.arange(seq_len)
+    expected = vs_mask(index, positions, positions)
+    walked = walked_pairs(plan, seq_len)
+    assert int(walked.max()) == 1  # no pair twice (a column in a slash block is the slash part's)
+    assert torch.equal(walked.bool(), expected.expand(1, heads, seq_len, seq_len))
+
+    # The column rows after the sequence: the group's heads in order, each its own columns.
+    k = torch.randn(1, kv_heads, seq_len, 8)
+    rows = with_columns(k, plan.col_pos, plan.max_cols)
+    assert rows.shape == (1, kv_heads, seq_len + heads // kv_heads * plan.max_cols, 8)
+    assert torch.equal(rows[:, :, :seq_len], k)
+    for h in range(heads):
+        hk, g = divmod(h, heads // kv_heads)
+        start = seq_len + g * plan.max_cols
+        assert torch.equal(rows[0, hk, start:start + plan.max_cols], k[0, hk, plan.col_pos[0, h].long()])
+
+    # Without columns: nothing after the sequence, and no column tiles.
+    slash_plan = make_plan(index, seq_len, kv_heads, columns=False)
+    assert slash_plan.max_cols == 0 and int(slash_plan.col_tiles.sum()) == 0
+    assert with_columns(k, slash_plan.col_pos, 0) is k
