@@ -125,6 +125,26 @@ def consumer_registers(programs: int, consumer_threads: int) -> int:
     return min(240, per_program // consumer_threads // 8 * 8)
 
 
+def _tile_mask(T, block, acc):
+    @T.macro
+    def mask_tile(s, col_ok, slash_s, ColPos, ColLimit, bz, h, qb, t, n_slash, kb, tc):
+        """-inf on the scores of pairs a tile must not attend: the causal half of the diagonal
+        block; a column tile's slots past the block's limit or inside a selected slash block.
+        Every other slash tile (most tiles) does no mask work."""
+        if t >= n_slash:
+            for j in T.Parallel(block):
+                col_ok[j] = T.if_then_else(
+                    (tc * block + j < ColLimit[bz, h, qb])
+                    & (slash_s[T.max(qb - ColPos[bz, h, tc * block + j] // block, 0)] == 0), 1, 0)
+            for i, j in T.Parallel(block, block):
+                s[i, j] = T.if_then_else(col_ok[j] != 0, s[i, j], -T.infinity(acc))
+        elif kb == qb:
+            for i, j in T.Parallel(block, block):
+                s[i, j] = T.if_then_else(j > i, -T.infinity(acc), s[i, j])
+
+    return mask_tile
+
+
 @functools.lru_cache(maxsize=None)
 def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, max_cols, sm_scale, num_stages=2,
                    programs_per_sm=1):
@@ -135,6 +155,7 @@ def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, max_cols, s
     threads = 128 * (block // 64)
     rows = seq + groups * max_cols  # K and V with their heads' gathered columns after the sequence
     dtype, acc = T.bfloat16, T.float32
+    mask_tile = _tile_mask(T, block, acc)
 
     @T.macro
     def online_softmax(scores, probs, o, m, m_prev, corr, row_sum, l):
@@ -169,6 +190,7 @@ def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, max_cols, s
             v_s = T.alloc_shared([block, dim], dtype)
             o_s = T.alloc_shared([block, dim], dtype)
             slash_s = T.alloc_shared([nb], T.int8)
+            col_ok = T.alloc_shared([block], T.int32)
             s = T.alloc_fragment([block, block], acc)
             p = T.alloc_fragment([block, block], dtype)
             o = T.alloc_fragment([block, dim], acc)
@@ -197,13 +219,9 @@ def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, max_cols, s
                 tc = t - n_slash
                 row = T.if_then_else(t < n_slash, kb * block, col_base + tc * block)
                 T.copy(K[bz, hk, row:row + block, :], k_s)
-                for i, j in T.Parallel(block, block):
-                    s[i, j] = T.if_then_else(
-                        T.if_then_else(t < n_slash, (kb == qb) & (j > i),
-                                       (tc * block + j >= ColLimit[bz, h, qb])
-                                       | (slash_s[T.max(qb - ColPos[bz, h, tc * block + j] // block, 0)] != 0)),
-                        -T.infinity(acc), 0)
+                T.clear(s)
                 T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                mask_tile(s, col_ok, slash_s, ColPos, ColLimit, bz, h, qb, t, n_slash, kb, tc)
                 online_softmax(s, p, o, m, m_prev, corr, row_sum, l)
                 T.copy(V[bz, hk, row:row + block, :], v_s)
                 T.gemm(p, v_s, o, policy=T.GemmWarpPolicy.FullRow)
@@ -318,6 +336,7 @@ def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, max_cols, sm_sca
     threads = 128 * (block // 64)
     rows = seq + groups * max_cols  # as the forward's
     dtype, acc = T.bfloat16, T.float32
+    mask_tile = _tile_mask(T, block, acc)
 
     @T.prim_func
     def dq(Q: T.Tensor([batch, heads, seq, dim], dtype), K: T.Tensor([batch, kv_heads, rows, dim], dtype),
@@ -339,6 +358,7 @@ def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, max_cols, sm_sca
             ds_s = T.alloc_shared([block, block], dtype)
             out_s = T.alloc_shared([block, dim], dtype)
             slash_s = T.alloc_shared([nb], T.int8)
+            col_ok = T.alloc_shared([block], T.int32)
             lse = T.alloc_fragment([block], acc)
             dd = T.alloc_fragment([block], acc)
             s = T.alloc_fragment([block, block], acc)
@@ -361,14 +381,11 @@ def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, max_cols, sm_sca
                 T.copy(V[bz, hk, row:row + block, :], v_s)
                 T.clear(s)
                 T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                mask_tile(s, col_ok, slash_s, ColPos, ColLimit, bz, h, qb, t, n_slash, kb, tc)
                 T.clear(dp)
                 T.gemm(do_s, v_s, dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(block, block):  # dS where the pair is attended, else 0
-                    s[i, j] = T.if_then_else(
-                        T.if_then_else(t < n_slash, (kb == qb) & (j > i),
-                                       (tc * block + j >= ColLimit[bz, h, qb])
-                                       | (slash_s[T.max(qb - ColPos[bz, h, tc * block + j] // block, 0)] != 0)),
-                        0, T.exp2(s[i, j] * scale - lse[i]) * (dp[i, j] - dd[i]))
+                for i, j in T.Parallel(block, block):  # dS (0 where masked: exp2(-inf) = 0)
+                    s[i, j] = T.exp2(s[i, j] * scale - lse[i]) * (dp[i, j] - dd[i])
                 T.copy(s, ds_s)
                 T.gemm(ds_s, k_s, dq_acc, policy=T.GemmWarpPolicy.FullRow)
             for i, j in T.Parallel(block, dim):
