@@ -23,24 +23,17 @@ import argparse
 import math
 import os
 import sys
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common import describe_index, median, relative_l2, run_metadata, tflops, time_ms, write_json  # noqa: E402
-from kernel import (FWD_BWD_FLOP_FACTOR, Config, dense_attention, expand_kv, index_and_inputs,  # noqa: E402
-                    pick_dense)
+from common import describe_index, relative_l2, run_metadata, write_json  # noqa: E402
+from kernel import Config, dense_attention, expand_kv, forward_and_backward, index_and_inputs, pick_dense  # noqa: E402
 from megatron_mtraining import sparse_attention  # noqa: E402
 from megatron_mtraining.index import VSIndex  # noqa: E402
-
-
-def slash_only(index: VSIndex) -> VSIndex:
-    """The index without its columns (same slash offsets, no vertical entries)."""
-    return VSIndex(index.slash, index.n_slash, index.vertical, torch.zeros_like(index.n_vertical),
-                   index.block_size)
+from spike_common import attempt, measurer, slash_only  # noqa: E402
 
 
 def block_lists(index: VSIndex, seq_len: int):
@@ -88,16 +81,6 @@ def causal_mask_mod():
     return keys_not_after_query
 
 
-def attempt(result: dict, key: str, fn):
-    try:
-        result[key] = fn()
-        return result[key]
-    except Exception as exc:  # noqa: BLE001 - a spike records every failure and goes on
-        result[key + "_error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        traceback.print_exc()
-        return None
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, default=131072)
@@ -138,29 +121,7 @@ def main(argv=None) -> int:
         return [tuple(x.detach().transpose(1, 2).contiguous().requires_grad_(x.requires_grad) for x in s)
                 for s in sets]
 
-    def fwd_and_bwd(attn):
-        def run(q, k, v, dout):
-            out = attn(q, k, v)
-            return torch.autograd.grad(out, (q, k, v), dout)
-        return run
-
-    def fwd_only(attn):
-        def run(q, k, v, dout):
-            with torch.no_grad():
-                return attn(q, k, v)
-        return run
-
-    def measure(run_name, attn, sets, flops):
-        for kind, wrap, factor in (("fwd", fwd_only, 1.0), ("fwdbwd", fwd_and_bwd, FWD_BWD_FLOP_FACTOR)):
-            key = f"{run_name}_{kind}"
-            ms = attempt(result["ms"], key, lambda: median(time_ms(wrap(attn), sets, device, 3, args.reps)))
-            if ms is not None:
-                result["tflops"][key] = tflops(flops * factor, ms)
-            print(f"{key:32s} {ms if ms is None else round(ms, 3)} ms  {result['tflops'].get(key)} TFLOP/s",
-                  flush=True)
-            if args.out:  # after every run: a call cut short keeps what it measured
-                write_json(args.out, result)
-        torch.cuda.empty_cache()
+    measure = measurer(result, device, args.reps, args.out)
 
     for B in args.block_sizes:
         # Correctness on a short sequence first: FA4 against ours on the same slash-only index.
@@ -168,7 +129,7 @@ def main(argv=None) -> int:
         c_index = slash_only(c_index)
         q, k, v, dout = c_sets[0]
         ref_out = ours_fn(c_index)(q, k, v)
-        ref = fwd_and_bwd(ours_fn(c_index))(q, k, v, dout)
+        ref = forward_and_backward(ours_fn(c_index))(q, k, v, dout)
         fq, fk, fv, fdout = fa4_layout(c_sets[:1])[0]
         c_lists = attempt(result["checks"], f"b{B}_lists", lambda: block_lists(c_index, args.check_len))
         result["checks"].pop(f"b{B}_lists", None)
@@ -177,7 +138,7 @@ def main(argv=None) -> int:
             attn = fa4_fn(c_lists, det)
             attempt(result["checks"], f"{tag}_out",
                     lambda: relative_l2(attn(fq, fk, fv).transpose(1, 2), ref_out))
-            got = attempt(result["checks"], f"{tag}_grads", lambda: fwd_and_bwd(attn)(fq, fk, fv, fdout))
+            got = attempt(result["checks"], f"{tag}_grads", lambda: forward_and_backward(attn)(fq, fk, fv, fdout))
             if got is not None:
                 result["checks"].pop(f"{tag}_grads")
                 for name, g, r in zip(("dq", "dk", "dv"), got, ref):

@@ -32,11 +32,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common import (describe_index, kernel_times_ms, median, relative_l2, run_metadata, tflops,  # noqa: E402
-                    time_ms, write_json)
-from kernel import FWD_BWD_FLOP_FACTOR, Config, forward_and_backward, forward_only, index_and_inputs  # noqa: E402
+from common import describe_index, kernel_times_ms, median, relative_l2, run_metadata, time_ms, write_json  # noqa: E402
+from kernel import Config, forward_and_backward, index_and_inputs  # noqa: E402
 from megatron_mtraining import sparse_attention  # noqa: E402
-from spike_fa4 import attempt, slash_only  # noqa: E402
+from spike_common import attempt, measurer, slash_only  # noqa: E402
 import tilelang_slash as tls  # noqa: E402
 
 # (num_stages, programs per SM) of the attention kernels. B = 128 programs have 2 consumer
@@ -219,18 +218,7 @@ def main(argv=None) -> int:
         sweep(args, cfg, scale, device, result)
         return 0
 
-    def measure(run_name, attn, sets, flops):
-        for kind, wrap, factor in (("fwd", forward_only, 1.0), ("fwdbwd", forward_and_backward, FWD_BWD_FLOP_FACTOR)):
-            key = f"{run_name}_{kind}"
-            ms = attempt(result["ms"], key, lambda: median(time_ms(wrap(attn), sets, device, 3, args.reps)))
-            if ms is not None:
-                result["tflops"][key] = tflops(flops * factor, ms)
-            print(f"{key:32s} {ms if ms is None else round(ms, 3)} ms  {result['tflops'].get(key)} TFLOP/s",
-                  flush=True)
-            if args.out:  # after every run: a call cut short keeps what it measured
-                write_json(args.out, result)
-        torch.cuda.empty_cache()
-
+    measure = measurer(result, device, args.reps, args.out)
     parts = args.parts.split(",")
     for B in args.block_sizes:
         if "slash" in parts:
