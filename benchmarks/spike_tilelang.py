@@ -11,8 +11,9 @@ The problem of ``spike_fa4.py`` (the canonical fixed 5% index at 128K), in two p
           each kernel is timed alone against our kernels' own breakdown of the same fwd+bwd (the
           spike has no TileLang column dK/dV: the projection takes ours).
 
-Correctness first, on the timed problem itself (TileLang against ours: relative L2 of out and
-the gradients; the backward run twice must agree bit for bit), then the timings. Rates are on
+Correctness first: TileLang and ours each against the PyTorch reference at ``--check-len`` (4K),
+then TileLang against ours on the timed problem itself (relative L2 of out and the gradients; the
+backward run twice must agree bit for bit), then the timings. Rates are on
 active pairs (4d FLOPs per pair forward, x3.5 forward+backward, as kernel.py). ``--sweep`` times
 each kernel alone over (pipeline stages, programs per SM) instead.
 
@@ -51,6 +52,35 @@ def ours_fn(index, scale):
 
 def kernel_alone_ms(kernel, args, device, reps) -> float:
     return median(time_ms(lambda: kernel(*args), [()], device, 3, reps))
+
+
+def reference_checks(args, B, cfg, scale, device, result) -> None:
+    """At ``--check-len``: TileLang and ours each against the PyTorch reference (DESIGN.md
+    section 1, fp32), the slash part (out and all gradients) and the whole index (out and dQ,
+    the spike's kernels with columns)."""
+    from megatron_mtraining.kernels.reference import reference_attention
+
+    n = args.check_len
+    index, sets = index_and_inputs(Config(seq_lens=[n], block_size=B), n, device)
+    q, k, v, dout = sets[0]
+    section = result.setdefault("reference_rel_l2", {})
+    for part, idx in (("slash", slash_only(index)), ("full", index)):
+        ref_out, _ = reference_attention(q, k, v, idx, softmax_scale=scale)
+        ref = (ref_out, *torch.autograd.grad(ref_out, (q, k, v), dout.float()))
+        out = sparse_attention(q, k, v, idx, scale)
+        ours = (out, *torch.autograd.grad(out, (q, k, v), dout))
+        plan = tls.make_plan(idx, n, cfg.kv_heads, columns=part == "full")
+        variant = BEST[B]
+        if part == "slash":
+            out = tls.slash_attention(q, k, v, plan, scale, variant)
+            theirs = (out, *torch.autograd.grad(out, (q, k, v), dout))
+        else:
+            theirs = tls.forward_and_dq(q.detach(), k.detach(), v.detach(), dout, plan, scale, variant)
+        for name, r, o, t in zip(("out", "dq", "dk", "dv"), ref, ours, theirs):
+            section[f"b{B}_{part}_{name}_ours"] = relative_l2(o, r)
+            section[f"b{B}_{part}_{name}_tilelang"] = relative_l2(t, r)
+    print("against the reference (rel L2):", {k_: f"{v_:.1e}" for k_, v_ in section.items()
+                                              if k_.startswith(f"b{B}_")}, flush=True)
 
 
 def slash_part(args, B, cfg, scale, device, result, measure) -> None:
@@ -205,7 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=131072)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[128, 64])
-    p.add_argument("--parts", default="slash,full", help="slash, full or both")
+    p.add_argument("--check-len", type=int, default=4096, help="sequence length of the checks against the reference")
+    p.add_argument("--parts", default="slash,full", help="slash, full, both, or none (the reference checks only)")
     p.add_argument("--sweep", action="store_true", help="each kernel alone over SWEEP's variants instead")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
@@ -221,6 +252,7 @@ def main(argv=None) -> int:
     measure = measurer(result, device, args.reps, args.out)
     parts = args.parts.split(",")
     for B in args.block_sizes:
+        attempt(result, f"b{B}_reference", lambda: reference_checks(args, B, cfg, scale, device, result))
         if "slash" in parts:
             slash_part(args, B, cfg, scale, device, result, measure)
         if "full" in parts:

@@ -460,6 +460,20 @@ def forward(q, k_rows, v_rows, plan: Plan, sm_scale: float, variant=(2, 1)):
     return out, lse
 
 
+def forward_and_dq(q, k, v, dout, plan: Plan, sm_scale: float, variant=(2, 1)):
+    """(out, dq) of a plan with columns (no column dK/dV kernel in the spike): the forward, delta
+    and dQ kernels on the column rows from ``with_columns``. q, k, v, dout detached."""
+    k_rows, v_rows = with_columns(k, plan.col_pos, plan.max_cols), with_columns(v, plan.col_pos, plan.max_cols)
+    out, lse = forward(q, k_rows, v_rows, plan, sm_scale, variant)
+    args = kernel_args(plan, q.shape, k.shape[1], sm_scale)
+    delta = torch.empty_like(lse)
+    delta_kernel(*args["delta"])(out, dout, delta)
+    dq = torch.empty_like(q)
+    dq_kernel(*args["dq"], *variant)(q, k_rows, v_rows, dout, lse, delta, plan.fwd_idx, plan.fwd_cnt, plan.col_pos,
+                                     plan.col_tiles, plan.col_limit, plan.slash, dq)
+    return out, dq
+
+
 class SlashAttention(torch.autograd.Function):
     """Forward and backward of a slash-only plan through the four TileLang kernels (the column
     part's dK/dV has no TileLang kernel in this spike: plans with columns are forward/dQ only)."""

@@ -20,9 +20,10 @@ case ${PHASE:-run} in
       export CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH
     fi
     "$PY" -c "import tilelang; print('tilelang', tilelang.__version__, 'from', tilelang.__file__)" || exit 1
-    # SWEEP=1: each kernel alone over the script's variants (spike_tilelang_sweep_<device>.json)
+    # SWEEP=1: each kernel alone over the script's variants (spike_tilelang_sweep_<device>.json);
+    # SPIKE_ARGS: more arguments for spike_tilelang.py (e.g. "--parts none": the reference checks only)
     name=spike_tilelang${SWEEP:+_sweep}
-    timeout "${SPIKE_TIMEOUT:-520}" "$PY" benchmarks/spike_tilelang.py ${SWEEP:+--sweep} \
+    timeout "${SPIKE_TIMEOUT:-520}" "$PY" benchmarks/spike_tilelang.py ${SWEEP:+--sweep} ${SPIKE_ARGS:-} \
         --out "$OUT/${name}_$DEVICE_SLUG.json" > "$OUT/$name.log" 2>&1
     echo "spike rc=$?"; grep -E "^(checks|b[0-9]+)" "$OUT/$name.log" | tail -24
     tail -3 "$OUT/$name.log" ;;
