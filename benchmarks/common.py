@@ -246,19 +246,47 @@ def git_commit() -> Dict:
         if commit.endswith("+dirty"):  # scripts/gpu_common.sh: the tree differs from that HEAD
             return {"commit": commit[:-len("+dirty")], "dirty": True}
         return {"commit": commit, "dirty": None}
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-    def git(*cmd):
-        return subprocess.run(["git", *cmd], cwd=repo, capture_output=True, text=True, timeout=10)
-
     try:
-        head = git("rev-parse", "HEAD")
+        head = _git("rev-parse", "HEAD")
         if head.returncode == 0:
-            dirty = bool(git("status", "--porcelain").stdout.strip())
+            dirty = bool(_git("status", "--porcelain").stdout.strip())
             return {"commit": head.stdout.strip(), "dirty": dirty}
     except (OSError, subprocess.SubprocessError):
         pass
     return {"commit": "unknown", "dirty": None}
+
+
+def _git(*cmd, env=None):
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(["git", *cmd], cwd=repo, capture_output=True, text=True, timeout=60, env=env)
+
+
+def source_tree() -> Optional[str]:
+    """The git tree hash of the files this run read: every file of the working tree that git
+    does not ignore, committed or not (a scratch index, so the checkout's own is untouched).
+
+    A device copy carries the session's first commit as its .git whatever code it runs, so a
+    commit there says little; the tree hash names the code exactly, and ``commit_of_tree`` finds
+    the commit that has it back here (``python benchmarks/which_commit.py RESULT.json``)."""
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            env = dict(os.environ, GIT_INDEX_FILE=os.path.join(scratch, "index"))
+            if _git("add", "-A", ".", env=env).returncode != 0:
+                return None
+            tree = _git("write-tree", env=env)
+            return tree.stdout.strip() if tree.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def commit_of_tree(tree: str) -> Optional[str]:
+    """The newest commit (any branch) whose tree is ``tree``, else None."""
+    log = _git("log", "--all", "--format=%H %T")
+    for line in log.stdout.splitlines():
+        commit, _, commit_tree = line.partition(" ")
+        if commit_tree == tree:
+            return commit
+    return None
 
 
 def run_metadata(device: torch.device) -> Dict:
@@ -278,6 +306,7 @@ def run_metadata(device: torch.device) -> Dict:
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     meta.update(git_commit())
+    meta["source_tree"] = source_tree()
     return meta
 
 

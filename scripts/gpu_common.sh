@@ -28,7 +28,9 @@ if [ -z "${GIT_COMMIT:-}" ]; then
   # Only this checkout's own .git: a copy inside another repository must not take its HEAD. A
   # device copy may carry the .git of an older checkout (seen: the session's first commit on every
   # call): a tracked tree that differs from that HEAD is named "<HEAD>+dirty", never a clean commit
-  # it did not run. Device commands that know the commit pass GIT_COMMIT=<hash> themselves.
+  # it did not run. Device commands that know the commit pass GIT_COMMIT=<hash> themselves; every
+  # result also records meta.source_tree, the tree hash of the code that ran, which
+  # benchmarks/which_commit.py turns into the commit back on the development machine.
   if [ -e .git ] && head=$(git rev-parse --short HEAD 2>/dev/null); then
     if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then GIT_COMMIT=$head+dirty; else GIT_COMMIT=$head; fi
   else

@@ -132,3 +132,42 @@ def test_a_missing_part_is_refused_before_pip(tmp_path):
     assert done.returncode != 0
     assert "broken" in done.stderr
     assert not (tmp_path / "site").exists()
+
+
+def test_source_tree_names_the_code_that_ran(tmp_path):
+    """A result's meta.source_tree is the tree of the files the run read, committed or not, and
+    which_commit.py finds the commit that has it (device copies carry a stale .git HEAD)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import shutil
+
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "init", "-q", str(clone)], check=True)
+    bench = clone / "benchmarks"
+    bench.mkdir()
+    for name in ("common.py", "which_commit.py"):
+        shutil.copy(os.path.join(REPO, "benchmarks", name), bench / name)
+    (clone / ".gitignore").write_text("out/\n__pycache__/\n")
+    git = ["git", "-C", str(clone), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "first"], check=True)
+    first = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (clone / "kernel.txt").write_text("new code\n")  # not committed yet: the "device copy" state
+    (clone / "out").mkdir()
+    (clone / "out" / "ignored.json").write_text("{}")  # ignored files are not part of the tree
+    probe = ("import json, sys; sys.path.insert(0, 'benchmarks'); import common; "
+             "print(json.dumps({'meta': {'commit': 'x', 'source_tree': common.source_tree()}}))")
+    run = subprocess.run([sys.executable, "-c", probe], cwd=clone, capture_output=True, text=True, check=True)
+    result = clone / "out" / "result.json"
+    result.write_text(run.stdout)
+    tree = json.loads(run.stdout)["meta"]["source_tree"]
+    assert tree and tree != subprocess.run([*git, "rev-parse", "HEAD^{tree}"], capture_output=True,
+                                           text=True).stdout.strip()
+    assert subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout.count("??") == 1
+    which = [sys.executable, "benchmarks/which_commit.py", str(result)]
+    missing = subprocess.run(which, cwd=clone, capture_output=True, text=True)
+    assert missing.returncode == 1 and "no commit has it" in missing.stdout
+    subprocess.run([*git, "add", "kernel.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "second"], check=True)
+    second = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    found = subprocess.run(which, cwd=clone, capture_output=True, text=True)
+    assert found.returncode == 0 and second in found.stdout and first not in found.stdout
