@@ -11,7 +11,10 @@ through MTraining's own kernels on the striped ring (the baseline of the results
 Qwen2.5-3B attention and MLP shapes (hidden 2048, FFN 11008, 16 query heads / 2 KV groups, head
 dim 128, QKV bias, SwiGLU, RMSNorm) with fewer layers and a small vocabulary
 (flags below). Parses Megatron's "elapsed time per iteration" lines, drops the warm-up
-iterations, and writes one JSON with both runs and their ratio.
+iterations, and writes one JSON with both runs and their ratio. ``--profile-iteration N`` also
+traces iteration N on rank 0 (Megatron's ``--profile --use-pytorch-profiler``) and records where
+its GPU time went (``gpu_time_breakdown``: MTraining's kernels, dense attention, GEMMs, NCCL, the
+rest), the split of a step into attention and everything else that the speedups depend on.
 
     python benchmarks/e2e.py --seq-length 262144 --num-layers 4 --train-iters 8 --out e2e.json
 """
@@ -65,10 +68,66 @@ def training_flags(args, world):
     return flags
 
 
+# Kernel-name fragments of each category of GPU time, checked in this order (ours first: their
+# names contain "attn" too). MTraining's: the attention and approximator kernels and the plan's.
+KERNEL_CATEGORIES = (
+    ("mtraining", ("_vs_attn", "_dq_", "_dkdv", "_delta_kernel", "_column_words", "_vs_masses", "_row_partials",
+                   "mtraining::")),
+    ("dense_attention", ("cudnn", "fmha", "flash", "attn", "sdpa", "softmax")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "wgmma", "sm90_")),
+    ("nccl", ("nccl",)),
+)
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    for category, fragments in KERNEL_CATEGORIES:
+        if any(fragment.lower() in lowered for fragment in fragments):
+            return category
+    return "other"
+
+
+def gpu_time_breakdown(trace_path: str, top: int = 12) -> dict:
+    """GPU kernel milliseconds by category (``KERNEL_CATEGORIES``) and the top kernels, from a
+    torch.profiler chrome trace (.json or .json.gz) of one iteration; memcpy/memset apart."""
+    import gzip
+
+    opener = gzip.open if trace_path.endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    by_category, by_kernel, span = {}, {}, [float("inf"), 0.0]
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        ms = e.get("dur", 0) / 1e3
+        name = e.get("name", "")
+        category = kernel_category(name) if e["cat"] == "kernel" else "memcpy_memset"
+        by_category[category] = by_category.get(category, 0.0) + ms
+        by_kernel[name] = by_kernel.get(name, 0.0) + ms
+        span = [min(span[0], e["ts"]), max(span[1], e["ts"] + e.get("dur", 0))]
+    busy = sum(by_category.values())
+    return {"gpu_busy_ms": busy, "gpu_span_ms": (span[1] - span[0]) / 1e3 if busy else 0.0,
+            "by_category_ms": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
+            "top_kernels_ms": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top])}
+
+
+def profile_flags(args, trace_dir: str):
+    """Megatron's flags that trace iteration ``args.profile_iteration`` on rank 0; the trace lands
+    in ``trace_dir``/torch_profile/rank-0.json.gz (Megatron writes it beside the tensorboard dir)."""
+    if not args.profile_iteration:
+        return []
+    return ["--profile", "--use-pytorch-profiler", "--profile-ranks", "0",
+            "--profile-step-start", str(args.profile_iteration), "--profile-step-end", str(args.profile_iteration + 1),
+            "--tensorboard-dir", os.path.join(trace_dir, "tensorboard")]
+
+
 def run_one(name, extra, args, world, log_dir):
+    import tempfile
+
+    trace_dir = tempfile.mkdtemp(prefix=f"e2e_{name}_")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            os.path.join(REPO, "examples", "pretrain_gpt_mtraining.py"),
-           *model_flags(args), *training_flags(args, world), *extra]
+           *model_flags(args), *training_flags(args, world), *profile_flags(args, trace_dir), *extra]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="4")
     start = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -82,6 +141,14 @@ def run_one(name, extra, args, world, log_dir):
     if proc.returncode == 0 and measured:
         mean_ms = sum(measured) / len(measured)
         row.update(mean_iteration_ms=mean_ms, tokens_per_s=args.seq_length / (mean_ms / 1e3))
+    trace = os.path.join(trace_dir, "torch_profile", "rank-0.json.gz")
+    if args.profile_iteration and os.path.exists(trace):
+        row["profiled_iteration"] = args.profile_iteration
+        row["gpu_time_breakdown"] = gpu_time_breakdown(trace)
+        print(f"{name}: iteration {args.profile_iteration} GPU ms by category",
+              {k: round(v, 1) for k, v in row["gpu_time_breakdown"]["by_category_ms"].items()}, flush=True)
+    elif args.profile_iteration:
+        row["gpu_time_breakdown_error"] = f"no trace at {trace}"
     print(f"{name}: rc={proc.returncode} iteration ms {['%.0f' % t for t in times]}", flush=True)
     if proc.returncode != 0:
         print(log[-3000:], flush=True)
@@ -98,6 +165,8 @@ def main():
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--timeout", type=int, default=300)
     p.add_argument("--runs", default="mtraining,dense")
+    p.add_argument("--profile-iteration", type=int, default=0,
+                   help="trace this iteration on rank 0 and record its GPU time by category (0: off)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     variants = {"mtraining": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "4"],

@@ -22,3 +22,35 @@ def test_unknown_run_is_refused_before_anything_starts():
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "--runs: unknown ['cudnn']" in proc.stderr and "dense_sparse_kernels" in proc.stderr
+
+
+def test_gpu_time_breakdown_sorts_kernels_into_categories(tmp_path):
+    """--profile-iteration's summary of a torch.profiler trace: our kernels (whose names contain
+    "attn" and "sm90" too) count as MTraining's, cuDNN's as dense attention, GEMMs, NCCL, the rest;
+    CPU events and memcpys are kept apart."""
+    import gzip
+    import json
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from e2e import gpu_time_breakdown
+
+    def kernel(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    events = [kernel("_vs_attn_fwd_sm90_kernel", 0, 4000), kernel("_dq_sm90_kernel", 4000, 3000),
+              kernel("mtraining::(anonymous namespace)::kv_kernel(int const*)", 7000, 10),
+              kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 8000, 2000),
+              kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 10000, 1500), kernel("nvjet_hsh_128x256", 11500, 500),
+              kernel("ncclDevKernel_AllReduce_Sum_bf16", 12000, 700),
+              kernel("void at::native::vectorized_elementwise_kernel<4>", 12700, 300),
+              kernel("Memcpy DtoD", 13000, 100, cat="gpu_memcpy"),
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99999}]
+    path = tmp_path / "rank-0.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    got = gpu_time_breakdown(str(path), top=3)
+    assert got["by_category_ms"] == pytest.approx({"mtraining": 7.01, "dense_attention": 2.0, "gemm": 2.0,
+                                                   "nccl": 0.7, "other": 0.3, "memcpy_memset": 0.1})
+    assert got["gpu_busy_ms"] == pytest.approx(12.11) and got["gpu_span_ms"] == pytest.approx(13.1)
+    assert list(got["top_kernels_ms"]) == ["_vs_attn_fwd_sm90_kernel", "_dq_sm90_kernel",
+                                           "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"]
