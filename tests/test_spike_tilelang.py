@@ -146,3 +146,29 @@ def test_plan_walks_exactly_the_index_pairs(block):
     slash_plan = make_plan(index, seq_len, kv_heads, columns=False)
     assert slash_plan.max_cols == 0 and int(slash_plan.col_tiles.sum()) == 0
     assert with_columns(k, slash_plan.col_pos, 0) is k
+
+
+def test_spike_measurer_records_both_passes(tmp_path):
+    """spike_common.measurer, the timing both spikes share: fwd and fwd+bwd milliseconds, their
+    rates on the forward's FLOPs (x3.5 for fwd+bwd), the JSON rewritten after each, and a failing
+    candidate recorded as an error instead of stopping the spike (CPU: wall-clock timing)."""
+    import json
+
+    from spike_common import measurer
+
+    result = {"ms": {}, "tflops": {}}
+    out = tmp_path / "spike.json"
+    measure = measurer(result, torch.device("cpu"), reps=2, out=str(out))
+    q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+    sets = [(q, k, v, torch.randn(1, 2, 8, 4))]
+    measure("toy", lambda q_, k_, v_: (q_ * k_ + v_).tanh(), sets, flops=1e9)
+    assert set(result["ms"]) == {"toy_fwd", "toy_fwdbwd"} and all(ms > 0 for ms in result["ms"].values())
+    assert result["tflops"]["toy_fwdbwd"] == pytest.approx(3.5e9 / (result["ms"]["toy_fwdbwd"] * 1e9))
+    assert json.loads(out.read_text())["ms"] == pytest.approx(result["ms"])
+
+    def broken(q_, k_, v_):
+        raise RuntimeError("no kernel for this shape")
+
+    measure("broken", broken, sets, flops=1e9)
+    assert "no kernel for this shape" in result["ms"]["broken_fwd_error"]
+    assert "broken_fwd" not in result["tflops"]
