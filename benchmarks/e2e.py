@@ -114,8 +114,6 @@ def gpu_time_breakdown(trace_path: str, top: int = 12) -> dict:
 def profile_flags(args, trace_dir: str):
     """Megatron's flags that trace iteration ``args.profile_iteration`` on rank 0; the trace lands
     in ``trace_dir``/torch_profile/rank-0.json.gz (Megatron writes it beside the tensorboard dir)."""
-    if not args.profile_iteration:
-        return []
     return ["--profile", "--use-pytorch-profiler", "--profile-ranks", "0",
             "--profile-step-start", str(args.profile_iteration), "--profile-step-end", str(args.profile_iteration + 1),
             "--tensorboard-dir", os.path.join(trace_dir, "tensorboard")]
@@ -124,10 +122,11 @@ def profile_flags(args, trace_dir: str):
 def run_one(name, extra, args, world, log_dir):
     import tempfile
 
-    trace_dir = tempfile.mkdtemp(prefix=f"e2e_{name}_")
+    trace_dir = tempfile.mkdtemp(prefix=f"e2e_{name}_") if args.profile_iteration else None
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            os.path.join(REPO, "examples", "pretrain_gpt_mtraining.py"),
-           *model_flags(args), *training_flags(args, world), *profile_flags(args, trace_dir), *extra]
+           *model_flags(args), *training_flags(args, world), *(profile_flags(args, trace_dir) if trace_dir else []),
+           *extra]
     env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="4")
     start = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -141,14 +140,15 @@ def run_one(name, extra, args, world, log_dir):
     if proc.returncode == 0 and measured:
         mean_ms = sum(measured) / len(measured)
         row.update(mean_iteration_ms=mean_ms, tokens_per_s=args.seq_length / (mean_ms / 1e3))
-    trace = os.path.join(trace_dir, "torch_profile", "rank-0.json.gz")
-    if args.profile_iteration and os.path.exists(trace):
-        row["profiled_iteration"] = args.profile_iteration
-        row["gpu_time_breakdown"] = gpu_time_breakdown(trace)
-        print(f"{name}: iteration {args.profile_iteration} GPU ms by category",
-              {k: round(v, 1) for k, v in row["gpu_time_breakdown"]["by_category_ms"].items()}, flush=True)
-    elif args.profile_iteration:
-        row["gpu_time_breakdown_error"] = f"no trace at {trace}"
+    if trace_dir:
+        trace = os.path.join(trace_dir, "torch_profile", "rank-0.json.gz")
+        if os.path.exists(trace):
+            row["profiled_iteration"] = args.profile_iteration
+            row["gpu_time_breakdown"] = gpu_time_breakdown(trace)
+            print(f"{name}: iteration {args.profile_iteration} GPU ms by category",
+                  {k: round(v, 1) for k, v in row["gpu_time_breakdown"]["by_category_ms"].items()}, flush=True)
+        else:
+            row["gpu_time_breakdown_error"] = f"no trace at {trace}"
     print(f"{name}: rc={proc.returncode} iteration ms {['%.0f' % t for t in times]}", flush=True)
     if proc.returncode != 0:
         print(log[-3000:], flush=True)

@@ -4,14 +4,36 @@ one candidate into the spike's result."""
 
 from __future__ import annotations
 
+import argparse
+import math
 import traceback
 from typing import Callable, Dict
 
 import torch
 
-from common import median, tflops, time_ms, write_json
-from kernel import FWD_BWD_FLOP_FACTOR, forward_and_backward, forward_only
+from common import median, run_metadata, tflops, time_ms, write_json
+from kernel import FWD_BWD_FLOP_FACTOR, Config, forward_and_backward, forward_only
 from megatron_mtraining.index import VSIndex
+
+
+def spike_arguments(description: str) -> argparse.ArgumentParser:
+    """The options every spike has: the problem's length, repetitions, block sizes, the JSON."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--seq-len", type=int, default=131072)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[128, 64])
+    p.add_argument("--out", default="")
+    return p
+
+
+def spike_start(args, **fields):
+    """(device, cfg, softmax scale, result) of a spike on the canonical shape at ``--seq-len``;
+    the result holds the run's metadata, ``ms``/``tflops`` for ``measurer`` and ``fields``."""
+    device = torch.device("cuda")
+    cfg = Config(seq_lens=[args.seq_len], reps=args.reps)
+    result = dict(meta=run_metadata(device), seq_len=args.seq_len, block_sizes=args.block_sizes, ms={}, tflops={},
+                  **fields)
+    return device, cfg, 1.0 / math.sqrt(cfg.head_dim), result
 
 
 def slash_only(index: VSIndex) -> VSIndex:

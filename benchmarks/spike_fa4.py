@@ -19,8 +19,6 @@ The column part (gathered key columns) has no FA4 form on sm_90 and is left out 
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import sys
 
@@ -29,11 +27,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common import describe_index, relative_l2, run_metadata, write_json  # noqa: E402
+from common import describe_index, relative_l2, write_json  # noqa: E402
 from kernel import Config, dense_attention, expand_kv, forward_and_backward, index_and_inputs, pick_dense  # noqa: E402
 from megatron_mtraining import sparse_attention  # noqa: E402
 from megatron_mtraining.index import VSIndex  # noqa: E402
-from spike_common import attempt, measurer, slash_only  # noqa: E402
+from spike_common import attempt, measurer, slash_only, spike_arguments, spike_start  # noqa: E402
 
 
 def block_lists(index: VSIndex, seq_len: int):
@@ -82,19 +80,11 @@ def causal_mask_mod():
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq-len", type=int, default=131072)
-    p.add_argument("--reps", type=int, default=10)
+    p = spike_arguments(__doc__.splitlines()[0])
     p.add_argument("--check-len", type=int, default=16384, help="sequence length of the correctness check")
-    p.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[128, 64])
     p.add_argument("--skip-dense", action="store_true")
-    p.add_argument("--out", default="")
     args = p.parse_args(argv)
-    device = torch.device("cuda")
-    cfg = Config(seq_lens=[args.seq_len], reps=args.reps)
-    scale = 1.0 / math.sqrt(cfg.head_dim)
-    result = dict(meta=run_metadata(device), seq_len=args.seq_len, block_sizes=args.block_sizes, ms={}, tflops={},
-                  checks={})
+    device, cfg, scale, result = spike_start(args, checks={})
 
     from flash_attn.cute.interface import flash_attn_func
 

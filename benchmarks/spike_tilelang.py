@@ -22,8 +22,6 @@ each kernel alone over (pipeline stages, programs per SM) instead.
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import sys
 import time
@@ -33,10 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common import describe_index, kernel_times_ms, median, relative_l2, run_metadata, time_ms, write_json  # noqa: E402
+from common import describe_index, kernel_times_ms, median, relative_l2, time_ms, write_json  # noqa: E402
 from kernel import Config, forward_and_backward, index_and_inputs  # noqa: E402
 from megatron_mtraining import sparse_attention  # noqa: E402
-from spike_common import attempt, measurer, slash_only  # noqa: E402
+from spike_common import attempt, measurer, slash_only, spike_arguments, spike_start  # noqa: E402
 import tilelang_slash as tls  # noqa: E402
 
 # (num_stages, programs per SM) of the attention kernels. B = 128 programs have 2 consumer
@@ -198,7 +196,7 @@ def sweep(args, cfg, scale, device, result) -> None:
         q, k, v, dout = (x.detach() for x in arg_sets[0])
         b, hq, n, d = q.shape
         kernels = tls.compile_kernels(plan, q.shape, k.shape[1], scale, SWEEP[B])
-        o, lse = tls.forward(q, k, v, plan, scale, SWEEP[B][0])
+        o, lse = tls.forward_pass(q, k, v, plan, scale, SWEEP[B][0])
         delta = torch.empty_like(lse)
         kernels["delta", ()](o, dout, delta)
         cols = (plan.col_pos, plan.col_tiles, plan.col_limit, plan.slash)
@@ -231,20 +229,13 @@ def sweep(args, cfg, scale, device, result) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seq-len", type=int, default=131072)
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--block-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[128, 64])
+    p = spike_arguments(__doc__.splitlines()[0])
     p.add_argument("--check-len", type=int, default=4096, help="sequence length of the checks against the reference")
     p.add_argument("--parts", default="slash,full", help="slash, full, both, or none (the reference checks only)")
     p.add_argument("--sweep", action="store_true", help="each kernel alone over SWEEP's variants instead")
-    p.add_argument("--out", default="")
     args = p.parse_args(argv)
-    device = torch.device("cuda")
-    cfg = Config(seq_lens=[args.seq_len], reps=args.reps)
-    scale = 1.0 / math.sqrt(cfg.head_dim)
-    result = dict(meta=run_metadata(device), seq_len=args.seq_len, block_sizes=args.block_sizes, ms={}, tflops={},
-                  checks={}, compile_s={}, variants={str(B): BEST[B] for B in args.block_sizes})
+    device, cfg, scale, result = spike_start(args, checks={}, compile_s={},
+                                             variants={str(B): BEST[B] for B in args.block_sizes})
     if args.sweep:
         sweep(args, cfg, scale, device, result)
         return 0
@@ -257,11 +248,9 @@ def main(argv=None) -> int:
             slash_part(args, B, cfg, scale, device, result, measure)
         if "full" in parts:
             attempt(result, f"b{B}_full", lambda: full_index(args, B, cfg, scale, device, result, measure))
-        if args.out:
+        if args.out:  # after each block size: a call cut short keeps what it measured
             write_json(args.out, result)
     print({k: v for k, v in result.items() if k != "meta"})
-    if args.out:
-        write_json(args.out, result)
     return 0
 
 

@@ -125,6 +125,19 @@ def consumer_registers(programs: int, consumer_threads: int) -> int:
     return min(240, per_program // consumer_threads // 8 * 8)
 
 
+def _occupancy(T, programs_per_sm, threads):
+    @T.macro
+    def fit_programs_per_sm():
+        """``programs_per_sm`` programs per SM: ``__launch_bounds__(threads, n)`` and the
+        consumers' setmaxnreg lowered to what n programs leave (``consumer_registers``)."""
+        if programs_per_sm > 1:
+            T.annotate_min_blocks_per_sm(programs_per_sm)
+            T.annotate_producer_reg_dealloc(PRODUCER_REGISTERS)
+            T.annotate_consumer_reg_alloc(consumer_registers(programs_per_sm, threads))
+
+    return fit_programs_per_sm
+
+
 def _tile_mask(T, block, acc):
     @T.macro
     def mask_tile(s, col_ok, slash_s, ColPos, ColLimit, bz, h, qb, t, n_slash, kb, tc):
@@ -155,6 +168,7 @@ def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, max_cols, s
     threads = 128 * (block // 64)
     rows = seq + groups * max_cols  # K and V with their heads' gathered columns after the sequence
     dtype, acc = T.bfloat16, T.float32
+    fit_programs_per_sm = _occupancy(T, programs_per_sm, threads)
     mask_tile = _tile_mask(T, block, acc)
 
     @T.macro
@@ -181,10 +195,7 @@ def forward_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, max_cols, s
             Slash: T.Tensor([batch, heads, nb], T.int8),
             O: T.Tensor([batch, heads, seq, dim], dtype), LSE: T.Tensor([batch, heads, seq], acc)):
         with T.Kernel(nb, heads, batch, threads=threads) as (qb, h, bz):
-            if programs_per_sm > 1:  # TileLang's parser needs these statements in the body itself
-                T.annotate_min_blocks_per_sm(programs_per_sm)
-                T.annotate_producer_reg_dealloc(PRODUCER_REGISTERS)
-                T.annotate_consumer_reg_alloc(consumer_registers(programs_per_sm, threads))
+            fit_programs_per_sm()
             q_s = T.alloc_shared([block, dim], dtype)
             k_s = T.alloc_shared([block, dim], dtype)
             v_s = T.alloc_shared([block, dim], dtype)
@@ -268,6 +279,7 @@ def dkdv_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_
     rows = QUERY_TILE
     threads = 128 * (block // 64)
     dtype, acc = T.bfloat16, T.float32
+    fit_programs_per_sm = _occupancy(T, programs_per_sm, threads)
 
     @T.prim_func
     def dkdv(Q: T.Tensor([batch, heads, seq, dim], dtype), K: T.Tensor([batch, kv_heads, seq, dim], dtype),
@@ -276,10 +288,7 @@ def dkdv_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, sm_scale, num_
              Idx: T.Tensor([batch, kv_heads, nb, max_cnt], T.int32), Cnt: T.Tensor([batch, kv_heads, nb], T.int32),
              dK: T.Tensor([batch, kv_heads, seq, dim], dtype), dV: T.Tensor([batch, kv_heads, seq, dim], dtype)):
         with T.Kernel(nb, kv_heads, batch, threads=threads) as (kb, hk, bz):
-            if programs_per_sm > 1:  # TileLang's parser needs these statements in the body itself
-                T.annotate_min_blocks_per_sm(programs_per_sm)
-                T.annotate_producer_reg_dealloc(PRODUCER_REGISTERS)
-                T.annotate_consumer_reg_alloc(consumer_registers(programs_per_sm, threads))
+            fit_programs_per_sm()
             k_s = T.alloc_shared([block, dim], dtype)
             v_s = T.alloc_shared([block, dim], dtype)
             q_s = T.alloc_shared([rows, dim], dtype)
@@ -336,6 +345,7 @@ def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, max_cols, sm_sca
     threads = 128 * (block // 64)
     rows = seq + groups * max_cols  # as the forward's
     dtype, acc = T.bfloat16, T.float32
+    fit_programs_per_sm = _occupancy(T, programs_per_sm, threads)
     mask_tile = _tile_mask(T, block, acc)
 
     @T.prim_func
@@ -347,10 +357,7 @@ def dq_kernel(batch, heads, kv_heads, seq, dim, block, max_cnt, max_cols, sm_sca
            ColLimit: T.Tensor([batch, heads, nb], T.int32), Slash: T.Tensor([batch, heads, nb], T.int8),
            dQ: T.Tensor([batch, heads, seq, dim], dtype)):
         with T.Kernel(nb, heads, batch, threads=threads) as (qb, h, bz):
-            if programs_per_sm > 1:  # TileLang's parser needs these statements in the body itself
-                T.annotate_min_blocks_per_sm(programs_per_sm)
-                T.annotate_producer_reg_dealloc(PRODUCER_REGISTERS)
-                T.annotate_consumer_reg_alloc(consumer_registers(programs_per_sm, threads))
+            fit_programs_per_sm()
             q_s = T.alloc_shared([block, dim], dtype)
             do_s = T.alloc_shared([block, dim], dtype)
             k_s = T.alloc_shared([block, dim], dtype)
@@ -449,7 +456,7 @@ def compile_kernels(plan: Plan, q_shape, kv_heads: int, sm_scale: float, variant
     return {job: f.result() for job, f in futures.items()}
 
 
-def forward(q, k_rows, v_rows, plan: Plan, sm_scale: float, variant=(2, 1)):
+def forward_pass(q, k_rows, v_rows, plan: Plan, sm_scale: float, variant=(2, 1)):
     """(out, lse base 2) with ``k_rows``/``v_rows`` from ``with_columns``."""
     b, hq, n, d = q.shape
     out = torch.empty_like(q)
@@ -464,7 +471,7 @@ def forward_and_dq(q, k, v, dout, plan: Plan, sm_scale: float, variant=(2, 1)):
     """(out, dq) of a plan with columns (no column dK/dV kernel in the spike): the forward, delta
     and dQ kernels on the column rows from ``with_columns``. q, k, v, dout detached."""
     k_rows, v_rows = with_columns(k, plan.col_pos, plan.max_cols), with_columns(v, plan.col_pos, plan.max_cols)
-    out, lse = forward(q, k_rows, v_rows, plan, sm_scale, variant)
+    out, lse = forward_pass(q, k_rows, v_rows, plan, sm_scale, variant)
     args = kernel_args(plan, q.shape, k.shape[1], sm_scale)
     delta = torch.empty_like(lse)
     delta_kernel(*args["delta"])(out, dout, delta)
@@ -482,7 +489,7 @@ class SlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan, sm_scale, variant):
         if plan.max_cols:
             raise NotImplementedError("the spike has no column dK/dV kernel: use a plan without columns")
-        out, lse = forward(q, k, v, plan, sm_scale, variant)
+        out, lse = forward_pass(q, k, v, plan, sm_scale, variant)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.sm_scale, ctx.variant = plan, sm_scale, variant
         return out
