@@ -164,6 +164,11 @@ def test_source_tree_names_the_code_that_ran(tmp_path):
                                            text=True).stdout.strip()
     assert subprocess.run([*git, "status", "--porcelain"], capture_output=True, text=True).stdout.count("??") == 1
     which = [sys.executable, "benchmarks/which_commit.py", str(result)]
+    old_result = clone / "out" / "old.json"  # results from before source_tree: said, not guessed
+    old_result.write_text(json.dumps({"meta": {"commit": "abc1234"}}))
+    old = subprocess.run([sys.executable, "benchmarks/which_commit.py", str(old_result)], cwd=clone,
+                         capture_output=True, text=True)
+    assert old.returncode == 1 and "no source_tree in its meta" in old.stdout
     missing = subprocess.run(which, cwd=clone, capture_output=True, text=True)
     assert missing.returncode == 1 and "no commit has it" in missing.stdout
     subprocess.run([*git, "add", "kernel.txt"], check=True)
