@@ -45,22 +45,36 @@ from common import device_slug, json_ready, run_metadata  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+TELEMETRY_LINE = re.compile(r"\[MTraining\] iteration (\d+) \|")
+
+
+def timed_iterations(times, log, warmup_iters, profile_iteration):
+    """(mean over the plain training iterations, the iterations left out and why). Left out: the
+    warm-up, the iterations MTraining's telemetry logged (``--mtraining-log-interval``: CUDA-event
+    timing and one exchange across ranks, a diagnostic a user runs every N iterations), and with
+    ``--profile-iteration`` the traced iteration and the next one (the profiler writes its trace)."""
+    excluded = {i: "warm-up" for i in range(1, warmup_iters + 1)}
+    excluded.update({int(i): "telemetry" for i in TELEMETRY_LINE.findall(log) if int(i) not in excluded})
+    if profile_iteration:
+        excluded.update({profile_iteration: "profiled", profile_iteration + 1: "trace export"})
+    measured = [t for i, t in enumerate(times, start=1) if i not in excluded]
+    return (sum(measured) / len(measured) if measured else None), {i: excluded[i] for i in sorted(excluded)
+                                                                    if i <= len(times)}
 
 
 def transformer_engine_version():
-    """TE's version when ``transformer_engine.pytorch`` imports here, else None."""
-    try:
-        import transformer_engine
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        return None
-    return transformer_engine.__version__
+    """TE's version when ``transformer_engine.pytorch`` imports, else None. Asked of a child
+    python: importing TE here loads its own cuDNN into this process, which then fails torch's
+    cuDNN version check in ``run_metadata`` (seen with TE 2.20.2 on the GPU machines)."""
+    proc = subprocess.run([sys.executable, "-c", "import transformer_engine as te, transformer_engine.pytorch; "
+                           "print(te.__version__)"], capture_output=True, text=True)
+    return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else None
 
 
-def resolve_transformer_impl(requested: str) -> str:
+def resolve_transformer_impl(requested: str, te_version) -> str:
     if requested == "auto":
-        return "transformer_engine" if transformer_engine_version() else "local"
-    if requested == "transformer_engine" and not transformer_engine_version():
+        return "transformer_engine" if te_version else "local"
+    if requested == "transformer_engine" and not te_version:
         raise SystemExit("--transformer-impl transformer_engine: Transformer Engine does not import here")
     return requested
 
@@ -168,13 +182,10 @@ def run_one(name, extra, args, world, log_dir):
     with open(os.path.join(log_dir, f"e2e_{name}.log"), "w") as f:
         f.write(" ".join(cmd) + "\n\n" + log)
     times = [float(x) for x in ITERATION_MS.findall(log)]
-    # The profiled iteration runs under the tracer: left out of the mean.
-    measured = [t for i, t in enumerate(times, start=1)
-                if i > args.warmup_iters and i != args.profile_iteration]
+    mean_ms, excluded = timed_iterations(times, log, args.warmup_iters, args.profile_iteration)
     row = {"name": name, "flags": extra, "returncode": proc.returncode, "wall_s": time.time() - start,
-           "iteration_ms": times}
-    if proc.returncode == 0 and measured:
-        mean_ms = sum(measured) / len(measured)
+           "iteration_ms": times, "excluded_iterations": excluded}
+    if proc.returncode == 0 and mean_ms:
         row.update(mean_iteration_ms=mean_ms, tokens_per_s=args.seq_length / (mean_ms / 1e3))
     if trace_dir:
         trace = os.path.join(trace_dir, "torch_profile", "rank-0.json.gz")
@@ -209,17 +220,19 @@ def main():
                    help="trace this iteration on rank 0 and record its GPU time by category (0: off)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    args.transformer_impl = resolve_transformer_impl(args.transformer_impl)
+    te_version = transformer_engine_version()
+    args.transformer_impl = resolve_transformer_impl(args.transformer_impl, te_version)
     te = args.transformer_impl == "transformer_engine"
     if args.fp8 and not te:
         raise SystemExit("--fp8 needs Transformer Engine layers (TE's FP8 linear layers)")
     if args.runs is None:
         args.runs = "te_cp,mtraining" if te else "mtraining,dense"
-    variants = {"te_cp": ["--cp-comm-type", "p2p"],"mtraining": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "4"],
+    variants = {"te_cp": ["--cp-comm-type", "p2p"],
+                "mtraining": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "5"],
                 "dense": ["--mtraining", "--mtraining-index", "dense", "--mtraining-layout", "zigzag",
                           "--no-mtraining-deterministic"],
                 "dense_sparse_kernels": ["--mtraining", "--mtraining-index", "dense"],
-                "mtraining_b128": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "4",
+                "mtraining_b128": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "5",
                                    "--mtraining-block-size", "128"]}
     unknown = [name for name in args.runs.split(",") if name not in variants]
     if unknown:
@@ -237,7 +250,7 @@ def main():
               "model": {"num_layers": args.num_layers, "hidden": 2048, "ffn": 11008, "heads": 16, "kv_groups": 2,
                         "head_dim": 128, "vocab": args.vocab_size, "shape_of": "Qwen2.5-3B (fewer layers)"},
               "seq_length": args.seq_length, "recompute": args.recompute, "fp8": args.fp8,
-              "transformer_impl": args.transformer_impl, "transformer_engine": transformer_engine_version(),
+              "transformer_impl": args.transformer_impl, "transformer_engine": te_version,
               "runs": rows}
     baseline = "te_cp" if "te_cp" in by_name else "dense"
     if by_name.get(baseline, {}).get("tokens_per_s"):  # every run against the baseline

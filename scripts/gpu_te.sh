@@ -56,7 +56,7 @@ print('TE', te.__version__, 'megatron-core', mc.__version__, '->', c(required=Tr
     equivalence) timeout 580 "$PY" scripts/check_te_equivalence.py --out "$OUT/te_equivalence_${DEVICE_SLUG}.json" \
         2>&1 | tee "$OUT/equivalence.log" | grep -E "^(run|pair|RESULT|wrote)" ;;
     e2e|e2e_fp8) timeout 580 "$PY" benchmarks/e2e.py --seq-length 262144 --runs te_cp,mtraining \
-        ${E2E_ARGS:-} $([ "$stage" = e2e_fp8 ] && echo --fp8) --train-iters 10 --profile-iteration 9 \
+        ${E2E_ARGS:-} $([ "$stage" = e2e_fp8 ] && echo --fp8) --train-iters 12 --profile-iteration 11 \
         --out "$OUT/e2e_te${stage#e2e}_${DEVICE_SLUG}_$(nvidia-smi -L | wc -l)gpu.json" 2>&1 | tee "$OUT/$stage.log" \
         | grep -E "rc=|speedup|tokens/s|wrote" ;;
     e2e_4gpu|e2e_fp8_4gpu) timeout 580 "$PY" benchmarks/e2e.py --seq-length 524288 --runs te_cp,mtraining \
