@@ -7,7 +7,7 @@ so that they cannot drift apart. From the parsed Megatron arguments it
    and runs the start-up validation (``patches.validate_megatron_config``: sequence length,
    attention dropout, hierarchical or hybrid CP, packed or per-document masking, MTP with CP,
    Transformer Engine CP options) on the parsed arguments, whose names match megatron-core's
-   ``TransformerConfig`` fields,
+   ``TransformerConfig`` fields, and, on TE layers, the TE version (``transformer_engine.py``),
 2. calls ``patches.install(config)`` (striped batch split, RoPE slicing),
 3. turns on the training telemetry when ``--mtraining-log-interval`` > 0,
 
@@ -21,6 +21,7 @@ from typing import Callable
 
 from ..config import MTrainingConfig
 from . import patches, telemetry
+from .transformer_engine import check_transformer_engine
 from .args import integration_options
 from .spec import get_gpt_layer_spec
 
@@ -44,6 +45,8 @@ def enable_mtraining(args) -> Callable:
     config = MTrainingConfig.from_args(args)
     options = integration_options(args)
     patches.validate_megatron_config(args, config, seq_length=getattr(args, "seq_length", None))
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        check_transformer_engine(required=True)
     patches.install(config)
     if options["log_interval"] > 0:
         telemetry.enable_telemetry(options["log_interval"])
