@@ -90,3 +90,25 @@ def test_the_check_fails_on_a_missing_document(tmp_path):
     assert [m.group(1) for m in DOCS_CITATION.finditer(text)] == ["no-such-page.md"]
     assert not os.path.isfile(os.path.join(REPO, "docs", "no-such-page.md"))
     assert OLD_CARD.search(text) and not OLD_CARD.search("docs/design.md")
+
+
+def _expand_braces(name):
+    """``a_{x,y}_b.json`` -> [a_x_b.json, a_y_b.json] (one level, as the docs write them)."""
+    m = re.search(r"\{([^{}]*)\}", name)
+    if not m:
+        return [name]
+    return [n for alt in m.group(1).split(",") for n in _expand_braces(name[:m.start()] + alt + name[m.end():])]
+
+
+def test_performance_record_cites_results_in_the_tree():
+    """docs/performance.md names result files without their folder; those not marked † (removed,
+    read from git) must be in benchmarks/results/, so a reader can open the evidence."""
+    import glob
+    text = read(os.path.join(REPO, "docs", "performance.md"))
+    cited = re.findall(r"`([\w.*{},-]+\.(?:json|png))`(†?)", text)
+    assert len(cited) > 10
+    results = os.path.join(REPO, "benchmarks", "results")
+    missing = [name for name, removed in cited if not removed
+               for pattern in _expand_braces(name) if not glob.glob(os.path.join(results, pattern))]
+    assert not missing, "cited in docs/performance.md but not in benchmarks/results/ (mark removed ones †):\n" \
+        + "\n".join(missing)
