@@ -15,7 +15,7 @@ Communication is independent of the sequence length per rank except for the slas
 values per head) and each rank's top ``max_vertical`` column candidates (all-gather). No host
 synchronisation; every shape is fixed by the inputs and the config.
 
-Packed documents (``cu_seqlens``, DESIGN.md section 1): a query only sees its own document, so
+Packed documents (``cu_seqlens``, docs/design.md §1): a query only sees its own document, so
 the last queries of the sequence say nothing about the other documents. Instead, every document
 longer than one block (``block_size`` tokens) is scored by ITS OWN last ``last_q`` queries (all
 of them if it is shorter), against its own keys only, causal by global position:

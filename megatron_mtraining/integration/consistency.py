@@ -1,7 +1,7 @@
 """Cross-rank consistency checks: the context-parallel ranks must agree on flags and index.
 
 Every CP rank of a layer must run with the same MTraining settings and build the same
-``VSIndex`` (DESIGN.md section 2): the ring, the per-step index conversion and the
+``VSIndex`` (docs/design.md §2): the ring, the per-step index conversion and the
 approximator's collectives all assume it. Ranks that disagree would otherwise hang in a
 collective of another size or silently compute a different function on each rank.
 

@@ -1,7 +1,7 @@
 """Hopper (sm_90) forward of vertical-slash attention, in Gluon: the Triton forward's function,
 plan and interface (``vs_attention_fwd_triton``), with the tensor cores kept busy.
 
-Why a second kernel (benchmarks/NOTES.md, issue 17, spikes M1 and M10): Triton's forward runs
+Why a second kernel (docs/performance.md, "Is the forward bound by moving K/V?"): Triton's forward runs
 QK^T -> softmax -> PV one after the other in its single warpgroup, so the tensor cores idle while
 exp2 runs. Here one warpgroup issues S_t = Q K_t^T and O += P_{t-1} V_{t-1} as two asynchronous
 wgmma groups, waits for the scores only, and runs tile t's softmax while the tensor cores run

@@ -211,7 +211,7 @@ def _dkdv_kernel(
                                                    stride_on, stride_lb, stride_lh, INT64, UPCAST)
                 # Masked on every tile: a branch to two copies of the tile's code (unmasked off the
                 # diagonal) made this kernel twice as slow on an H200, and a branch around the mask
-                # alone 9% slower (more spills; NOTES, sessions 5 and 6).
+                # alone 9% slower (more spills; docs/performance.md).
                 # (DOCS: the key must also lie in the query's document.)
                 q_doc = _document_starts(DocStart, q_pos, DOCS)
                 p_t = tl.where(_token_mask_t(k_pos, q_pos, q_doc, DOCS), _probs_t(k, q, lse2, qk_scale, DOT_PRECISION),
@@ -324,7 +324,7 @@ def vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_s
     ``kernels="hopper"`` runs the Hopper kernels of ``hopper_bwd`` instead (sm_90; the caller
     checks ``step.backward_kernel``): the same work split, partials and reduction. dQ and the
     key-block dK/dV go to them only at B = 128 (``HOPPER_SLASH_BLOCK``), where a program holds
-    a whole index block; at B = 64 Triton's are as fast or faster (NOTES, session 12).
+    a whole index block; at B = 64 Triton's are as fast or faster (docs/performance.md).
 
     ``lse`` and ``delta`` (fp32 ``[b, hq, nq]``, same strides) belong to the FINAL output.
     """

@@ -113,7 +113,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
                           layout: str = "striped", inner_size: Optional[int] = None,
                           softmax_scale: Optional[float] = None, backend: str = "auto",
                           cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Vertical-slash sparse attention across the context-parallel ``group`` (DESIGN.md 3-4).
+    """Vertical-slash sparse attention across the context-parallel ``group`` (docs/design.md §3-4).
 
     q ``[b, hq, n_local, d]`` and k/v ``[b, hkv, n_local, d]`` hold this rank's tokens in the
     ``layout``'s local order ("striped" or "zigzag"); ``index`` is the same global ``VSIndex`` on
