@@ -303,7 +303,7 @@ def measure(smoke: bool) -> Dict:
     else:
         device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
     if smoke:
-        seq_lens, densities, B, heads, kv, d, dtype = [256, 512], [0.1, 0.3], 16, 4, 2, 32, torch.float32
+        seq_lens, densities, B, heads, kv, d, dtype = [512, 1024], [0.2, 0.4], 64, 4, 2, 32, torch.float32
         backend, warmup, reps = "torch", 1, 2
     else:
         seq_lens, densities, B, heads, kv, d, dtype = [32768, 65536, 131072], [0.025, 0.05, 0.1], 64, 16, 2, 128, torch.bfloat16

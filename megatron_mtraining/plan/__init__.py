@@ -1,7 +1,7 @@
 """A step-time model and planner for context-parallel training with MTraining (``docs/scaling.md``).
 
-``python -m megatron_mtraining.plan --help``. A leaf of the package: nothing else imports it, and it
-imports neither torch nor the rest of the package, so it runs anywhere.
+``python -m megatron_mtraining.plan --help``. A leaf of the package: nothing else imports it, and it imports
+neither torch nor the rest of the package (the package's own ``__init__`` still loads torch).
 """
 
 from .model import (Cluster, ModelShape, Prediction, Workload, approximator_ms, memory_estimate, plan, predict_dense_a2a_p2p,

@@ -321,7 +321,8 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
     grad_bytes = 2 * n_local * shape.kv_groups * d * FP32 * b  # dK/dV travel in fp32
     # The backward adds the arriving partial dK/dV to its own (fp32, read 2 write 1) and zeroes its own.
     add_ms = 3 * grad_bytes / (profile.hbm_gbps * 1e9) * 1e3
-    bwd_step += grad_bytes / (profile.hbm_gbps * 1e9) * 1e3
+    zero_ms = grad_bytes / (profile.hbm_gbps * 1e9) * 1e3
+    bwd_step += zero_ms
     link = _link_fn(cluster, profile)
     nbytes = {"kv": kv_bytes, "grad": grad_bytes}
     fwd = simulate_ring(W, inner, [fwd_step] * W, nbytes, link)
@@ -329,8 +330,8 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
     compute = W * (fwd_step + bwd_step)
     adds = (W - 1) * add_ms if W > 1 else 0.0
     exposed = max(0.0, fwd + bwd - compute - adds)
-    fixed = W * kernel_scale * (profile.sparse_fwd.per_call + profile.sparse_bwd.per_call
-                                + (profile.sparse_fwd.per_item + profile.sparse_bwd.per_item) * items)
+    fixed = W * (zero_ms + kernel_scale * (profile.sparse_fwd.per_call + profile.sparse_bwd.per_call
+                                           + (profile.sparse_fwd.per_item + profile.sparse_bwd.per_item) * items))
     approx = approximator_ms(shape, work, W, cluster, profile)
     rest, head = rest_of_layer_ms(shape, n_local * b, profile)
     layer = fwd + bwd + approx + rest
