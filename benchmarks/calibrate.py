@@ -281,7 +281,7 @@ def _rounded(obj):
 # ----------------------------------------------------------------------------------------------
 
 
-def measure(smoke: bool) -> Dict:
+def measure(smoke: bool, block_size: int = 64) -> Dict:
     """Every primitive measured on this machine's GPU (or tiny shapes on the CPU with --smoke)."""
     import torch
     import torch.distributed as dist
@@ -306,7 +306,9 @@ def measure(smoke: bool) -> Dict:
         seq_lens, densities, B, heads, kv, d, dtype = [512, 1024], [0.2, 0.4], 64, 4, 2, 32, torch.float32
         backend, warmup, reps = "torch", 1, 2
     else:
-        seq_lens, densities, B, heads, kv, d, dtype = [32768, 65536, 131072], [0.025, 0.05, 0.1], 64, 16, 2, 128, torch.bfloat16
+        # 8K-128K: the small lengths pin the per-call and per-item costs that decide 32-64 GPUs.
+        seq_lens, densities = [8192, 16384, 32768, 65536, 131072], [0.025, 0.05, 0.1]
+        B, heads, kv, d, dtype = block_size, 16, 2, 128, torch.bfloat16
         backend, warmup, reps = "auto", 3, 10
     result = {"meta": run_metadata(device), "smoke": smoke, "block_size": B, "sparse": [], "dense": []}
     rank0 = not distributed or dist.get_rank() == 0
@@ -351,7 +353,7 @@ def measure(smoke: bool) -> Dict:
             result["dense"].append({"seq_len": S, "items": 0.0, "tiles": S * (S + 1) / 2 * heads / B ** 2,
                                     "fwd": f, "bwd": max(fb - f, 1e-6)})
         S = seq_lens[-1]
-        config = MTrainingConfig(block_size=B, dense_max_seq_length=0) if smoke else MTrainingConfig()
+        config = MTrainingConfig(block_size=B, dense_max_seq_length=0) if smoke else MTrainingConfig(block_size=B)
         q, k = rand(heads, S), rand(kv, S)
         ms = median(time_ms(lambda: approximate_index(q, k, config, backend=backend), [()], device, warmup, reps))
         result["approximator"] = {"seq_len": S, "heads": heads, "ms": ms}
@@ -467,6 +469,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="with --gpu: tiny fp32 shapes on the CPU (tests the script)")
     p.add_argument("--out", default=None, help="--from-results: folder for the profiles (default: the package's); "
                                                "--gpu: the profile JSON (default: a temporary file)")
+    p.add_argument("--block-size", type=int, default=64, choices=(64, 128), help="--gpu: index block size")
     p.add_argument("--name", default=None, help="--gpu: profile name (default: the device's, e.g. nvidia-h100)")
     args = p.parse_args(argv)
     if args.smoke and not args.gpu:
@@ -478,7 +481,7 @@ def main(argv=None) -> int:
             write_profile(profile, path)
             print(f"wrote {path}")
         return 0
-    measured = measure(args.smoke)
+    measured = measure(args.smoke, args.block_size)
     if "sparse" not in measured or not measured["sparse"]:
         return 0  # ranks other than 0
     profile = profile_from_measurement(measured, args.name)

@@ -248,26 +248,57 @@ def scaling_tables(profile_name: str = "nvidia-h100", density: float = 0.05) -> 
     shape = ModelShape()
     out = []
     for S in (524288, 1048576):
-        out.append(f"\n{S // 1024}K tokens, density {density:g}, {profile.name}, nodes of 8, 50 GB/s / 5 us between nodes\n")
-        out.append("| GPUs | MTraining flat | best hierarchical | TE p2p (dense) | TE a2a+p2p (dense) | best / dense | "
-                   "what limits the best | memory (no recompute / full) GiB |")
-        out.append("|---|---|---|---|---|---|---|---|")
-        for W in (8, 16, 32, 64):
-            r = plan(shape, Workload(S, density), Cluster(W, 8, inter_gbps=50.0, inter_latency_us=5.0), profile)
+        rows = [plan(shape, Workload(S, density), Cluster(W, 8, inter_gbps=50.0, inter_latency_us=5.0), profile)
+                for W in (8, 16, 32, 64)]
+        out.append(f"\n**{S // 1024}K tokens**, density {density:g}, {profile.name}, nodes of 8, 50 GB/s and 5 us "
+                   "per GPU between nodes; tokens/s of the whole step (36 layers)\n")
+        out.append("| GPUs | tokens / GPU | recompute | MTraining flat | best hierarchical | TE p2p | TE a2a+p2p | "
+                   "best MTraining / best dense | memory GiB (none / full recompute) |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            W = r["cluster"]["gpus"]
             preds = {p["name"]: p for p in r["predictions"]}
             hier = [p for p in r["predictions"] if p["name"].startswith("mtraining_hier")]
-            best_hier = min(hier, key=lambda p: p["step_ms"]) if hier else None
-            rec = r["recommendation"]
-            mem = r["memory"]
+            best_hier = min(hier, key=lambda p: p["step_ms"])
+            rec, mem = r["recommendation"], r["memory"]
 
             def tps(p):
                 return f"{p['tokens_per_s'] / 1e3:.1f}K" if p else "-"
-            hier_cell = f"{tps(best_hier)} (inner {best_hier['inner']})" if best_hier else "-"
-            out.append(f"| {W} | {tps(preds['mtraining_flat'])} | {hier_cell} | {tps(preds.get('dense_te_p2p'))} | "
+            fits = "" if rec["fits"] else ", does not fit"
+            out.append(f"| {W} | {S // W // 1024}K | {rec['recompute']}{fits} | {tps(preds['mtraining_flat'])} | "
+                       f"{tps(best_hier)} (inner {best_hier['inner']}) | {tps(preds.get('dense_te_p2p'))} | "
                        f"{tps(preds.get('dense_te_a2a_p2p'))} | {rec['speedup_over_best_dense']:.2f}x | "
-                       f"{rec['configuration']}: {rec['limited_by']} | "
                        f"{mem['no_recompute_gib']:.0f} / {mem['full_recompute_gib']:.0f} |")
+        out.append("\nPer layer and GPU, ms (forward + backward; the recompute's extra forward not included):\n")
+        out.append("| GPUs | configuration | attention | of which fixed costs | of which exposed comm | approximator | "
+                   "rest of layer | limited by |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            W = r["cluster"]["gpus"]
+            preds = {p["name"]: p for p in r["predictions"]}
+            best = preds[r["recommendation"]["configuration"]]
+            chosen = [preds["mtraining_flat"]] + ([best] if best["name"] != "mtraining_flat" else []) + \
+                [min((p for p in r["predictions"] if p["method"] == "dense"), key=lambda p: p["step_ms"])]
+            for p in chosen:
+                out.append(f"| {W} | {p['name']} | {p['attention_ms']:.1f} | {p['fixed_cost_ms']:.1f} | "
+                           f"{p['exposed_comm_ms']:.1f} | {p['approximator_ms']:.2f} | {p['rest_of_layer_ms']:.1f} | "
+                           f"{p['limit']} |")
     return "\n".join(out)
+
+
+def pending_slow_links(profile_name: str = "nvidia-h200") -> str:
+    """Predictions for the slow-link runs issue 32 asks for (12.5 and 50 GB/s: 100 and 400 Gb/s
+    InfiniBand), 4 GPUs in emulated nodes of 2, 512K, current kernels: to check once measured."""
+    profile = load_profile(profile_name)
+    lines = ["| emulated link | flat ms | hierarchical (inner 2) ms | flat exposed comm | hierarchical exposed comm |",
+             "|---|---|---|---|---|"]
+    for gbps in (1.0, 2.0, 12.5, 50.0):
+        cluster = Cluster(4, 2, inter_gbps=gbps, inter_latency_us=0.0)
+        flat = predict_mtraining(RING_SHAPE, Workload(524288, 0.05), cluster, profile)
+        hier = predict_mtraining(RING_SHAPE, Workload(524288, 0.05), cluster, profile, inner=2)
+        lines.append(f"| {gbps:g} GB/s | {flat.attention_ms:.1f} | {hier.attention_ms:.1f} | {flat.exposed_comm_ms:.1f} | "
+                     f"{hier.exposed_comm_ms:.1f} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -283,6 +314,8 @@ def main(argv=None) -> int:
     print(f"wrote {args.out}")
     if args.scaling:
         print(scaling_tables())
+        print()
+        print(pending_slow_links())
     return 0
 
 
