@@ -128,7 +128,8 @@ def kernel_points(results_dir: str) -> Tuple[List[Dict], List[Dict], List[str]]:
             sparse.append({"source": "packed_nvidia-h200.json", "seq_len": run["seq_len"], "items": items,
                            "tiles": pairs / cfg["block_size"] ** 2, "fwd": work["fwd_ms"],
                            "bwd": work["fwdbwd_ms"] - work["fwd_ms"]})
-    sources.append(f"benchmarks/results/packed_nvidia-h200.json (unpacked_equal_work; commit {d['meta'].get('commit')})")
+    sources.append("benchmarks/results/packed_nvidia-h200.json (unpacked_equal_work; "
+                   f"commit {d['meta'].get('commit')})")
     return sparse, dense, sources
 
 
@@ -233,9 +234,11 @@ def _profile(name, device, sparse_fwd, sparse_bwd, dense_fwd, dense_bwd, approx_
     return {
         "name": name, "device": device, "memory_gib": SPEC[name]["memory_gib"], "hbm_gbps": SPEC[name]["hbm_gbps"],
         "sparse": {"block_size": 64, "fwd": sparse_fwd["cost"], "bwd": sparse_bwd["cost"],
-                   "fit_max_abs_rel_error": {"fwd": sparse_fwd["max_abs_rel_error"], "bwd": sparse_bwd["max_abs_rel_error"]}},
+                   "fit_max_abs_rel_error": {"fwd": sparse_fwd["max_abs_rel_error"],
+                                             "bwd": sparse_bwd["max_abs_rel_error"]}},
         "dense": {"kernel": "cuDNN SDPA (causal, GQA)", "fwd": dense_fwd["cost"], "bwd": dense_bwd["cost"],
-                  "fit_max_abs_rel_error": {"fwd": dense_fwd["max_abs_rel_error"], "bwd": dense_bwd["max_abs_rel_error"]}},
+                  "fit_max_abs_rel_error": {"fwd": dense_fwd["max_abs_rel_error"],
+                                            "bwd": dense_bwd["max_abs_rel_error"]}},
         "approximator": {"ms_per_token_head": approx_rate, "collectives": APPROX_COLLECTIVES},
         "p2p": {"intra_gbps": INTRA_GBPS_DOCUMENTED, "intra_latency_us": INTRA_LATENCY_US_ASSUMED},
         "rest_of_layer": {"gemm_tflops": gemm_tflops, "elementwise_ns_per_token_layer": elementwise,
@@ -346,7 +349,8 @@ def measure(smoke: bool, block_size: int = 64) -> Dict:
                     torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
             def dense_fwdbwd():
-                torch.nn.functional.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=True).sum().backward()
+                out = torch.nn.functional.scaled_dot_product_attention(qe, ke, ve, is_causal=True, enable_gqa=True)
+                out.sum().backward()
 
             f = median(time_ms(lambda: dense_fwd(), [()], device, warmup, reps))
             fb = median(time_ms(lambda: dense_fwdbwd(), [()], device, warmup, reps))
@@ -442,11 +446,12 @@ def profile_from_measurement(m: Dict, name: Optional[str] = None) -> Dict:
     spec = SPEC.get(name, {"memory_gib": m.get("memory_gib", 80.0), "hbm_gbps": 3350.0})
     p2p = m.get("p2p")
     heads = m["approximator"]["heads"]
+    # Short calls (8K+) identify cuDNN's per-call cost; with two lengths or fewer, tiles only.
+    dense_features = ("per_call", "per_tile") if len(m["dense"]) > 2 else ("per_tile",)
     profile = _profile(
         name if name in SPEC else "nvidia-h100", m["meta"]["device"],
         fit_cost(m["sparse"], "fwd"), fit_cost(m["sparse"], "bwd"),
-        fit_cost(m["dense"], "fwd", ("per_call", "per_tile")) if len(m["dense"]) > 2 else fit_cost(m["dense"], "fwd", ("per_tile",)),
-        fit_cost(m["dense"], "bwd", ("per_call", "per_tile")) if len(m["dense"]) > 2 else fit_cost(m["dense"], "bwd", ("per_tile",)),
+        fit_cost(m["dense"], "fwd", dense_features), fit_cost(m["dense"], "bwd", dense_features),
         m["approximator"]["ms"] / (m["approximator"]["seq_len"] * heads),
         m["rest_of_layer"]["gemm_tflops"], m["rest_of_layer"]["elementwise_ns_per_token_layer"],
         [f"measured by benchmarks/calibrate.py --gpu at commit {m['meta'].get('commit')}"],
@@ -485,7 +490,8 @@ def main(argv=None) -> int:
     if "sparse" not in measured or not measured["sparse"]:
         return 0  # ranks other than 0
     profile = profile_from_measurement(measured, args.name)
-    path = args.out or os.path.join(tempfile.gettempdir(), f"profile_{profile['name']}{'_smoke' if args.smoke else ''}.json")
+    suffix = "_smoke" if args.smoke else ""
+    path = args.out or os.path.join(tempfile.gettempdir(), f"profile_{profile['name']}{suffix}.json")
     write_profile(profile, path)
     print(f"wrote {path}")
     return 0

@@ -29,7 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -104,8 +104,9 @@ def ring_cases(profile, gens, reference_ms) -> List[Dict]:
         for run in d["runs"]:
             W, S = run["world_size"], run["seq_len"]
             # Emulated nodes of inner_size GPUs over the slow link; otherwise one node of NVLink.
-            cluster = (Cluster(W, cfg["inner_size"], inter_gbps=link, inter_latency_us=cfg.get("slow_link_latency_us", 0.0))
-                       if link else Cluster(W, max(W, 1)))
+            latency = cfg.get("slow_link_latency_us", 0.0)
+            cluster = (Cluster(W, cfg["inner_size"], inter_gbps=link, inter_latency_us=latency) if link
+                       else Cluster(W, W))
             work = Workload(S, run["index"]["density_mean"])
             for variant, section in run["variants"].items():
                 measured = section.get("fwdbwd_ms")
@@ -114,14 +115,16 @@ def ring_cases(profile, gens, reference_ms) -> List[Dict]:
                 if variant in ("sparse_striped", "sparse_zigzag"):
                     p = predict_mtraining(RING_SHAPE, work, cluster, profile, kernel_scale=scale)
                 elif variant == "sparse_striped_hier":
-                    p = predict_mtraining(RING_SHAPE, work, cluster, profile, inner=cfg["inner_size"], kernel_scale=scale)
+                    p = predict_mtraining(RING_SHAPE, work, cluster, profile, inner=cfg["inner_size"],
+                                          kernel_scale=scale)
                 elif variant in ("dense_zigzag", "torch_native_cp"):
                     p = predict_dense_p2p(RING_SHAPE, work, cluster, profile, grad_bytes_per_value=4)
                 else:
                     continue
                 note = ("zigzag predicted as the balanced (striped) ring" if variant == "sparse_zigzag" else "")
                 cases.append({"kind": "ring", "source": name, "variant": variant, "gpus": W, "seq_len": S,
-                              "slow_link_gbps": link, "kernel_generation": gen["code_commit"] if "sparse" in variant else "cuDNN",
+                              "slow_link_gbps": link,
+                              "kernel_generation": gen["code_commit"] if "sparse" in variant else "cuDNN",
                               "kernel_scale": scale if "sparse" in variant else 1.0,
                               "measured_ms": measured, "predicted_ms": p.attention_ms,
                               "predicted_exposed_comm_ms": p.exposed_comm_ms, "note": note})
@@ -198,7 +201,8 @@ def validate() -> Dict:
     h200 = profiles["nvidia-h200"]
     gens = kernel_generations()
     reference_ms = h200.kernel_generation["kernel_128k_fwdbwd_ms"]
-    cases = ring_cases(h200, gens, reference_ms) + approx_cases(h200, gens, reference_ms) + e2e_cases(profiles, gens, reference_ms)
+    cases = (ring_cases(h200, gens, reference_ms) + approx_cases(h200, gens, reference_ms)
+             + e2e_cases(profiles, gens, reference_ms))
     for c in cases:
         c["error"] = c["predicted_ms"] / c["measured_ms"] - 1
         c.setdefault("role", "prediction")
@@ -228,7 +232,8 @@ def table(result: Dict) -> str:
     for c in result["cases"]:
         link = f"{c['slow_link_gbps']:g} GB/s" if c.get("slow_link_gbps") else "NVLink"
         role = " (calibration)" if c["role"] == "calibration" else (" (*)" if c.get("outside_model") else "")
-        lines.append(f"| {c['source'].replace('.json', '')} | {c['variant']}{role} | {c['gpus']} | {c['seq_len'] // 1024}K | "
+        lines.append(f"| {c['source'].replace('.json', '')} | {c['variant']}{role} | {c['gpus']} | "
+                     f"{c['seq_len'] // 1024}K | "
                      f"{link} | {c.get('kernel_generation', '')} | {c['measured_ms']:.1f} | {c['predicted_ms']:.1f} | "
                      f"{100 * c['error']:+.1f}% |")
     lines.append("")
@@ -296,7 +301,8 @@ def pending_slow_links(profile_name: str = "nvidia-h200") -> str:
         cluster = Cluster(4, 2, inter_gbps=gbps, inter_latency_us=0.0)
         flat = predict_mtraining(RING_SHAPE, Workload(524288, 0.05), cluster, profile)
         hier = predict_mtraining(RING_SHAPE, Workload(524288, 0.05), cluster, profile, inner=2)
-        lines.append(f"| {gbps:g} GB/s | {flat.attention_ms:.1f} | {hier.attention_ms:.1f} | {flat.exposed_comm_ms:.1f} | "
+        lines.append(f"| {gbps:g} GB/s | {flat.attention_ms:.1f} | {hier.attention_ms:.1f} | "
+                     f"{flat.exposed_comm_ms:.1f} | "
                      f"{hier.exposed_comm_ms:.1f} |")
     return "\n".join(lines)
 

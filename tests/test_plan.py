@@ -55,7 +55,8 @@ def test_more_bandwidth_is_never_slower(gpus, seq_len, inner):
 
 def test_more_latency_is_never_faster():
     work = Workload(524288, 0.05)
-    steps = [predict_mtraining(QWEN, work, Cluster(32, 8, inter_latency_us=lat), H100).step_ms for lat in (0, 5, 50, 500)]
+    steps = [predict_mtraining(QWEN, work, Cluster(32, 8, inter_latency_us=lat), H100).step_ms
+             for lat in (0, 5, 50, 500)]
     assert steps == sorted(steps) and steps[-1] > steps[0]
 
 
@@ -64,7 +65,9 @@ def test_dense_compute_scales_with_causal_pairs():
     a = predict_dense_p2p(QWEN, Workload(262144, 1.0), cluster, H200)
     b = predict_dense_p2p(QWEN, Workload(1048576, 1.0), cluster, H200)
     pairs = (1048576 * 1048577) / (262144 * 262145)
-    assert (b.attention_compute_ms - b.fixed_cost_ms) / (a.attention_compute_ms - a.fixed_cost_ms) == pytest.approx(pairs)
+    def work(p):
+        return p.attention_compute_ms - p.fixed_cost_ms
+    assert work(b) / work(a) == pytest.approx(pairs)
     # The same work per GPU: doubling GPUs halves the dense compute (a2a+p2p does the same pairs).
     c = predict_dense_p2p(QWEN, Workload(1048576, 1.0), Cluster(16, 8), H200)
     assert c.attention_compute_ms - c.fixed_cost_ms == pytest.approx((b.attention_compute_ms - b.fixed_cost_ms) / 2)
@@ -77,7 +80,9 @@ def test_sparse_work_scales_with_density_and_fixed_costs_do_not():
     low = predict_mtraining(QWEN, Workload(524288, 0.025), cluster, H100)
     high = predict_mtraining(QWEN, Workload(524288, 0.1), cluster, H100)
     assert low.fixed_cost_ms == high.fixed_cost_ms > 0
-    assert (high.attention_compute_ms - high.fixed_cost_ms) == pytest.approx(4 * (low.attention_compute_ms - low.fixed_cost_ms))
+    def work(p):
+        return p.attention_compute_ms - p.fixed_cost_ms
+    assert work(high) == pytest.approx(4 * work(low))
 
 
 def test_one_gpu_is_the_kernel_alone():
@@ -86,7 +91,8 @@ def test_one_gpu_is_the_kernel_alone():
     items, tiles = 16 * 131072 / 64, 0.05 * 131072 * 131073 / 2 * 16 / 64 ** 2
     grads_zeroed = 2 * 131072 * 2 * 128 * 4 / (H200.hbm_gbps * 1e9) * 1e3
     assert p.exposed_comm_ms == pytest.approx(0, abs=1e-9)
-    assert p.attention_ms == pytest.approx(H200.sparse_fwd.ms(items, tiles) + H200.sparse_bwd.ms(items, tiles) + grads_zeroed)
+    kernels = H200.sparse_fwd.ms(items, tiles) + H200.sparse_bwd.ms(items, tiles)
+    assert p.attention_ms == pytest.approx(kernels + grads_zeroed)
     # ...which is what kernel.py measured at 128K (36.79 ms fwd+bwd) within the fit's error.
     assert p.attention_ms == pytest.approx(36.79, rel=0.06)
 
@@ -141,7 +147,8 @@ def test_memory_estimate_agrees_with_the_e2e_runs():
 def test_plan_lists_every_configuration_and_recommends_the_fastest():
     result = plan(QWEN, Workload(524288, 0.05), Cluster(32, 8), H100)
     names = [p["name"] for p in result["predictions"]]
-    assert names == ["mtraining_flat"] + [f"mtraining_hier_{i}" for i in (2, 4, 8, 16)] + ["dense_te_p2p", "dense_te_a2a_p2p"]
+    hierarchical = [f"mtraining_hier_{i}" for i in (2, 4, 8, 16)]
+    assert names == ["mtraining_flat"] + hierarchical + ["dense_te_p2p", "dense_te_a2a_p2p"]
     sparse = [p for p in result["predictions"] if p["method"] == "mtraining"]
     best = min(sparse, key=lambda p: p["step_ms"])
     rec = result["recommendation"]
@@ -237,7 +244,8 @@ def test_committed_profiles_are_the_derivation_of_the_committed_results(tmp_path
     for name, profile in derived.items():
         calibrate.write_profile(profile, str(tmp_path / f"{name}.json"))
         with open(tmp_path / f"{name}.json") as fh, open(os.path.join(PROFILE_DIR, f"{name}.json")) as committed:
-            assert json.load(fh) == json.load(committed), f"{name}: rerun calibrate.py --from-results benchmarks/results"
+            stale = f"{name}: rerun calibrate.py --from-results benchmarks/results"
+            assert json.load(fh) == json.load(committed), stale
         for source in profile["sources"]:
             if source.startswith("benchmarks/results/"):
                 assert os.path.isfile(os.path.join(REPO, source.split(" ")[0])), source
@@ -282,7 +290,9 @@ def test_validation_file_is_current_and_meets_the_targets_on_planned_configurati
     result = plan_validation.validate()
     with open(os.path.join(RESULTS, "plan_validation.json")) as fh:
         committed = json.load(fh)
-    assert [round(c["predicted_ms"], 3) for c in result["cases"]] == [round(c["predicted_ms"], 3) for c in committed["cases"]]
+    def predicted(cases):
+        return [round(c["predicted_ms"], 3) for c in cases]
+    assert predicted(result["cases"]) == predicted(committed["cases"]), "rerun benchmarks/plan_validation.py"
     planned = result["summary"]["planned_configurations"]
     assert planned["median_abs_error"] <= 0.10 and planned["worst_abs_error"] <= 0.20 and planned["met"]
     kinds = {c["kind"] for c in result["cases"]}
@@ -318,7 +328,8 @@ def test_plan_is_a_leaf():
             names = list(_imports(path, module))
             if module.startswith("megatron_mtraining.plan"):
                 assert not any(n.split(".")[0] == "torch" for n in names), path
-                outside = [n for n in names if n.startswith("megatron_mtraining") and not n.startswith("megatron_mtraining.plan")]
+                outside = [n for n in names
+                           if n.startswith("megatron_mtraining") and not n.startswith("megatron_mtraining.plan")]
                 assert not outside, (path, outside)
             else:
                 assert not any(n.startswith("megatron_mtraining.plan") for n in names), path

@@ -57,11 +57,12 @@ def read_telemetry(path: str) -> Dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m megatron_mtraining.plan",
-                                description="Predict one training step of context-parallel attention (MTraining's sparse "
-                                            "ring, flat and hierarchical, against Transformer Engine's dense p2p and "
-                                            "a2a+p2p) from a calibrated device profile, and recommend a configuration.",
-                                epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_mtraining.plan",
+        description="Predict one training step of context-parallel attention (MTraining's sparse ring, flat and "
+                    "hierarchical, against Transformer Engine's dense p2p and a2a+p2p) from a calibrated device "
+                    "profile, and recommend a configuration.",
+        epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model shape (default Qwen2.5-3B; Megatron's flag names work)")
     m.add_argument("--hidden", "--hidden-size", dest="hidden", type=int, default=None)
     m.add_argument("--heads", "--num-attention-heads", dest="heads", type=int, default=None)
@@ -83,7 +84,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--gpus-per-node", type=int, default=8)
     c.add_argument("--gpu-type", "--profile", dest="gpu_type", default="nvidia-h100",
                    help=f"device profile: {', '.join(available_profiles())}, or a profile JSON")
-    c.add_argument("--intra-gbps", type=float, default=None, help="NCCL p2p GB/s per GPU in a node (default: profile's)")
+    c.add_argument("--intra-gbps", type=float, default=None,
+                   help="NCCL p2p GB/s per GPU in a node (default: the profile's)")
     c.add_argument("--intra-latency-us", type=float, default=None)
     c.add_argument("--inter-gbps", type=float, default=50.0,
                    help="GB/s per GPU between nodes (default 50: 400 Gb/s InfiniBand)")
@@ -111,8 +113,8 @@ def format_table(result: Dict) -> str:
     w, c, rec, mem = result["workload"], result["cluster"], result["recommendation"], result["memory"]
     s = result["shape"]
     lines = [f"{result['profile']} x {c['gpus']} (nodes of {c['gpus_per_node']}, {c['inter_gbps']:g} GB/s between), "
-             f"{w['seq_len']} tokens, density {w['density']:.3g}; model: hidden {s['hidden']}, {s['heads']}/{s['kv_groups']} "
-             f"heads, d {s['head_dim']}, {s['layers']} layers, FFN {s['ffn']}",
+             f"{w['seq_len']} tokens, density {w['density']:.3g}; model: hidden {s['hidden']}, "
+             f"{s['heads']}/{s['kv_groups']} heads, d {s['head_dim']}, {s['layers']} layers, FFN {s['ffn']}",
              "per layer and GPU (ms): attention fwd / bwd with the ring's exposed communication; step = all layers"]
     header = ["configuration", "fwd/step", "bwd/step", "attn fwd", "attn bwd", "exposed comm", "approx", "rest",
               "step ms", "tokens/s", "limited by"]
@@ -127,11 +129,12 @@ def format_table(result: Dict) -> str:
     for name, why in result["skipped"].items():
         lines.append(f"skipped {name}: {why}")
     speedup = rec["speedup_over_best_dense"]
-    lines.append(f"recommended: {rec['configuration']}" + (f" (inner ring {rec['inner_ring_size']})" if rec["inner_ring_size"] else "")
-                 + f", {rec['tokens_per_s']:.0f} tokens/s" + (f", {speedup:.2f}x over {rec['best_dense']}" if speedup else "")
-                 + f"; limited by {rec['limited_by']}")
-    lines.append(f"memory per GPU: {mem['no_recompute_gib']:.1f} GiB without recompute, {mem['full_recompute_gib']:.1f} GiB "
-                 f"with full recompute, of {mem['capacity_gib']:.0f}: "
+    inner = f" (inner ring {rec['inner_ring_size']})" if rec["inner_ring_size"] else ""
+    versus = f", {speedup:.2f}x over {rec['best_dense']}" if speedup else ""
+    lines.append(f"recommended: {rec['configuration']}{inner}, {rec['tokens_per_s']:.0f} tokens/s{versus}; "
+                 f"limited by {rec['limited_by']}")
+    lines.append(f"memory per GPU: {mem['no_recompute_gib']:.1f} GiB without recompute, "
+                 f"{mem['full_recompute_gib']:.1f} GiB with full recompute, of {mem['capacity_gib']:.0f}: "
                  + ("recompute needed" if mem["recompute_needed"] else "no recompute needed")
                  + ("" if mem["fits_with_recompute"] else "; does NOT fit even with full recompute (more GPUs, or "
                     "tensor/pipeline parallelism)"))
