@@ -61,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m megatron_mtraining.plan",
         description="Predict one training step of context-parallel attention (MTraining's sparse ring, flat and "
                     "hierarchical, against Transformer Engine's dense p2p and a2a+p2p) from a calibrated device "
-                    "profile, and recommend a configuration.",
+                    "profile, and recommend a configuration. The model and its validation: docs/scaling.md.",
         epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model shape (default Qwen2.5-3B; Megatron's flag names work)")
     m.add_argument("--hidden", "--hidden-size", dest="hidden", type=int, default=None)
