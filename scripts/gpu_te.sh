@@ -9,7 +9,7 @@
 #                                       (skipped when rest/ holds a built wheel), installs TE into
 #                                       $TE_SITE, then runs $STAGES
 #   PHASE=run      (nothing to carry)   runs $STAGES on a machine where install already ran
-# STAGES (space separated, in order): check rope equivalence e2e e2e_fp8 e2e_4gpu e2e_fp8_4gpu
+# STAGES (space separated, in order): check rope packed equivalence e2e e2e_fp8 e2e_4gpu e2e_fp8_4gpu
 # Results land under $OUT (the device tool's folder), one log per stage; the built
 # transformer_engine_torch wheel under $OUT/te/ (put it in .te/rest to skip the build next time).
 # shellcheck source=SCRIPTDIR/gpu_common.sh
@@ -53,6 +53,7 @@ run_stage() {
 from megatron_mtraining.integration.transformer_engine import check_transformer_engine as c; \
 print('TE', te.__version__, 'megatron-core', mc.__version__, '->', c(required=True))" ;;
     rope) "$PY" -m pytest -q -x tests/test_gpu_te.py 2>&1 | tee "$OUT/rope.log" | tail -5 ;;
+    packed) "$PY" -m pytest -q -x -s tests/test_gpu_te_packed.py 2>&1 | tee "$OUT/packed.log" | grep -E "TE layers|passed|failed|Error" ;;
     equivalence) timeout 580 "$PY" scripts/check_te_equivalence.py --out "$OUT/te_equivalence_${DEVICE_SLUG}.json" \
         2>&1 | tee "$OUT/equivalence.log" | grep -E "^(run|pair|RESULT|wrote)" ;;
     e2e|e2e_fp8) timeout 580 "$PY" benchmarks/e2e.py --seq-length 262144 --runs te_cp,mtraining \
