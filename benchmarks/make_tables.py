@@ -420,7 +420,29 @@ def render_e2e(results: List[Result]) -> str:
         f"after the warm-up (leaving out telemetry and profiled iterations where the result lists them). "
         f"MTraining's tokens/s over the baseline's: {speedups}.{caveat}",
         table(["device", "GPUs", "S", "layers", "attention", "iteration ms", "tokens/s", "note"], rows),
+        *e2e_breakdown(results),
         source_line(results)])
+
+
+def e2e_breakdown(results: List[Result]) -> List[str]:
+    """Where one profiled iteration's GPU time went (``--profile-iteration``), per run that has it."""
+    categories = ("mtraining", "dense_attention", "gemm", "nccl", "other")
+    rows = []
+    for _, data in results:
+        for run in data.get("runs", []):
+            b = run.get("gpu_time_breakdown")
+            if b:
+                by = b["by_category_ms"]
+                rows.append([data.get("meta", {}).get("device", "?"), str(data["world_size"]),
+                             tokens(data["seq_length"]), e2e_layers(data), e2e_label(run, data["world_size"]),
+                             *(num(by.get(c, 0.0), 0) for c in categories), num(b["gpu_busy_ms"], 0)])
+    if not rows:
+        return []
+    return ["GPU time of one profiled iteration (rank 0, ms; kernels may overlap, so busy can exceed the "
+            "iteration): MTraining's kernels (attention, approximator, plan), dense attention (cuDNN), GEMMs, "
+            "NCCL, everything else.",
+            table(["device", "GPUs", "S", "layers", "attention", "MTraining", "dense attention", "GEMM", "NCCL",
+                   "other", "busy"], rows)]
 
 
 def index_settings(settings: Dict) -> str:
