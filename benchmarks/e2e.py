@@ -227,7 +227,12 @@ def main():
         raise SystemExit("--fp8 needs Transformer Engine layers (TE's FP8 linear layers)")
     if args.runs is None:
         args.runs = "te_cp,mtraining" if te else "mtraining,dense"
+    world = torch.cuda.device_count()
     variants = {"te_cp": ["--cp-comm-type", "p2p"],
+                # TE's hierarchical CP: all-to-all inside pairs of GPUs, p2p between them (its choice across
+                # nodes); needs an even CP size and the 2 KV heads split over the a2a pairs.
+                "te_cp_a2a_p2p": ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2",
+                                  str(max(world // 2, 1))],
                 "mtraining": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "5"],
                 "dense": ["--mtraining", "--mtraining-index", "dense", "--mtraining-layout", "zigzag",
                           "--no-mtraining-deterministic"],
@@ -237,9 +242,8 @@ def main():
     unknown = [name for name in args.runs.split(",") if name not in variants]
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {sorted(variants)}")
-    if "te_cp" in args.runs.split(",") and not te:
-        raise SystemExit("--runs te_cp is Transformer Engine's context parallelism: it needs TE layers")
-    world = torch.cuda.device_count()
+    if {"te_cp", "te_cp_a2a_p2p"} & set(args.runs.split(",")) and not te:
+        raise SystemExit("--runs te_cp / te_cp_a2a_p2p are Transformer Engine's context parallelism: they need TE layers")
     if world < 1:
         raise SystemExit("benchmarks/e2e.py needs GPUs (megatron.training is CUDA-only)")
     out = args.out or os.path.join(REPO, "benchmarks", "results", f"e2e_{device_slug(torch.device('cuda'))}_{world}gpu.json")

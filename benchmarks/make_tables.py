@@ -363,6 +363,8 @@ def e2e_label(run: Dict, world_size: int) -> str:
     index until session 7, the dense kernels since (SDPA, which picks cuDNN for bf16 on an H200,
     or the cuDNN zigzag ring)."""
     flags = run.get("flags", [])
+    if run["name"] == "te_cp_a2a_p2p":
+        return "Transformer Engine's hierarchical CP (a2a+p2p, cuDNN)"
     if run["name"] == "te_cp":
         return "Transformer Engine's CP ring (p2p, cuDNN)" if world_size > 1 else "Transformer Engine (cuDNN)"
     if run["name"] == "mtraining":

@@ -10,6 +10,7 @@
 #                                       $TE_SITE, then runs $STAGES
 #   PHASE=run      (nothing to carry)   runs $STAGES on a machine where install already ran
 # STAGES (space separated, in order): check rope packed equivalence e2e e2e_fp8 e2e_4gpu e2e_fp8_4gpu
+#   e2e_1m_4gpu (activation recompute on both sides)
 # Results land under $OUT (the device tool's folder), one log per stage; the built
 # transformer_engine_torch wheel under $OUT/te/ (put it in .te/rest to skip the build next time).
 # shellcheck source=SCRIPTDIR/gpu_common.sh
@@ -60,7 +61,10 @@ print('TE', te.__version__, 'megatron-core', mc.__version__, '->', c(required=Tr
         ${E2E_ARGS:-} $([ "$stage" = e2e_fp8 ] && echo --fp8) --train-iters 12 --profile-iteration 11 \
         --out "$OUT/e2e_te${stage#e2e}_${DEVICE_SLUG}_$(nvidia-smi -L | wc -l)gpu.json" 2>&1 | tee "$OUT/$stage.log" \
         | grep -E "rc=|speedup|tokens/s|wrote" ;;
-    e2e_4gpu|e2e_fp8_4gpu) timeout 580 "$PY" benchmarks/e2e.py --seq-length 524288 --runs te_cp,mtraining \
+    e2e_1m_4gpu) timeout 580 "$PY" benchmarks/e2e.py --seq-length 1048576 --runs te_cp,mtraining --recompute \
+        ${E2E_ARGS:-} --train-iters 6 --out "$OUT/e2e_te_1m_${DEVICE_SLUG}.json" 2>&1 | tee "$OUT/$stage.log" \
+        | grep -E "rc=|speedup|tokens/s|wrote" ;;
+    e2e_4gpu|e2e_fp8_4gpu) timeout 580 "$PY" benchmarks/e2e.py --seq-length 524288 --runs te_cp,te_cp_a2a_p2p,mtraining \
         ${E2E_ARGS:-} $([ "$stage" = e2e_fp8_4gpu ] && echo --fp8) --train-iters 7 \
         --out "$OUT/e2e_te${stage#e2e}_${DEVICE_SLUG}.json" 2>&1 | tee "$OUT/$stage.log" | grep -E "rc=|speedup|tokens/s|wrote" ;;
     *) echo "unknown stage $stage" >&2; return 2 ;;
