@@ -137,7 +137,8 @@ for label, world_size, argv in request["commands"]:
         patches.validate_megatron_config(args, config, seq_length=args.seq_length)
         report["commands"][label] = dict(ok=args.mtraining, cp=args.context_parallel_size,
                                          tp=args.tensor_model_parallel_size, dp=args.data_parallel_size,
-                                         seq=args.seq_length)
+                                         seq=args.seq_length, impl=args.transformer_impl,
+                                         rope_fusion=args.apply_rope_fusion)
     except BaseException as exc:  # SystemExit from argparse included
         report["commands"][label] = dict(ok=False, error=f"{type(exc).__name__}: {exc}")
 json.dump(report, open(report_path, "w"), indent=1, default=repr)
@@ -326,12 +327,17 @@ def parser_report(trees, tmp_path_factory):
                                    MTRAINING_ENTRY="fork"))[1]
     flags_argv, dests, expected, plugin_options = _plugin_flags()
     commands = []
-    for script in sorted(EXAMPLES.glob("*.sh")):
+    for script in sorted(EXAMPLES.glob("pretrain_*.sh")):
         for entry, tree in (("launcher", pristine), ("fork", patched)):
             for gpus, tp in (("1", "1"), ("8", "1"), ("8", "2")):
                 nproc, argv = _megatron_argv(_dry_run(script, MEGATRON_LM=str(tree), GPUS_PER_NODE=gpus,
                                                       MTRAINING_ENTRY=entry, TP=tp))
                 commands.append([f"{script.name} {entry} x{gpus}" + (f" tp{tp}" if tp != "1" else ""), nproc, argv])
+            # The command for a machine with Transformer Engine (the default there; a dry run prints
+            # it here, where TE does not import).
+            nproc, argv = _megatron_argv(_dry_run(script, MEGATRON_LM=str(tree), GPUS_PER_NODE="8",
+                                                  MTRAINING_ENTRY=entry, TRANSFORMER_IMPL="transformer_engine"))
+            commands.append([f"{script.name} {entry} x8 te", nproc, argv])
     gpu_out = _gpu_script_dry_run(tmp)
     for line in gpu_out.splitlines():
         if line.startswith("[dry-run] "):
@@ -388,8 +394,8 @@ def test_patched_parser_without_plugin_names_interpreter(parser_report):
 
 
 def test_example_and_gpu_script_commands_pass_megatron_validation(parser_report):
-    """Every launcher command line (examples/*.sh at 1 and 8 GPUs, and at 8 with TP=2; launcher
-    and fork entries; scripts/gpu_megatron_lm.sh's 12 runs) passes Megatron-LM's parse_args +
+    """Every launcher command line (examples/pretrain_*.sh at 1 and 8 GPUs, at 8 with TP=2, and at 8
+    on Transformer Engine layers; launcher and fork entries; scripts/gpu_megatron_lm.sh's 12 runs) passes Megatron-LM's parse_args +
     validate_args and MTraining's start-up checks, with --mtraining on."""
     results = parser_report["commands"]
     assert sorted(results) == sorted(parser_report["commands_sent"])
@@ -399,6 +405,14 @@ def test_example_and_gpu_script_commands_pass_megatron_validation(parser_report)
     for script in ("pretrain_small_mtraining.sh", "pretrain_qwen2.5_3b_512k_mtraining.sh",
                    "pretrain_llama3.1_8b_512k_mtraining.sh"):
         assert {k: results[f"{script} fork x8 tp2"][k] for k in ("tp", "cp", "dp")} == dict(tp=2, cp=4, dp=1), script
+    for script in ("pretrain_small_mtraining.sh", "pretrain_qwen2.5_3b_512k_mtraining.sh",
+                   "pretrain_llama3.1_8b_512k_mtraining.sh"):
+        for entry in ("launcher", "fork"):
+            # Transformer Engine layers with Megatron's defaults (fused RoPE); local ones without it.
+            assert results[f"{script} {entry} x8 te"]["impl"] == "transformer_engine", script
+            assert results[f"{script} {entry} x8 te"]["rope_fusion"] is True, script
+            assert (results[f"{script} {entry} x8"]["impl"], results[f"{script} {entry} x8"]["rope_fusion"]) == (
+                "local", False), script
     assert results["gpu_megatron_lm.sh launcher_cp2 save"]["cp"] == 2
     assert results["gpu_megatron_lm.sh fork_cp1 full"]["cp"] == 1
 
