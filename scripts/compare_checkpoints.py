@@ -21,6 +21,8 @@ What is compared, each entry of A against the same entry of B:
 * every sharded object (bytes entries: RNG states, optimizer step and param groups, TE extra
   state), decoded and compared value by value (tensors in them bit-equal);
 * ``common.pt`` (the unsharded rest) except ``args``, which names each run's own --save / --load.
+Entries under an ``--ignore`` prefix are compared too, but their differences are printed as notes
+and do not fail.
 Objects of classes that do not import here (Megatron's) are compared by their pickled state.
 Entries only one side has fail. Prints the first differing tensors (``--show``, default 10) with
 the number of differing elements, the first one's index and both values, then ``RESULT: PASS|FAIL``;
@@ -240,9 +242,11 @@ def _short(value: Any, limit: int = 120) -> str:
 class Report:
     compared: Dict[str, int] = field(default_factory=lambda: {"model": 0, "optimizer": 0, "object": 0, "common": 0})
     differences: List[Tuple[str, str, str]] = field(default_factory=list)  # (kind, key, what)
+    notes: List[Tuple[str, str, str]] = field(default_factory=list)  # differences of --ignore'd entries
+    ignore: Tuple[str, ...] = ()
 
     def add(self, kind: str, key: str, what: str) -> None:
-        self.differences.append((kind, key, what))
+        (self.notes if key.startswith(self.ignore) else self.differences).append((kind, key, what))
 
 
 def kind_of(key: str, meta) -> str:
@@ -252,10 +256,9 @@ def kind_of(key: str, meta) -> str:
 
 
 def compare(a_folder: str, b_folder: str, ignore: Tuple[str, ...] = ()) -> Report:
-    report = Report()
+    report = Report(ignore=ignore)
     meta_a, meta_b = read_metadata(a_folder).state_dict_metadata, read_metadata(b_folder).state_dict_metadata
-    kept = lambda key: not key.startswith(ignore)  # noqa: E731
-    for key in sorted(k for k in set(meta_a) | set(meta_b) if kept(k)):
+    for key in sorted(set(meta_a) | set(meta_b)):
         if key not in meta_b or key not in meta_a:
             side = "B" if key not in meta_b else "A"
             report.add(kind_of(key, meta_a.get(key) or meta_b.get(key)), key, f"missing in {side}")
@@ -282,7 +285,7 @@ def compare(a_folder: str, b_folder: str, ignore: Tuple[str, ...] = ()) -> Repor
         else:
             a, b = (decode(open(p, "rb").read()) for p in (common_a, common_b))
             for key in sorted(set(a) | set(b), key=str):
-                if key == "args" or not kept(str(key)):  # each run's own --save / --load / --exit-interval
+                if key == "args":  # each run's own --save / --load / --exit-interval
                     continue
                 report.compared["common"] += 1
                 if key not in a or key not in b:
@@ -300,7 +303,8 @@ def main(argv=None) -> int:
     parser.add_argument("b", help="the checkpoint to compare with, e.g. the uninterrupted run's")
     parser.add_argument("--iteration", type=int, help="compare iter_{K:07d} of both (default: each one's latest)")
     parser.add_argument("--ignore", action="append", default=[], metavar="KEY_PREFIX",
-                        help="leave out entries whose key starts with this (repeatable)")
+                        help="entries whose key starts with this are compared and their differences printed, "
+                             "but they do not fail the comparison (repeatable)")
     parser.add_argument("--show", type=int, default=10, help="differences printed (default 10)")
     args = parser.parse_args(argv)
     if args.iteration is not None and args.iteration < 0:
@@ -324,6 +328,8 @@ def main(argv=None) -> int:
         print(f"  FAIL {kind} {key}: {what}")
     if len(report.differences) > args.show:
         print(f"  ... and {len(report.differences) - args.show} more differing entries")
+    for kind, key, what in report.notes[:args.show]:
+        print(f"  note {kind} {key}: {what} (not counted: --ignore)")
     ok = not report.differences and total > 0
     if not total:
         print("  FAIL nothing to compare")

@@ -175,7 +175,9 @@ def test_sharded_objects_and_common_are_compared(tmp_path):
     rc, text = run(a, c)
     assert rc == 1 and "FAIL common opt_param_scheduler: opt_param_scheduler['num_steps']: 6 vs 5" in text, text
     rc, text = run(a, c, "--ignore", "opt_param_scheduler")
-    assert rc == 0, text
+    assert rc == 0 and "note common opt_param_scheduler: opt_param_scheduler['num_steps']: 6 vs 5" in text, text
+    rc, text = run(a, b, "--ignore", "rng_state")
+    assert rc == 0 and f"note object {RNG}: [0]['cuda_rng_state']: 1 of 8" in text, text
 
 
 def test_classes_that_do_not_import_are_compared_by_state(tmp_path):

@@ -158,6 +158,11 @@ def test_gpu_megatron_lm_script_syntax():
     assert "examples/pretrain_small_mtraining.sh" in text and "MTRAINING_ENTRY" in text
     for flag in ("--save", "--load", "--exit-interval", "--ckpt-format torch_dist", "--mtraining-deterministic"):
         assert flag in text, flag
+    # Exact resume on the saved state: the resumed and the uninterrupted runs both save at N+M, and
+    # scripts/compare_checkpoints.py compares the two checkpoints (tests/test_compare_checkpoints.py).
+    assert text.count('--save-interval "$((N + M))"') == 2
+    assert 'scripts/compare_checkpoints.py" "$BUILD/ckpt/${name}_resume" "$BUILD/ckpt/${name}_full"' in text
+    assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO" in text and "TRANSFORMER_IMPL" in text
 
 
 def test_gpu_megatron_lm_script_without_tarball(tmp_path):

@@ -339,12 +339,18 @@ def parser_report(trees, tmp_path_factory):
                                                   MTRAINING_ENTRY=entry, TRANSFORMER_IMPL="transformer_engine"))
             commands.append([f"{script.name} {entry} x8 te", nproc, argv])
     gpu_out = _gpu_script_dry_run(tmp)
-    for line in gpu_out.splitlines():
-        if line.startswith("[dry-run] "):
-            label, command = line[len("[dry-run] "):].split(": CUDA_VISIBLE_DEVICES=", 1)
-            nproc, argv = _megatron_argv(shlex.split(command)[1:])
-            commands.append([f"gpu_megatron_lm.sh {label}", nproc, argv])
-    assert sum(c[0].startswith("gpu_megatron_lm.sh") for c in commands) == 12, gpu_out
+    assert "[megatron-lm] layers: local (--transformer-impl local: Transformer Engine does not import)" in gpu_out
+    # On the GPU machines (TE installed) the runs use TE layers: their CP=2 commands, printed here.
+    gpu_te_out = _gpu_script_dry_run(tmp / "te", TRANSFORMER_IMPL="transformer_engine", CP_SIZES="2")
+    assert "[megatron-lm] layers: Transformer Engine (not importable here: dry run)" in gpu_te_out
+    for prefix, out in (("gpu_megatron_lm.sh", gpu_out), ("gpu_megatron_lm.sh te", gpu_te_out)):
+        for line in out.splitlines():
+            if line.startswith("[dry-run] "):
+                label, command = line[len("[dry-run] "):].split(": CUDA_VISIBLE_DEVICES=", 1)
+                nproc, argv = _megatron_argv(shlex.split(command)[1:])
+                commands.append([f"{prefix} {label}", nproc, argv])
+    assert sum(c[0].startswith("gpu_megatron_lm.sh te ") for c in commands) == 6, gpu_te_out
+    assert sum(c[0].startswith("gpu_megatron_lm.sh") for c in commands) == 18, gpu_out
     request = tmp / "request.json"
     request.write_text(json.dumps(dict(missing_argv=base, flags_argv=base + flags_argv, dests=dests,
                                        commands=commands)))
@@ -358,9 +364,10 @@ def parser_report(trees, tmp_path_factory):
     return report
 
 
-def _gpu_script_dry_run(tmp: Path) -> str:
+def _gpu_script_dry_run(tmp: Path, **extra) -> str:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", str(tmp)),
-           "PYTHON": sys.executable, "DRY_RUN": "1", "OUT": str(tmp / "gpu_out"), "BUILD_DIR": str(tmp / "build")}
+           "PYTHON": sys.executable, "DRY_RUN": "1", "OUT": str(tmp / "gpu_out"), "BUILD_DIR": str(tmp / "build"),
+           **extra}
     tarball = require_tarball("scripts/gpu_megatron_lm.sh DRY_RUN")
     env["MTRAINING_MEGATRON_LM_TARBALL"] = str(tarball)
     proc = subprocess.run([BASH, str(GPU_SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
@@ -395,8 +402,9 @@ def test_patched_parser_without_plugin_names_interpreter(parser_report):
 
 def test_example_and_gpu_script_commands_pass_megatron_validation(parser_report):
     """Every launcher command line (examples/pretrain_*.sh at 1 and 8 GPUs, at 8 with TP=2, and at 8
-    on Transformer Engine layers; launcher and fork entries; scripts/gpu_megatron_lm.sh's 12 runs) passes Megatron-LM's parse_args +
-    validate_args and MTraining's start-up checks, with --mtraining on."""
+    on Transformer Engine layers; launcher and fork entries; scripts/gpu_megatron_lm.sh's 12 runs and
+    its 6 CP=2 runs on TE layers) passes Megatron-LM's parse_args + validate_args and MTraining's
+    start-up checks, with --mtraining on."""
     results = parser_report["commands"]
     assert sorted(results) == sorted(parser_report["commands_sent"])
     failed = {label: r for label, r in results.items() if not r.get("ok")}
@@ -408,13 +416,18 @@ def test_example_and_gpu_script_commands_pass_megatron_validation(parser_report)
     for script in ("pretrain_small_mtraining.sh", "pretrain_qwen2.5_3b_512k_mtraining.sh",
                    "pretrain_llama3.1_8b_512k_mtraining.sh"):
         for entry in ("launcher", "fork"):
-            # Transformer Engine layers with Megatron's defaults (fused RoPE); local ones without it.
+            # Transformer Engine layers with Megatron's defaults: fused RoPE (Megatron turns it off
+            # itself for YaRN, the Qwen launcher's --position-embedding-type); local ones without it.
             assert results[f"{script} {entry} x8 te"]["impl"] == "transformer_engine", script
-            assert results[f"{script} {entry} x8 te"]["rope_fusion"] is True, script
+            assert results[f"{script} {entry} x8 te"]["rope_fusion"] is ("qwen" not in script), script
             assert (results[f"{script} {entry} x8"]["impl"], results[f"{script} {entry} x8"]["rope_fusion"]) == (
                 "local", False), script
     assert results["gpu_megatron_lm.sh launcher_cp2 save"]["cp"] == 2
     assert results["gpu_megatron_lm.sh fork_cp1 full"]["cp"] == 1
+    gpu = {label: r for label, r in results.items() if label.startswith("gpu_megatron_lm.sh")}
+    assert {r["impl"] for label, r in gpu.items() if " te " in label} == {"transformer_engine"}
+    assert {r["impl"] for label, r in gpu.items() if " te " not in label} == {"local"}
+    assert results["gpu_megatron_lm.sh te fork_cp2 resume"]["cp"] == 2
 
 
 def _pretrain(mode: str, tree: Path, tmp: Path) -> dict:
