@@ -199,6 +199,8 @@ MODEL+=(${EXTRA_ARGS:-})
 # asks for: megatron/training/determinism.py).
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8} NCCL_ALGO=${NCCL_ALGO:-Ring}
 export NVTE_ALLOW_NONDETERMINISTIC_ALGO=${NVTE_ALLOW_NONDETERMINISTIC_ALGO:-0}
+# NVLink multicast off, as in scripts/gpu_te.sh (the GPU machines' notes ask for it).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PORT=29400
 
 run_one() {  # ENTRY CP MODE DEVICES PORT
