@@ -24,6 +24,12 @@ What is compared, each entry of A against the same entry of B:
 Entries under an ``--ignore`` prefix are compared too, but their differences are printed as notes
 and do not fail.
 Objects of classes that do not import here (Megatron's) are compared by their pickled state.
+
+One limit: megatron-core (0.19, ``dp_reshardable`` optimizer state) fills the gaps between
+parameters in an optimizer bucket, where a parameter's size is not a multiple of 64 elements (the
+buckets align each parameter's start to 64), with ``torch.empty``: such gaps hold whatever memory
+was there and can differ between two exact runs, and show here as a difference in that bucket's
+tensors. scripts/gpu_megatron_lm.sh's model has none (every parameter's size is a multiple of 64).
 Entries only one side has fail. Prints the first differing tensors (``--show``, default 10) with
 the number of differing elements, the first one's index and both values, then ``RESULT: PASS|FAIL``;
 exits 0 only on PASS, 2 on a bad argument.

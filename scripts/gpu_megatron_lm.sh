@@ -191,6 +191,9 @@ mkdir -p "$RUNS" "$OUT/logs"
 rm -f "$RUNS"/*.log "$RUNS"/*.rc
 # Fewer, smaller layers than the example's; the rest (recompute, distributed optimizer, bf16,
 # --mtraining --mtraining-top-p 0.9 --mtraining-layout striped) stays as it ships.
+# Every parameter's size is a multiple of 64 elements: no gaps between parameters in the
+# distributed optimizer's buckets, which megatron-core fills with torch.empty in a checkpoint
+# (they would differ between runs; scripts/compare_checkpoints.py compares the buckets whole).
 MODEL=(--num-layers 4 --hidden-size 512 --ffn-hidden-size 1536 --num-attention-heads 8 --num-query-groups 4
        --kv-channels 64 --vocab-size 8192 --seed 1234 --mtraining-deterministic)
 # shellcheck disable=SC2206  # EXTRA_ARGS is a list of flags
