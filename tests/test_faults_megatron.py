@@ -86,8 +86,10 @@ def test_cp_ranks_with_different_batch_shapes_fail_before_the_approximator():
         print(f"\nrank {o.rank}: " + "; ".join(f"{k}: {v[0].split(':')[0]} {v[1]:.2f} s" for k, v in got.items()))
         assert all(seconds < BOUND_S for _, seconds in got.values()), got
         seq, mbs = got["first forward: --seq-length"][0], got["first forward: --micro-batch-size"][0]
-        assert seq.startswith("ConsistencyError") and "--seq-length" in seq and "--micro-batch-size" not in seq, seq
-        assert mbs.startswith("ConsistencyError") and "--micro-batch-size" in mbs and "--seq-length (" not in mbs
+        # The listed settings: only the one that differs (the advice names both).
+        seq_flag, mbs_flag = "--seq-length (tokens per CP rank", "--micro-batch-size (the batch on this rank)"
+        assert seq.startswith("ConsistencyError") and seq_flag in seq and mbs_flag not in seq, seq
+        assert mbs.startswith("ConsistencyError") and mbs_flag in mbs and seq_flag not in mbs, mbs
         for name in ("later forward: --seq-length", "later forward: --micro-batch-size"):
             later = got[name][0]
             assert later.startswith("RingAgreementError: approximate_index"), (name, later)

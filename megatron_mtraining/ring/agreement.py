@@ -185,11 +185,11 @@ def agree(group, what: str, items: Sequence[Tuple[str, Word, object]], local_err
     words = torch.tensor(host, dtype=torch.int64)
     if where.type == "cuda":
         words = words.pin_memory().to(where, non_blocking=True)  # no host synchronisation
-    if on_device:
-        slots = torch.tensor([slot for slot, _ in on_device], dtype=torch.int64)
-        if where.type == "cuda":
-            slots = slots.pin_memory().to(where, non_blocking=True)
-        words = words.index_put((slots,), torch.stack([w.to(where) for _, w in on_device]))
+    if on_device:  # one stack of views and checksums: no indexing with host-built indices
+        parts = list(words.unbind())
+        for slot, word in on_device:
+            parts[slot] = word.to(where)
+        words = torch.stack(parts)
     both = torch.cat([words, -words])
     try:
         wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
