@@ -121,6 +121,9 @@ class Verdict:
 
 
 _DEFERRED: List[Verdict] = []
+_DOCUMENTS = ("cu_seqlens differ across the context-parallel ranks: every rank must pass the documents of the "
+              "WHOLE packed sequence, in global positions, not those of its own shard. ")
+_ADVICE = {"cu_seqlens values": _DOCUMENTS, "cu_seqlens length": _DOCUMENTS}
 
 
 def check_deferred() -> None:
@@ -147,6 +150,8 @@ def _verdict_error(what, names, mine, reduced: List[int], world: int, note: str 
     if not differ:
         return None
     listed = "; ".join(names[i] if mine[i] is None else f"{names[i]} (this rank: {mine[i]})" for i in differ)
+    advice = {_ADVICE[names[i]] for i in differ if names[i] in _ADVICE}
+    hint = "".join(sorted(advice)) + hint
     return RingAgreementError(
         f"{what}: the context-parallel ranks disagree {note}on: {listed}. {hint}Every rank of the group must make "
         "the same call (same shapes, dtype, layout, block size, inner_size, softmax scale, the same global "
