@@ -586,8 +586,9 @@ def _agree_on_shapes(q, k, config: MTrainingConfig, group, layout: str, softmax_
                  ("MTraining config", agreement.host_word(config), config),
                  ("softmax scale", agreement.host_word(softmax_scale), softmax_scale),
                  ("cu_seqlens given", given, given),
-                 ("cu_seqlens length", int(cu_seqlens.numel()) if given else 0, int(cu_seqlens.numel()) if given else 0),
-                 ("cu_seqlens values", agreement.checksum(cu_seqlens) if given else 0, "on the device" if given else None)]
+                 ("cu_seqlens length", int(cu_seqlens.numel()) if given else 0,
+                  int(cu_seqlens.numel()) if given else 0),
+                 ("cu_seqlens values", agreement.checksum(cu_seqlens) if given else 0, None)]
     agreement.agree(group, "approximate_index", items, local_error, q.device,
                     hint="(In Megatron: q is [--micro-batch-size, heads, --seq-length / CP, head_dim]: the CP ranks "
                          "got batches of different --seq-length or --micro-batch-size from the data path.) ")

@@ -58,3 +58,36 @@ def test_timeout_kills_workers():
 def test_unpicklable_function_fails_in_parent():
     with pytest.raises(Exception):
         run_distributed(lambda rank, world_size: rank, 1)
+
+
+# ---------------------------------------------------------------------------- run_distributed_outcomes
+
+
+def _one_fails_one_waits(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one is unhappy")
+    dist.all_reduce(torch.zeros(1))  # waits for rank 1 until the process group's timeout
+    return rank
+
+
+def test_outcomes_report_a_hang_instead_of_killing_it_early():
+    from dist_utils import run_distributed_outcomes
+
+    start = time.monotonic()
+    outcomes = run_distributed_outcomes(_one_fails_one_waits, 2, timeout=10, pg_timeout=60)
+    assert [o.status for o in outcomes] == ["hung", "error"], outcomes
+    assert outcomes[1].error_type == "ValueError" and outcomes[1].message == "rank one is unhappy"
+    assert outcomes[1].seconds < 2
+    assert 10 <= time.monotonic() - start < 30  # waited for the hang: not killed 5 s after the failure
+
+
+def test_outcomes_end_with_the_process_group_timeout_and_skip_silent_ranks():
+    from dist_utils import run_distributed_outcomes
+
+    start = time.monotonic()
+    outcomes = run_distributed_outcomes(_one_fails_one_waits, 2, timeout=60, pg_timeout=3)
+    assert outcomes[0].status == "error" and 2.5 < outcomes[0].seconds < 10, outcomes
+    assert outcomes[0].error_type in ("RuntimeError", "DistBackendError", "DistError"), outcomes[0]
+    outcomes = run_distributed_outcomes(_sleeping_worker, 1, timeout=60, may_stay_silent=(0,))
+    assert outcomes[0].status == "hung"
+    assert time.monotonic() - start < 30

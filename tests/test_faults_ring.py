@@ -100,6 +100,7 @@ def _disagreement_cases(world):
         ("heads (q shape)", _deviant(world, B, {"hq": 4, "index": _index(n, hq=4)}), "agree"),
         ("dtype", _deviant(world, B, {"dtype": torch.float64}), "agree"),
         ("softmax scale", _deviant(world, B, {"scale": 0.3}), "agree"),
+        ("good call, hierarchical ring", _deviant(world, {**B, "inner": other_inner}, {}), "ok"),
         ("inner ring size", _deviant(world, B, {"inner": other_inner}), "agree"),
         ("cu_seqlens on one rank only", _deviant(world, {**B, "cu": "two"}, {"cu": "none"}), "agree"),
         ("cu_seqlens values", _deviant(world, {**B, "cu": "two"}, {"cu": "two moved"}), "agree"),

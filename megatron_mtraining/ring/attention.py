@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention import check_attention_inputs, check_qkv
-from ..documents import as_documents, check_cu_seqlens
+from ..documents import as_documents, check_documents_across_ranks
 from ..index import VSIndex, value_checks
 from ..kernels.plan import build_step_plan
 from ..kernels.step import backward_delta, resolve_backend, step_backward, step_forward
@@ -169,7 +169,9 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
         if value_checks(q.device):  # the CPU always; a GPU with MTRAINING_VALIDATE=1 (it synchronises)
             index.validate(seq_len)
         if cu_seqlens is not None:
-            check_cu_seqlens(cu_seqlens, seq_len)  # values on the CPU / MTRAINING_VALIDATE=1, else structure
+            # The full value check, once per tensor (one synchronisation per batch on GPUs); group
+            # None: no collective here, the agreement below compares the ranks' documents.
+            check_documents_across_ranks(cu_seqlens, seq_len, None)
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     except Exception as err:

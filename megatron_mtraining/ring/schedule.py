@@ -60,7 +60,8 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
     outer_kv = tuple(kv)
     outer_grads = None
     for so in range(topo.outer_size):
-        outer_next = (topo.outer.exchange(outer_kv, ("backward", so * topo.inner_size, W, "K/V", topo.source(so + 1, 0)))
+        outer_next = (topo.outer.exchange(outer_kv, ("backward", so * topo.inner_size, W, "K/V",
+                                                     topo.source(so + 1, 0)))
                       if so + 1 < topo.outer_size else None)
         inner_kv = outer_kv
         inner_grads = None
