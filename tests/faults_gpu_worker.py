@@ -4,8 +4,10 @@
 
 Each rank writes ``OUTDIR/rank<R>.json`` when it starts the case (``{"status": "started"}``) and
 again when it ends: ``ok``, or ``error`` with the exception type, message and seconds since the
-start. A rank that NCCL's watchdog tears down (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) writes no
-end record: the script reports it from the process's exit and the wall time.
+start; the faulty rank records ``fault injected (die|stall)``. A rank that NCCL's watchdog tears
+down (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) writes no end record: the script reports it from the
+process's exit and the wall time. A dying rank exits with code 0 and a stalled one returns after
+the timeout + 30 s, so that torchrun neither tears the other ranks down nor waits forever.
 
 Cases (rank 1 is the faulty one; ``FAULT_PG_TIMEOUT_S``, default 30, is the process group's
 timeout, i.e. the NCCL watchdog's bound):
@@ -40,9 +42,16 @@ from megatron_mtraining.ring import agreement  # noqa: E402
 from megatron_mtraining.ring.attention import call_items  # noqa: E402
 
 NOTES = {}  # observations recorded before an expected error
+START = 0.0  # time.monotonic() at the start of the case
 
 FAULTY = 1
 B = 64
+# FAULT_CPU=1 runs the cases' logic on CPU processes with gloo (a dry run of this worker; the
+# semantics under test are NCCL's, so the script never sets it).
+CPU = os.environ.get("FAULT_CPU") == "1"
+DEVICE = "cpu" if CPU else "cuda"
+DTYPE = torch.float32 if CPU else torch.bfloat16
+SEQ_LEN = int(os.environ.get("FAULT_SEQ_LEN", 2048 if CPU else 16384))
 
 
 def write(outdir, rank, record):
@@ -53,31 +62,38 @@ def write(outdir, rank, record):
 
 
 def inputs(rank, world, seq_len, hq=8, hkv=2, d=128, grad=True):
-    g = torch.Generator(device="cuda").manual_seed(seq_len)
-    q, k, v = (torch.randn(1, h, seq_len, d, device="cuda", generator=g, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+    g = torch.Generator(device=DEVICE).manual_seed(seq_len)
+    q, k, v = (torch.randn(1, h, seq_len, d, device=DEVICE, generator=g, dtype=DTYPE) for h in (hq, hkv, hkv))
     return [mm.shard_sequence(x, 2, "striped", world, rank, B).contiguous().requires_grad_(grad) for x in (q, k, v)]
 
 
-def index(seq_len, hq=8, shift=0):
+def index(seq_len, hq=8, fewer_columns=False):
     cfg = mm.MTrainingConfig(max_vertical=256, max_slash=16, min_vertical=16)
-    idx = fixed_index(1, hq, seq_len, cfg, device="cuda")
-    if shift:  # same capacity and counts, other columns
-        idx = mm.VSIndex(idx.slash, idx.n_slash, idx.vertical + shift * (idx.vertical > 100).int(), idx.n_vertical,
-                         idx.block_size)
+    idx = fixed_index(1, hq, seq_len, cfg, device=DEVICE)
+    if fewer_columns:  # same capacity, one valid column fewer per head: still a valid index
+        idx = mm.VSIndex(idx.slash, idx.n_slash, idx.vertical, idx.n_vertical - 1, idx.block_size)
     return idx
 
 
-def fault(how):
-    if how == "die":
-        os._exit(1)
-    time.sleep(3600)
+def fault(outdir, rank, how):
+    """Record the injected fault, then die (exit code 0, so that torchrun does not tear the other
+    ranks down: their own handling is under test) or stall past the process group's timeout."""
+    write(outdir, rank, {"status": f"fault injected ({how})", "seconds": round(time.monotonic() - START, 3)})
+    if how == "stall":
+        time.sleep(float(os.environ.get("FAULT_PG_TIMEOUT_S", 30)) + 30)
+    os._exit(0)
 
 
-def run_case(case, rank, world):
-    n = 16384
+def synchronize():
+    if not CPU:
+        torch.cuda.synchronize()
+
+
+def run_case(case, rank, world, outdir):
+    n = SEQ_LEN
     if case == "disagree_index":
         q, k, v = inputs(rank, world, n)
-        out = mm.sparse_ring_attention(q, k, v, index(n, shift=1 if rank == FAULTY else 0))
+        out = mm.sparse_ring_attention(q, k, v, index(n, fewer_columns=rank == FAULTY))
         NOTES["nan_output"] = bool(torch.isnan(out).all())  # (this test's own synchronisation)
         out.float().sum().backward()  # the verdict is complete by now: raised here
         mm.sparse_ring_attention(q, k, v, index(n))
@@ -92,20 +108,20 @@ def run_case(case, rank, world):
         return {}
     q, k, v = inputs(rank, world, n)
     mm.sparse_ring_attention(q, k, v, index(n)).float().sum().backward()  # one good call
-    torch.cuda.synchronize()
+    synchronize()
     how = "die" if case.startswith("die") else "stall"
     if rank == FAULTY and case.endswith("before_forward"):
-        fault(how)
+        fault(outdir, rank, how)
     out = mm.sparse_ring_attention(q, k, v, index(n))
     if rank == FAULTY:
-        fault(how)
+        fault(outdir, rank, how)
     out.float().sum().backward()
-    torch.cuda.synchronize()  # where a stalled transfer shows on the host without blocking wait
+    synchronize()  # where a stalled transfer shows on the host without blocking wait
     return {}
 
 
 def cost(rank, world):
-    seq_len = int(os.environ.get("COST_SEQ_LEN", 524288))
+    seq_len = int(os.environ.get("COST_SEQ_LEN", SEQ_LEN if CPU else 524288))
     q, k, v = inputs(rank, world, seq_len, hq=16, hkv=4)
     idx = index(seq_len, hq=16)
     items = call_items("sparse_ring_attention", q, k, v, "striped", world, 0.088, idx, None)
@@ -114,12 +130,12 @@ def cost(rank, world):
     def timed(fn, reps):
         for _ in range(2):
             fn()
-        torch.cuda.synchronize()
+        synchronize()
         dist.barrier()
         start = time.perf_counter()
         for _ in range(reps):
             fn()
-        torch.cuda.synchronize()
+        synchronize()
         return (time.perf_counter() - start) / reps
 
     def ring():
@@ -141,13 +157,17 @@ def main():
     case, outdir = sys.argv[1], sys.argv[2]
     os.makedirs(outdir, exist_ok=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group("nccl", timeout=timedelta(seconds=float(os.environ.get("FAULT_PG_TIMEOUT_S", 30))),
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    timeout = timedelta(seconds=float(os.environ.get("FAULT_PG_TIMEOUT_S", 30)))
+    if CPU:
+        dist.init_process_group("gloo", timeout=timeout)
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", torch.cuda.current_device()))
+    global START
     write(outdir, rank, {"status": "started", "wall_start": time.time()})
-    start = time.monotonic()
+    START = start = time.monotonic()
     try:
-        extra = cost(rank, world) if case == "cost" else run_case(case, rank, world)
+        extra = cost(rank, world) if case == "cost" else run_case(case, rank, world, outdir)
         record = {"status": "ok", **extra}
     except Exception as err:
         record = {"status": "error", "type": type(err).__name__, "message": str(err)[:2000], **NOTES}
