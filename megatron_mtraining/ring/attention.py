@@ -40,6 +40,11 @@ def _block_ids_on(device, seq_len: int, layout: str, world_size: int, block_size
     return _BLOCK_IDS[key]
 
 
+def _device_of(q) -> torch.device:
+    """q's device; the CPU for a q so malformed that it is not a tensor (its error is raised anyway)."""
+    return q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+
+
 def cp_group_of(group):
     """``(group, size)``: the CP group (None when there is no process group or one rank)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -183,7 +188,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
         items = [] if local_error is not None else call_items(
             "sparse_ring_attention", q, k, v, layout, world if inner_size is None else inner_size, softmax_scale,
             index, cu_seqlens)
-        disagree = agreement.agree(cp_group, "sparse_ring_attention", items, local_error, q.device)
+        disagree = agreement.agree(cp_group, "sparse_ring_attention", items, local_error, _device_of(q))
     topo = ring_topology(group, inner_size)  # after the agreement: every rank asks for the same rings
     B, nb = index.block_size, seq_len // index.block_size
     blocks = _block_ids_on(q.device, seq_len, layout, topo.world_size, B)

@@ -19,7 +19,7 @@ from ..index import VSIndex
 from ..kernels.dense import dense_attention_backward, dense_attention_forward
 from ..kernels.torch_step import merge_partials
 from . import agreement
-from .attention import RingAttentionFunction, call_items, cp_group_of, sparse_ring_attention
+from .attention import RingAttentionFunction, _device_of, call_items, cp_group_of, sparse_ring_attention
 from .comm import check_inner_size, ring_topology
 
 
@@ -85,7 +85,7 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
             if cp_group is None:
                 raise
             # Tell the peers (waiting in sparse_ring_attention's agreement), then raise err here.
-            agreement.agree(cp_group, "dense_ring_attention", [], err, q.device)
+            agreement.agree(cp_group, "dense_ring_attention", [], err, _device_of(q))
         return sparse_ring_attention(q, k, v, index, group, layout, inner_size, softmax_scale,
                                      cu_seqlens=cu_seqlens)
     if cp_group is not None:
@@ -112,7 +112,7 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
         items = [] if local_error is not None else call_items(
             "dense_ring_attention (zigzag)", q, k, v, layout, world if inner_size is None else inner_size,
             softmax_scale, None, None)
-        disagree = agreement.agree(cp_group, "dense_ring_attention", items, local_error, q.device)
+        disagree = agreement.agree(cp_group, "dense_ring_attention", items, local_error, _device_of(q))
     topo = ring_topology(group, inner_size)
     return RingAttentionFunction.apply(q, k, v, topo, DenseZigzagSteps(topo.rank, float(softmax_scale), impl),
                                        disagree)
