@@ -46,6 +46,8 @@ def test_enable_mtraining_checks_te_only_on_te_layers(monkeypatch):
     monkeypatch.setattr(enable.patches, "install", lambda config: None)
     monkeypatch.setattr(enable.MTrainingConfig, "from_args", classmethod(lambda cls, args: object()))
     monkeypatch.setattr(enable, "integration_options", lambda args: {"log_interval": 0, "dense_layers": 0})
+    monkeypatch.setattr(enable, "check_inner_ring_size", lambda args, config: None)
+    monkeypatch.setattr(enable, "check_resume", lambda args: None)
     enable.enable_mtraining(types.SimpleNamespace(transformer_impl="local", seq_length=1024))
     assert calls == []
     enable.enable_mtraining(types.SimpleNamespace(transformer_impl="transformer_engine", seq_length=1024))
