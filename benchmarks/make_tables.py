@@ -780,7 +780,6 @@ README_FIGURES = [
     ("packed_ring_speedup_vs_dense_512k_2gpu", "packed documents over 2 GPUs, 512K: over the dense ring with the same documents", "x"),
     ("approximator_overhead", "index approximator: its time over the attention it feeds (4 GPUs, 128K each)", "pct"),
     ("e2e_speedup_128k_1gpu_vs_cudnn", "Megatron training, 1 GPU, 128K: tokens/s over dense (cuDNN)", "x"),
-    ("e2e_speedup_256k_2gpu_vs_cudnn", "Megatron training, 2 GPUs, 256K: tokens/s over the cuDNN zigzag ring", "x"),
     ("e2e_speedup_512k_4gpu_vs_cudnn", "Megatron training, 4 GPUs, 512K: tokens/s over the cuDNN zigzag ring", "x"),
     ("final_loss_gap", "training from scratch, 32K: held-out LM loss, MTraining minus dense", "loss"),
     ("retrieval_accuracy_gap", "the same: retrieval accuracy, MTraining minus dense", "points"),
