@@ -47,14 +47,13 @@ def megatron_cpu():
 
 @pytest.fixture
 def clean_mtraining_state():
-    """Each test starts and ends without the plugin's Megatron patches, packed-document state or
-    module-level MTraining config (tests that install them use it)."""
-    from megatron_mtraining.integration import attention, packing, patches
+    """Each test starts and ends without the plugin's Megatron patches or packed-document state
+    (tests that install them use it). The MTraining config travels in the layer spec: there is
+    no module-level config to reset."""
+    from megatron_mtraining.integration import packing, patches
 
-    saved = (attention._MTRAINING_CONFIG, attention._DENSE_LAYERS)
     patches.uninstall()
     packing.reset_packing()
     yield
     patches.uninstall()
     packing.reset_packing()
-    attention._MTRAINING_CONFIG, attention._DENSE_LAYERS = saved

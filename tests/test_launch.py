@@ -76,7 +76,8 @@ from megatron_mtraining.integration import patches
 
 
 def core_attention_name(spec):
-    return spec.submodules.self_attention.submodules.core_attention.__name__
+    core = spec.submodules.self_attention.submodules.core_attention
+    return getattr(core, "module", core).__name__  # a ModuleSpec (MTraining's carries its config) or a class
 
 
 def my_provider(parser):
