@@ -1,7 +1,7 @@
 """MTrainingAttention inside a real megatron-core GPTModel, on CPU (gloo, world size 1).
 
 Needs megatron-core (skipped without it). The model code runs on the CPU through the
-test-only shims of ``megatron_mtraining.integration.cpu_shims``.
+test-only shims of ``megatron_mtraining.testing.cpu_shims``.
 """
 
 import types
@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.integration import attention as mt_attention  # noqa: E402
 from megatron_mtraining.integration.attention import MTrainingAttention  # noqa: E402
-from megatron_mtraining.integration.cpu_shims import apply_cpu_shims  # noqa: E402
+from megatron_mtraining.testing.cpu_shims import apply_cpu_shims  # noqa: E402
 from megatron_mtraining.integration.spec import get_gpt_layer_spec  # noqa: E402
 
 SEQ, VOCAB, BATCH = 256, 128, 2

@@ -291,7 +291,7 @@ def test_rope_slicing_follows_layout(layout, rank):
 
 def test_rotary_embedding_forward_uses_patch():
     """RotaryEmbedding.forward looks the slicer up in its own module: the patch reaches it."""
-    from megatron_mtraining.integration.cpu_shims import apply_cpu_shims
+    from megatron_mtraining.testing.cpu_shims import apply_cpu_shims
 
     with apply_cpu_shims():  # RoPE calls torch.cuda.current_device()
         rope = rotary_pos_embedding.RotaryEmbedding(kv_channels=8, rotary_percent=1.0,

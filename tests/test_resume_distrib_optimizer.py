@@ -218,7 +218,7 @@ def _resume_worker(rank, world_size, ckpt_root, cases):
 
     from megatron_mtraining import MTrainingConfig
     from megatron_mtraining.integration import patches
-    from megatron_mtraining.integration.cpu_shims import apply_cpu_shims
+    from megatron_mtraining.testing.cpu_shims import apply_cpu_shims
 
     shims = apply_cpu_shims()
     _apply_optimizer_cpu_shims()
