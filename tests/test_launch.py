@@ -274,7 +274,8 @@ def _fake_checkout(root, minor, requires_python, failure):
     (root / "megatron" / "core" / "package_info.py").write_text(f"MAJOR = 0\nMINOR = {minor}\nPATCH = 2\n")
     (root / "megatron" / "training" / "__init__.py").write_text(f"raise {failure}\n")
     if requires_python is not None:
-        (root / "pyproject.toml").write_text(f'[project]\nname = "megatron-core"\nrequires-python = "{requires_python}"\n')
+        (root / "pyproject.toml").write_text(f'[project]\nname = "megatron-core"\n'
+                                             f'requires-python = "{requires_python}"\n')
     (root / "pretrain_gpt.py").write_text("print('never runs')\n")
     return root
 

@@ -212,6 +212,29 @@ def test_deprecated_module_config_shim():
         mt_attention._legacy_config, mt_attention._legacy_dense_layers = None, 0
 
 
+def test_the_package_never_uses_the_deprecated_module_config():
+    """The config reaches every module through the spec: no package module calls the shim."""
+    import os
+    import re
+
+    import megatron_mtraining
+
+    root = os.path.dirname(megatron_mtraining.__file__)
+    call = re.compile(r"\b(set_mtraining_config|get_mtraining_config|get_dense_layers)\(")
+    users = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            if not name.endswith(".py") or path == mt_attention.__file__:
+                continue
+            with open(path, encoding="utf-8") as fh:
+                users += [f"{os.path.relpath(path, root)}: {m.group(1)}" for m in call.finditer(fh.read())]
+    assert not users, users
+    with open(mt_attention.__file__, encoding="utf-8") as fh:  # the shim itself: defined, never called
+        own = [m.group(1) for m in call.finditer(fh.read())]
+    assert sorted(own) == ["get_dense_layers", "get_mtraining_config", "set_mtraining_config"], own
+
+
 def make_attention(layer_number=1, softmax_scale=None, mtraining_config=None, dense_layers=None,
                    **config_overrides):
     return MTrainingAttention(config=transformer_config(**config_overrides), layer_number=layer_number,
