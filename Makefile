@@ -18,7 +18,7 @@ COUNT_PROCS := import torch; print(torch.cuda.device_count() if torch.cuda.is_av
 
 demo: setup
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone \
-		--nproc_per_node=$${NPROC:-$$($(PY) -c "$(COUNT_PROCS)")} -m megatron_mtraining.tools.demo
+		--nproc_per_node=$${NPROC:-$$($(PY) -c "$(COUNT_PROCS)")} examples/demo/demo.py
 
 test: setup
 	$(PY) -m pytest -q tests

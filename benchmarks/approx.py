@@ -1,7 +1,7 @@
 """Approximator benchmark: recall versus density, and its cost against the attention it feeds.
 
 1. Quality (any device): on synthetic post-RoPE q/k with a vertical-slash structure
-   (`megatron_mtraining.tools.synthetic`), the approximated index at top-p 0.8 / 0.9 / 0.95: its
+   (`synthetic.py`), the approximated index at top-p 0.8 / 0.9 / 0.95: its
    density and the share of the true (dense softmax) attention mass it covers (recall).
 2. Overhead (GPU): approximator time / sparse attention forward+backward time of the same
    layer, canonical shape (16/2 heads, d 128, bf16), one GPU holding S tokens.
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import device_slug, json_ready, median, run_metadata, time_ms  # noqa: E402
 
 from megatron_mtraining import MTrainingConfig, approximate_index, sparse_attention  # noqa: E402
-from megatron_mtraining.tools.synthetic import attention_recall, synthetic_vs_qk  # noqa: E402
+from synthetic import attention_recall, synthetic_vs_qk  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from megatron_mtraining import VSIndex
-from megatron_mtraining.tools.corpus import PROLONG_MIX
+from corpus import PROLONG_MIX
 
 # ----------------------------------------------------------------------------------------------
 # The `fixed` index: deterministic vertical-slash structure at a target density

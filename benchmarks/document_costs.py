@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import cu_seqlens_of, document_causal_pairs, packed_active_pairs, run_metadata, write_json  # noqa: E402
 
 from megatron_mtraining import VSIndex  # noqa: E402
-from megatron_mtraining.tools.corpus import PROLONG_MIX, PackedConfig, packed_document_lengths  # noqa: E402
+from corpus import PROLONG_MIX, PackedConfig, packed_document_lengths  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 OFFSETS = (1, 2, 4, 8, 16, 32)  # off-diagonal offsets (blocks back) whose shares are averaged

@@ -336,7 +336,7 @@ def render_approx(results: List[Result]) -> str:
                                   num(ring["approximator_ms"]), num(ring["sparse_ring_attention_fwdbwd_ms"]),
                                   num(ring["overhead"], 3), num(ring["index_density"], 3), short_commit(data)])
     parts = ["**Index approximator.** Synthetic post-RoPE q/k with a vertical-slash structure "
-             "(`megatron_mtraining.tools.synthetic`, 8/2 heads, d 64): recall = share of the true dense "
+             "(`benchmarks/synthetic.py`, 8/2 heads, d 64): recall = share of the true dense "
              "attention mass the approximated index covers, averaged over heads and seeds.",
              table(["device", "S", "top-p", "recall", "density", "seeds"], quality_rows)]
     if overhead_rows:

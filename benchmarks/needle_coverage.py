@@ -33,7 +33,7 @@ from common import run_metadata, write_json  # noqa: E402
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.approx import approximate_index  # noqa: E402
 from megatron_mtraining.index import VSIndex  # noqa: E402
-from megatron_mtraining.tools.synthetic import synthetic_vs_qk  # noqa: E402
+from synthetic import synthetic_vs_qk  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 RESIDUAL = "residual verticals (prototype), top-p 0.9, last_q 128"

@@ -1,7 +1,7 @@
 """Does sparse training learn like dense? Loss and long-range retrieval, MTraining vs dense.
 
 The same small megatron-core GPT (RoPE, GQA) trains from the same seed on the same synthetic
-corpus (``megatron_mtraining.tools.corpus``: word-completion filler plus key-value needles queried at
+corpus (``corpus.py``: word-completion filler plus key-value needles queried at
 the end of each sequence, stored in Megatron's indexed-dataset format) twice: with dense causal
 attention and with MTraining (``vs`` index, top-p 0.9, vertical floor ``--min-vertical`` 256,
 the default; 0 is the paper's pure top-p). Both go through ``MTrainingAttention``;
@@ -36,7 +36,7 @@ learned short still holds far back), and the context grows 128 -> 1K -> 4K -> 32
 
 Packed documents (``--packed``, issue 16): every training and evaluation sequence is several
 documents (``--documents MIN:MAX`` per sequence, lengths drawn from the seed;
-``megatron_mtraining.tools.corpus.PackedConfig``), each a self-contained corpus sequence with its own
+``corpus.PackedConfig``), each a self-contained corpus sequence with its own
 needles and its own queries at its end. Attention stays within documents in BOTH runs: each
 forward hands its documents to every MTrainingAttention layer as ``cu_seqlens`` (never an S x S
 mask) the way Megatron's ``--reset-attention-mask --reset-position-ids`` data does: the position
@@ -80,7 +80,7 @@ from common import packed_active_pairs, run_metadata, write_json  # noqa: E402
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.config import VERTICAL_FLOOR  # noqa: E402
-from megatron_mtraining.tools.corpus import (  # noqa: E402
+from corpus import (  # noqa: E402
     BOS, KEY, NEEDLE_FORMATS, PROLONG_MIX, CorpusConfig, PackedConfig, answer_target_mask, make_needle_probe,
     make_packed_probe, make_packed_sequence, query_target_positions, reset_position_ids, retrieval_accuracy,
     write_indexed_dataset,
@@ -266,7 +266,7 @@ def init_single_process(device):
                             init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
     shims = None
     if device.type == "cpu":
-        from megatron_mtraining.integration.cpu_shims import apply_cpu_shims
+        from megatron_mtraining.testing.cpu_shims import apply_cpu_shims
 
         shims = apply_cpu_shims()
     parallel_state.initialize_model_parallel()
@@ -274,7 +274,7 @@ def init_single_process(device):
 
 
 def build_model(args, run: str, max_len: int, device):
-    from megatron_mtraining.tools.demo import build_small_gpt
+    from megatron_mtraining.testing.gpt import build_small_gpt
 
     torch.manual_seed(args.seed)  # the same initial weights for both runs
     if device.type == "cuda":
@@ -485,7 +485,7 @@ def held_out_losses(args, model, seq_len, device):
     if getattr(args, "packed", False):
         return packed_held_out_losses(args, model, seq_len, device)
     cfg = corpus_config(args, seq_len)
-    from megatron_mtraining.tools.corpus import make_sequence
+    from corpus import make_sequence
 
     answers = answer_label_mask(cfg, device)
     per_token = [per_token_loss(model, make_sequence(cfg, HELD_OUT_START + i).tokens[None].to(device), args)

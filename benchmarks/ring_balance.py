@@ -35,7 +35,7 @@ from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.approx import approximate_index  # noqa: E402
 from megatron_mtraining.index import VSIndex  # noqa: E402
 from megatron_mtraining.layout import local_block_ids  # noqa: E402
-from megatron_mtraining.tools.synthetic import synthetic_vs_qk  # noqa: E402
+from synthetic import synthetic_vs_qk  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from megatron_mtraining import MTrainingConfig, approximate_index, shard_sequence  # noqa: E402
-from megatron_mtraining.tools.synthetic import synthetic_vs_qk  # noqa: E402
+from synthetic import synthetic_vs_qk  # noqa: E402
 
 FIELDS = ("slash", "n_slash", "vertical", "n_vertical")
 

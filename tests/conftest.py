@@ -1,7 +1,16 @@
 import os
+import sys
 
 import pytest
 import torch
+
+# Modules the tests share with the benchmarks and the demo, which live beside them rather than in
+# the package: the synthetic data (benchmarks/synthetic.py, benchmarks/corpus.py) and the demo's
+# loop and checkpoints (examples/demo/). Appended, so that nothing installed is shadowed.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _folder in (os.path.join(REPO, "benchmarks"), os.path.join(REPO, "examples", "demo")):
+    if _folder not in sys.path:
+        sys.path.append(_folder)
 
 # Without a GPU the Triton kernels run in Triton's CPU interpreter. It must be chosen before
 # any kernel is decorated, so before megatron_mtraining's kernels are imported.
@@ -27,7 +36,7 @@ def megatron_cpu():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_mtraining.integration.cpu_shims import apply_cpu_shims
+    from megatron_mtraining.testing.cpu_shims import apply_cpu_shims
 
     owns_dist = not dist.is_initialized()
     tmp = tempfile.TemporaryDirectory(prefix="mtraining-megatron-")
@@ -47,14 +56,13 @@ def megatron_cpu():
 
 @pytest.fixture
 def clean_mtraining_state():
-    """Each test starts and ends without the plugin's Megatron patches, packed-document state or
-    module-level MTraining config (tests that install them use it)."""
-    from megatron_mtraining.integration import attention, packing, patches
+    """Each test starts and ends without the plugin's Megatron patches or packed-document state
+    (tests that install them use it). The MTraining config travels in the layer spec: there is
+    no module-level config to reset."""
+    from megatron_mtraining.integration import packing, patches
 
-    saved = (attention._MTRAINING_CONFIG, attention._DENSE_LAYERS)
     patches.uninstall()
     packing.reset_packing()
     yield
     patches.uninstall()
     packing.reset_packing()
-    attention._MTRAINING_CONFIG, attention._DENSE_LAYERS = saved

@@ -219,7 +219,7 @@ def test_entry_errors():
 def test_recall_on_synthetic_vertical_slash_data():
     """top-p 0.9 covers >= 85% of the true attention mass at < 15% density (measured at this
     size: recall 0.92-0.96, density 0.13 on seeds 0-1; benchmarks/results/approx_*.json)."""
-    from megatron_mtraining.tools.synthetic import attention_recall, synthetic_vs_qk
+    from synthetic import attention_recall, synthetic_vs_qk
     n = 8192
     q, k = synthetic_vs_qk(1, 8, 2, n, 64, seed=0)
     index = approximate_index(q, k, MTrainingConfig(top_p=0.9, max_vertical=512, min_vertical=0, max_slash=32))

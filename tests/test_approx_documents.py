@@ -362,7 +362,7 @@ def test_gpu_statistics_equal_the_cpu_ones_with_documents(dtype):
     """The Triton path on CUDA against the PyTorch path on the CPU (same values in fp32), with
     packed documents: same statistics up to summation order, same index up to near-ties, no host
     synchronisation, repeat calls bit-identical."""
-    from megatron_mtraining.tools.synthetic import synthetic_vs_qk
+    from synthetic import synthetic_vs_qk
     n = 16384
     ends = [0, 1, 700, 720, 5000, 5001, 9000, 9100, 16000, n]
     cfg = MTrainingConfig(top_p=0.9, max_documents=4)

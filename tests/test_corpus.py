@@ -1,4 +1,4 @@
-"""Synthetic long-context retrieval corpus (megatron_mtraining.tools.corpus)."""
+"""Synthetic long-context retrieval corpus (benchmarks/corpus.py)."""
 
 import dataclasses
 import os
@@ -11,7 +11,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from megatron_mtraining.tools.corpus import (
+from corpus import (
     ANS, BOS, KEY, NUM_SPECIAL, PAD, QUERY, VAL, CorpusConfig, _lexicon, make_batch, make_needle_probe,
     make_sequence, retrieval_accuracy, write_indexed_dataset,
 )
@@ -231,7 +231,7 @@ def test_cli(tmp_path):
 
     prefix = str(tmp_path / "cli")
     out = subprocess.run(
-        [sys.executable, "-m", "megatron_mtraining.tools.corpus", "--output-prefix", prefix, "--num-sequences", "3",
+        [sys.executable, os.path.join(REPO, "benchmarks", "corpus.py"), "--output-prefix", prefix, "--num-sequences", "3",
          "--seq-length", "256", "--vocab-size", "256", "--num-needles", "3", "--num-queries", "1", "--seed", "9"],
         capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.count("\n") == 1 and "3 sequences" in out.stdout and prefix in out.stdout
@@ -239,11 +239,11 @@ def test_cli(tmp_path):
     cfg = CorpusConfig(vocab_size=256, seq_len=256, num_needles=3, num_queries=1, seed=9)
     assert len(ds) == 3 and np.array_equal(ds[2].astype(np.int64), make_sequence(cfg, 2).tokens.numpy())
     bad = subprocess.run(
-        [sys.executable, "-m", "megatron_mtraining.tools.corpus", "--output-prefix", prefix, "--num-sequences", "1",
+        [sys.executable, os.path.join(REPO, "benchmarks", "corpus.py"), "--output-prefix", prefix, "--num-sequences", "1",
          "--seq-length", "10"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "too short" in bad.stderr
     fact = subprocess.run(
-        [sys.executable, "-m", "megatron_mtraining.tools.corpus", "--output-prefix", prefix + "_fact", "--num-sequences", "2",
+        [sys.executable, os.path.join(REPO, "benchmarks", "corpus.py"), "--output-prefix", prefix + "_fact", "--num-sequences", "2",
          "--seq-length", "256", "--vocab-size", "512", "--num-needles", "3", "--num-queries", "1",
          "--needle-format", "fact", "--key-len", "1", "--value-len", "1"], capture_output=True, text=True, cwd=REPO)
     assert fact.returncode == 0, fact.stderr
@@ -254,7 +254,7 @@ def test_cli(tmp_path):
 
 
 def test_query_target_positions_match_every_sequence_and_probe():
-    from megatron_mtraining.tools.corpus import query_target_positions
+    from corpus import query_target_positions
 
     for cfg in CONFIGS:
         expected = query_target_positions(cfg)
@@ -322,7 +322,7 @@ def test_fact_probe_answers_its_needle():
 
 # ---------------------------------------------------------------------------- packed documents
 
-from megatron_mtraining.tools.corpus import (  # noqa: E402
+from corpus import (  # noqa: E402
     PROLONG_MIX, PackedConfig, PackedSample, answer_target_mask, document_boundaries, make_packed_probe, make_packed_sequence,
     packed_document_lengths, reset_position_ids,
 )

@@ -9,7 +9,7 @@ pytest.importorskip("megatron.core")
 
 from megatron_mtraining.integration import patches, telemetry  # noqa: E402
 from megatron_mtraining.integration.args import add_mtraining_args  # noqa: E402
-from megatron_mtraining.integration.attention import MTrainingAttention, get_dense_layers  # noqa: E402
+from megatron_mtraining.integration.attention import MTrainingAttention  # noqa: E402
 from megatron_mtraining.integration.enable import enable_mtraining  # noqa: E402
 
 
@@ -30,8 +30,9 @@ def test_installs_patches_and_returns_the_spec_hook():
     hook = enable_mtraining(parse("--mtraining-top-p", "0.8", "--mtraining-dense-layers", "1"))
     assert patches.installed() and hook.config.top_p == 0.8 and hook.dense_layers == 1
     spec = hook(get_gpt_layer_local_spec())
-    assert spec.submodules.self_attention.submodules.core_attention is MTrainingAttention
-    assert get_dense_layers() == 1
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert core.module is MTrainingAttention
+    assert core.params == {"mtraining_config": hook.config, "dense_layers": 1}
     assert telemetry.get_telemetry() is None  # --mtraining-log-interval 0: off
 
 

@@ -237,11 +237,10 @@ def pretrain_script(monkeypatch):
     module = _load_pretrain_script()
     yield module
     try:
-        from megatron_mtraining.integration import attention, patches
+        from megatron_mtraining.integration import patches
     except ImportError:  # pragma: no cover - megatron-core missing
         return
     patches.uninstall()
-    attention.set_mtraining_config(None)
 
 
 def test_pretrain_script_static():
@@ -345,7 +344,7 @@ def test_pretrain_script_layer_spec(pretrain_script):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from megatron_mtraining import MTrainingConfig
-    from megatron_mtraining.integration.attention import MTrainingAttention, get_dense_layers, get_mtraining_config
+    from megatron_mtraining.integration.attention import MTrainingAttention
 
     config = _transformer_config(normalization="RMSNorm")
     dense = pretrain_script.get_layer_spec(_ns(), config)
@@ -353,8 +352,8 @@ def test_pretrain_script_layer_spec(pretrain_script):
     cfg = MTrainingConfig(index="dense", block_size=64)
     sparse = pretrain_script.get_layer_spec(_ns(mtraining=True, mtraining_dense_layers=1), config,
                                             mtraining_config=cfg)
-    assert _core_attention(sparse) is MTrainingAttention
-    assert get_mtraining_config() == cfg and get_dense_layers() == 1
+    assert _core_attention(sparse).module is MTrainingAttention
+    assert _core_attention(sparse).params == {"mtraining_config": cfg, "dense_layers": 1}
     assert type(sparse.submodules.input_layernorm) is type(dense.submodules.input_layernorm)  # noqa: E721
     assert _core_attention(pretrain_script.get_layer_spec(_ns(), config)) is DotProductAttention  # untouched
 
@@ -461,10 +460,9 @@ def fake_training(monkeypatch):
         setattr(pkg, short, mod)
     module = _load_pretrain_script()
     yield types.SimpleNamespace(pkg=pkg, script=module, monkeypatch=monkeypatch)
-    from megatron_mtraining.integration import attention, patches
+    from megatron_mtraining.integration import patches
 
     patches.uninstall()
-    attention.set_mtraining_config(None)
 
 
 def _main(fake, *argv):

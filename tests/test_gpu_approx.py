@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_mtraining import MTrainingConfig, approximate_index
-from megatron_mtraining.tools.synthetic import synthetic_vs_qk
+from synthetic import synthetic_vs_qk
 
 pytestmark = pytest.mark.gpu
 

@@ -12,9 +12,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  #
 from megatron_mtraining import MTrainingConfig, VSIndex  # noqa: E402
 from megatron_mtraining.integration.indexer import MTrainingIndexer  # noqa: E402
 from megatron_mtraining.integration.spec import get_gpt_layer_spec  # noqa: E402
-from test_megatron_attention import (  # noqa: E402,F401  (reset_mtraining_config is an autouse fixture)
-    SEQ, VOCAB, batch, core_attentions, logits_and_grads, rel_err, reset_mtraining_config,
-    transformer_config,
+from test_megatron_attention import (  # noqa: E402
+    SEQ, VOCAB, batch, core_attentions, logits_and_grads, rel_err, transformer_config,
 )
 
 SPARSE = MTrainingConfig(index="vs", block_size=64, top_p=0.5, max_slash=2, max_vertical=16, min_vertical=0, last_q=64)

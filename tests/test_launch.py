@@ -76,7 +76,8 @@ from megatron_mtraining.integration import patches
 
 
 def core_attention_name(spec):
-    return spec.submodules.self_attention.submodules.core_attention.__name__
+    core = spec.submodules.self_attention.submodules.core_attention
+    return getattr(core, "module", core).__name__  # a ModuleSpec (MTraining's carries its config) or a class
 
 
 def my_provider(parser):
@@ -239,3 +240,67 @@ def test_help_lists_the_mtraining_flags_and_exits_cleanly(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m megatron_mtraining.launch SCRIPT.py")
     assert "--mtraining-top-p" in out and "--no-mtraining-deterministic" in out
+
+
+# ------------------------------------------------------------------ the module alias and import diagnostics
+
+def _run_launcher(tmp_path, *argv, pythonpath=()):
+    """``python -m megatron_mtraining.launch`` in a fresh process (the published entry point)."""
+    import os
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*map(str, pythonpath), repo]))
+    return subprocess.run([sys.executable, "-m", "megatron_mtraining.launch", *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_module_alias_runs_the_integration_launcher(tmp_path):
+    from megatron_mtraining.integration import launch as integration_launch
+
+    assert launch.main is integration_launch.main and launch.LaunchError is integration_launch.LaunchError
+    proc = _run_launcher(tmp_path, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: python -m megatron_mtraining.launch SCRIPT.py")
+    assert "--mtraining-top-p" in proc.stdout
+
+
+def _fake_checkout(root, minor, requires_python, failure):
+    """A Megatron-LM checkout whose megatron.training raises ``failure`` on import."""
+    (root / "megatron" / "core").mkdir(parents=True)
+    (root / "megatron" / "training").mkdir()
+    (root / "megatron" / "__init__.py").write_text("")
+    (root / "megatron" / "core" / "__init__.py").write_text("")
+    (root / "megatron" / "core" / "package_info.py").write_text(f"MAJOR = 0\nMINOR = {minor}\nPATCH = 2\n")
+    (root / "megatron" / "training" / "__init__.py").write_text(f"raise {failure}\n")
+    if requires_python is not None:
+        (root / "pyproject.toml").write_text(f'[project]\nname = "megatron-core"\n'
+                                             f'requires-python = "{requires_python}"\n')
+    (root / "pretrain_gpt.py").write_text("print('never runs')\n")
+    return root
+
+
+@pytest.mark.parametrize("requires_python", [">=99.0", None])
+def test_too_old_python_is_named_not_pythonpath(tmp_path, requires_python):
+    """A Megatron-LM checkout whose megatron-core needs a newer Python (megatron-core >= 0.17 needs
+    3.12; from its pyproject.toml when present) fails with that cause, not a PYTHONPATH hint."""
+    minor = 19 if requires_python is None else 16
+    if requires_python is None and sys.version_info >= (3, 12):
+        pytest.skip("the known bound (megatron-core >= 0.17 needs Python 3.12) holds on this Python")
+    tree = _fake_checkout(tmp_path / "Megatron-LM", minor, requires_python,
+                          "ImportError(\"cannot import name 'override' from 'typing'\")")
+    proc = _run_launcher(tmp_path, str(tree / "pretrain_gpt.py"), "--mtraining", pythonpath=[tree])
+    assert proc.returncode == 2
+    expected = requires_python or ">=3.12"
+    running = ".".join(map(str, sys.version_info[:3]))
+    assert f"megatron-core 0.{minor}.2 requires Python {expected} (Requires-Python)" in proc.stderr, proc.stderr
+    assert f"this is Python {running}" in proc.stderr and "override" in proc.stderr
+    assert "PYTHONPATH" not in proc.stderr
+
+
+def test_an_error_inside_megatron_lm_is_not_blamed_on_pythonpath(tmp_path):
+    tree = _fake_checkout(tmp_path / "Megatron-LM", 16, ">=3.8", "ModuleNotFoundError(\"No module named 'einops'\")")
+    proc = _run_launcher(tmp_path, str(tree / "pretrain_gpt.py"), "--mtraining", pythonpath=[tree])
+    assert proc.returncode == 2
+    assert "was found but failed to import: No module named 'einops'" in proc.stderr, proc.stderr
+    assert "PYTHONPATH is fine" in proc.stderr

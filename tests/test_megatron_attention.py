@@ -1,7 +1,7 @@
 """MTrainingAttention inside a real megatron-core GPTModel, on CPU (gloo, world size 1).
 
 Needs megatron-core (skipped without it). The model code runs on the CPU through the
-test-only shims of ``megatron_mtraining.integration.cpu_shims``.
+test-only shims of ``megatron_mtraining.testing.cpu_shims``.
 """
 
 import types
@@ -23,25 +23,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.integration import attention as mt_attention  # noqa: E402
-from megatron_mtraining.integration.attention import (  # noqa: E402
-    MTrainingAttention,
-    get_mtraining_config,
-    set_mtraining_config,
-)
-from megatron_mtraining.integration.cpu_shims import apply_cpu_shims  # noqa: E402
+from megatron_mtraining.integration.attention import MTrainingAttention  # noqa: E402
+from megatron_mtraining.testing.cpu_shims import apply_cpu_shims  # noqa: E402
 from megatron_mtraining.integration.spec import get_gpt_layer_spec  # noqa: E402
 
 SEQ, VOCAB, BATCH = 256, 128, 2
 
 
 # ---------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(autouse=True)
-def reset_mtraining_config():
-    saved = (mt_attention._MTRAINING_CONFIG, mt_attention._DENSE_LAYERS)
-    yield
-    mt_attention._MTRAINING_CONFIG, mt_attention._DENSE_LAYERS = saved
 
 
 def transformer_config(**overrides) -> TransformerConfig:
@@ -131,8 +120,7 @@ def test_vs_index_forward_backward(megatron_cpu, sparse_kwargs):
 
 
 def test_dense_layers_use_dense_index(megatron_cpu):
-    set_mtraining_config(MTrainingConfig(index="vs", top_p=0.5, block_size=64), dense_layers=1)
-    model = build_gpt(get_gpt_layer_spec())
+    model = build_gpt(get_gpt_layer_spec(MTrainingConfig(index="vs", top_p=0.5, block_size=64), dense_layers=1))
     first, second = core_attentions(model)
     assert first.dense and first.indexer.mtraining_config.index == "dense"
     assert not second.dense and second.indexer.mtraining_config.index == "vs"
@@ -166,24 +154,93 @@ def test_constructor_ignores_unknown_kwargs():
     assert attn.layer_number == 2
 
 
-def test_module_config_is_read_at_construction():
+def test_config_comes_from_the_spec_params():
+    """Megatron builds core attention with ``submodules.core_attention(config=..., ...)``: a
+    ModuleSpec adds its params as keyword arguments, and the attention hands the config on to
+    its indexer. Two specs with different configs build two differently configured modules."""
+    sparse, fixed = MTrainingConfig(index="vs", top_p=0.5), MTrainingConfig(index="fixed", block_size=128)
+    attention_spec = get_gpt_layer_spec(sparse, dense_layers=1).submodules.self_attention.submodules.core_attention
+    assert isinstance(attention_spec, ModuleSpec) and attention_spec.module is MTrainingAttention
+    assert attention_spec.params == {"mtraining_config": sparse, "dense_layers": 1}
+    other_spec = get_gpt_layer_spec(fixed).submodules.self_attention.submodules.core_attention
+    built = {}
+    for name, spec, layer in (("first", attention_spec, 1), ("second", attention_spec, 2), ("fixed", other_spec, 1)):
+        built[name] = spec(config=transformer_config(), layer_number=layer, attn_mask_type=AttnMaskType.causal,
+                           attention_type="self", cp_comm_type=None, softmax_scale=None, pg_collection=None)
+    assert built["first"].mtraining_config is sparse and built["first"].dense
+    assert built["first"].indexer.mtraining_config.index == "dense"  # a dense layer
+    assert built["second"].indexer.mtraining_config is sparse and not built["second"].dense
+    assert built["fixed"].mtraining_config is fixed and built["fixed"].indexer.mtraining_config is fixed
+    assert not built["fixed"].dense
+    with pytest.raises(TypeError, match="MTrainingConfig"):
+        get_gpt_layer_spec({"index": "vs"})
+    with pytest.raises(ValueError, match="dense_layers"):
+        get_gpt_layer_spec(sparse, dense_layers=-1)
+    with pytest.raises(TypeError, match="mtraining_config must be an MTrainingConfig"):
+        make_attention(mtraining_config={"index": "vs"})
+
+
+def test_no_module_level_config():
+    """Building specs and modules leaves no module-level MTraining state behind: a spec without
+    params builds the defaults, whatever was built before."""
+    get_gpt_layer_spec(MTrainingConfig(index="fixed"), dense_layers=2)
+    make_attention(mtraining_config=MTrainingConfig(index="fixed"), dense_layers=2)
+    plain = MTrainingAttention(config=transformer_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                               attention_type="self")
+    assert plain.mtraining_config == MTrainingConfig() and plain.dense_layers == 0 and not plain.dense
+
+
+def test_deprecated_module_config_shim():
+    """``set_mtraining_config`` still works for specs without params, with a DeprecationWarning;
+    the package itself never calls it."""
     cfg = MTrainingConfig(index="fixed", block_size=128)
-    set_mtraining_config(cfg, dense_layers=0)
-    assert get_mtraining_config() is cfg
-    attn = MTrainingAttention(config=transformer_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
-                              attention_type="self")
-    set_mtraining_config(MTrainingConfig())
-    assert attn.mtraining_config is cfg
-    with pytest.raises(TypeError):
-        set_mtraining_config({"index": "vs"})
-    with pytest.raises(ValueError):
-        set_mtraining_config(cfg, dense_layers=-1)
+    try:
+        with pytest.warns(DeprecationWarning, match="pass the config in the layer spec"):
+            mt_attention.set_mtraining_config(cfg, dense_layers=1)
+        with pytest.warns(DeprecationWarning):
+            assert mt_attention.get_mtraining_config() is cfg and mt_attention.get_dense_layers() == 1
+        attn = MTrainingAttention(config=transformer_config(), layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                  attention_type="self")
+        assert attn.mtraining_config is cfg and attn.dense
+        # the spec's params win over the deprecated defaults
+        assert make_attention(mtraining_config=MTrainingConfig(), dense_layers=0).mtraining_config == MTrainingConfig()
+        with pytest.raises(TypeError), pytest.warns(DeprecationWarning):
+            mt_attention.set_mtraining_config({"index": "vs"})
+        with pytest.raises(ValueError), pytest.warns(DeprecationWarning):
+            mt_attention.set_mtraining_config(cfg, dense_layers=-1)
+    finally:
+        mt_attention._legacy_config, mt_attention._legacy_dense_layers = None, 0
 
 
-def make_attention(layer_number=1, softmax_scale=None, **config_overrides):
+def test_the_package_never_uses_the_deprecated_module_config():
+    """The config reaches every module through the spec: no package module calls the shim."""
+    import os
+    import re
+
+    import megatron_mtraining
+
+    root = os.path.dirname(megatron_mtraining.__file__)
+    call = re.compile(r"\b(set_mtraining_config|get_mtraining_config|get_dense_layers)\(")
+    users = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            if not name.endswith(".py") or path == mt_attention.__file__:
+                continue
+            with open(path, encoding="utf-8") as fh:
+                users += [f"{os.path.relpath(path, root)}: {m.group(1)}" for m in call.finditer(fh.read())]
+    assert not users, users
+    with open(mt_attention.__file__, encoding="utf-8") as fh:  # the shim itself: defined, never called
+        own = [m.group(1) for m in call.finditer(fh.read())]
+    assert sorted(own) == ["get_dense_layers", "get_mtraining_config", "set_mtraining_config"], own
+
+
+def make_attention(layer_number=1, softmax_scale=None, mtraining_config=None, dense_layers=None,
+                   **config_overrides):
     return MTrainingAttention(config=transformer_config(**config_overrides), layer_number=layer_number,
                               attn_mask_type=AttnMaskType.causal, attention_type="self",
-                              softmax_scale=softmax_scale, pg_collection=pg_collection_stub())
+                              softmax_scale=softmax_scale, pg_collection=pg_collection_stub(),
+                              mtraining_config=mtraining_config, dense_layers=dense_layers)
 
 
 def qkv(s=128, b=1, np_=4, ng=2, hn=16):
@@ -193,8 +250,7 @@ def qkv(s=128, b=1, np_=4, ng=2, hn=16):
 
 
 def test_forward_single_device_matches_reference():
-    set_mtraining_config(MTrainingConfig(index="dense"))
-    attn = make_attention()
+    attn = make_attention(mtraining_config=MTrainingConfig(index="dense"))
     q, k, v = qkv()
     out = attn(q, k, v, None)
     assert out.shape == (128, 1, 64)
@@ -212,9 +268,9 @@ def test_dense_index_runs_the_dense_kernels_unless_deterministic(monkeypatch, de
     backward need not be deterministic; either way it computes causal attention exactly."""
     import megatron_mtraining.integration.attention as mt_attention
 
-    set_mtraining_config(MTrainingConfig(index=index, deterministic=deterministic, top_p=1.0, last_q=64))
     scale = 0.37  # not 1/sqrt(d): the scale must reach whichever kernels run
-    attn = make_attention(softmax_scale=scale)
+    attn = make_attention(softmax_scale=scale, mtraining_config=MTrainingConfig(
+        index=index, deterministic=deterministic, top_p=1.0, last_q=64))
     assert attn.uses_dense_kernels(None, qkv()[0]) is dense_kernels
     calls = []
     sparse = mt_attention.sparse_attention
@@ -241,13 +297,12 @@ def test_dense_layers_run_the_dense_kernels_unless_deterministic():
     """--mtraining-dense-layers: the first layers take the dense kernels too (the decision reads
     the layer's own settings, so a custom indexer without a config does not matter)."""
     for deterministic in (False, True):
-        set_mtraining_config(MTrainingConfig(index="vs", deterministic=deterministic), dense_layers=1)
-        first, second = (make_attention(layer_number=n) for n in (1, 2))
+        cfg = MTrainingConfig(index="vs", deterministic=deterministic)
+        first, second = (make_attention(layer_number=n, mtraining_config=cfg, dense_layers=1) for n in (1, 2))
         first.indexer = second.indexer = torch.nn.Identity()  # a custom indexer that keeps no config
         q = qkv()[0]
         assert first.uses_dense_kernels(None, q) is (not deterministic)
         assert not second.uses_dense_kernels(None, q)
-    set_mtraining_config(MTrainingConfig(), dense_layers=0)
 
 
 @pytest.mark.parametrize("bound,dense_kernels", [(128, True), (127, False), (0, False)])
@@ -256,14 +311,13 @@ def test_short_sequences_run_the_dense_kernels_unless_deterministic(monkeypatch,
     (the dense kernels when the backward need not be deterministic, exact causal attention)."""
     import megatron_mtraining.integration.attention as mt_attention
 
-    set_mtraining_config(MTrainingConfig(index="vs", deterministic=False, dense_max_seq_length=bound))
-    attn = make_attention()
+    attn = make_attention(mtraining_config=MTrainingConfig(index="vs", deterministic=False,
+                                                           dense_max_seq_length=bound))
     q, k, v = qkv()  # [s, b, heads, d], 128 tokens
     q_bhsd = q.permute(1, 2, 0, 3)  # as the forward asks it
     assert attn.uses_dense_kernels(None, q_bhsd) is dense_kernels
-    set_mtraining_config(MTrainingConfig(index="vs", deterministic=True, dense_max_seq_length=bound))
-    assert not make_attention().uses_dense_kernels(None, q_bhsd)
-    set_mtraining_config(MTrainingConfig(index="vs", deterministic=False, dense_max_seq_length=bound))
+    deterministic = MTrainingConfig(index="vs", deterministic=True, dense_max_seq_length=bound)
+    assert not make_attention(mtraining_config=deterministic).uses_dense_kernels(None, q_bhsd)
     calls = []
     sparse = mt_attention.sparse_attention
     monkeypatch.setattr(mt_attention, "sparse_attention", lambda *a, **kw: calls.append(1) or sparse(*a, **kw))
@@ -274,15 +328,13 @@ def test_short_sequences_run_the_dense_kernels_unless_deterministic(monkeypatch,
         ref = torch.nn.functional.scaled_dot_product_attention(
             qb, kb.repeat_interleave(2, dim=1), vb.repeat_interleave(2, dim=1), is_causal=True)
         assert rel_err(out, ref.permute(2, 0, 1, 3).reshape(128, 1, 64)) < 1e-5
-    set_mtraining_config(MTrainingConfig())
 
 
 @pytest.mark.parametrize("layout", ["striped", "zigzag"])
 def test_dense_kernels_over_cp_only_on_the_zigzag_ring(layout):
     """Over CP the dense kernels need the zigzag ring (striped steps are block-causal) and, on
     CUDA, fp16/bf16 inputs (the fp32 dense step would materialise its scores)."""
-    set_mtraining_config(MTrainingConfig(index="dense", deterministic=False, layout=layout))
-    attn = make_attention()
+    attn = make_attention(mtraining_config=MTrainingConfig(index="dense", deterministic=False, layout=layout))
     group = object()  # any CP group: the decision does not talk to it
     q = qkv()[0]
     assert attn.uses_dense_kernels(group, q) is (layout == "zigzag")
@@ -298,8 +350,7 @@ def test_forward_under_autocast_runs_in_the_autocast_dtype(index):
     """fp32 q/k/v inside an autocast region (what megatron-core's layers hand over) are attended in
     the autocast dtype, like torch's fused attention: the same numbers as bf16 inputs outside it,
     and gradients flow back to the fp32 inputs."""
-    set_mtraining_config(MTrainingConfig(index=index, last_q=64))
-    attn = make_attention()
+    attn = make_attention(mtraining_config=MTrainingConfig(index=index, last_q=64))
     q, k, v = (x.requires_grad_() for x in qkv())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = attn(q, k, v, None)
@@ -316,8 +367,7 @@ def test_megatron_recompute_under_autocast_attends_as_the_forward(megatron_cpu):
     gradients equal those without recompute; the kept dtype does not leak into later forwards."""
     from megatron.core.tensor_parallel.random import CheckpointFunction
 
-    set_mtraining_config(MTrainingConfig(index="vs", last_q=64))
-    attn = make_attention()
+    attn = make_attention(mtraining_config=MTrainingConfig(index="vs", last_q=64))
 
     def grads(recompute):
         q, k, v = (x.clone().requires_grad_() for x in qkv())
@@ -387,17 +437,25 @@ def test_spec_rewrites_local_spec_and_keeps_the_base():
     base = get_gpt_layer_local_spec()
     original = base.submodules.self_attention.submodules.core_attention
     spec = get_gpt_layer_spec(base_spec=base)
-    assert spec.submodules.self_attention.submodules.core_attention is MTrainingAttention
+    assert attention_module(spec.submodules.self_attention.submodules.core_attention) is MTrainingAttention
     assert base.submodules.self_attention.submodules.core_attention is original  # deep copy
     assert spec.submodules.self_attention.submodules.linear_qkv is \
         base.submodules.self_attention.submodules.linear_qkv
 
 
-def test_spec_default_is_local_spec_and_sets_config():
+def attention_module(core_attention):
+    """The class a core-attention slot builds (a ModuleSpec's ``module``, or the class itself)."""
+    return core_attention.module if isinstance(core_attention, ModuleSpec) else core_attention
+
+
+def test_spec_default_is_local_spec_and_carries_the_config():
     cfg = MTrainingConfig(top_p=0.8)
     spec = get_gpt_layer_spec(cfg, dense_layers=2)
-    assert spec.submodules.self_attention.submodules.core_attention is MTrainingAttention
-    assert get_mtraining_config() is cfg and mt_attention.get_dense_layers() == 2
+    core = spec.submodules.self_attention.submodules.core_attention
+    assert attention_module(core) is MTrainingAttention
+    assert core.params == {"mtraining_config": cfg, "dense_layers": 2}
+    local = get_gpt_layer_local_spec()
+    assert spec.submodules.self_attention.submodules.linear_qkv is local.submodules.self_attention.submodules.linear_qkv
 
 
 class TEDotProductAttention:  # stand-ins for TE classes: the rewrite must not import TE
@@ -448,7 +506,7 @@ def test_spec_rewrites_te_structure_without_te():
     base = fake_te_layer_spec()
     spec = get_gpt_layer_spec(base_spec=base)
     attn = spec.submodules.self_attention
-    assert attn.submodules.core_attention is MTrainingAttention
+    assert attention_module(attn.submodules.core_attention) is MTrainingAttention
     assert attn.submodules.linear_qkv is TELayerNormColumnParallelLinear  # fused LN-linear kept
     assert attn.params == {"attn_mask_type": AttnMaskType.causal}
     assert base.submodules.self_attention.submodules.core_attention is TEDotProductAttention
@@ -459,7 +517,7 @@ def test_spec_rewrites_every_layer_of_a_block_spec():
     spec = get_gpt_layer_spec(base_spec=block)
     assert isinstance(spec, TransformerBlockSubmodules) and spec is not block
     for layer in spec.layer_specs:
-        assert layer.submodules.self_attention.submodules.core_attention is MTrainingAttention
+        assert attention_module(layer.submodules.self_attention.submodules.core_attention) is MTrainingAttention
     assert block.layer_specs[0].submodules.self_attention.submodules.core_attention is TEDotProductAttention
 
 

@@ -38,7 +38,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.integration import attention as mt_attention  # noqa: E402
 from megatron_mtraining.integration import packing, patches  # noqa: E402
-from megatron_mtraining.integration.cpu_shims import apply_cpu_shims  # noqa: E402
+from megatron_mtraining.testing.cpu_shims import apply_cpu_shims  # noqa: E402
 from megatron_mtraining.integration.spec import get_gpt_layer_spec  # noqa: E402
 from megatron_batch import cp_split  # noqa: E402
 from oracle import rel_err  # noqa: E402
@@ -301,10 +301,11 @@ def test_thd_attention_equals_reference(megatron_cpu, index, deterministic):
 
     from megatron_mtraining.kernels.reference import reference_attention
 
-    mt_attention.set_mtraining_config(MTrainingConfig(index=index, deterministic=deterministic, block_size=BLOCK,
-                                                      top_p=0.5, max_slash=2, max_vertical=32, min_vertical=0))
+    cfg = MTrainingConfig(index=index, deterministic=deterministic, block_size=BLOCK, top_p=0.5, max_slash=2,
+                          max_vertical=32, min_vertical=0)
     attn = mt_attention.MTrainingAttention(config=transformer_config(), layer_number=1,
-                                           attn_mask_type=AttnMaskType.causal, attention_type="self")
+                                           attn_mask_type=AttnMaskType.causal, attention_type="self",
+                                           mtraining_config=cfg)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(SEQ, h, 16, generator=g, requires_grad=True) for h in (4, 2, 2))
     cu = torch.tensor(CU, dtype=torch.int32)

@@ -55,7 +55,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.integration import attention as mt_attention  # noqa: E402
 from megatron_mtraining.integration import packing, patches  # noqa: E402
-from megatron_mtraining.integration.cpu_shims import apply_cpu_shims  # noqa: E402
+from megatron_mtraining.testing.cpu_shims import apply_cpu_shims  # noqa: E402
 from megatron_mtraining.integration.spec import get_gpt_layer_spec  # noqa: E402
 from megatron_batch import cp_split  # noqa: E402
 from oracle import rel_err  # noqa: E402

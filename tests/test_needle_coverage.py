@@ -13,7 +13,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import needle_coverage  # noqa: E402
-from megatron_mtraining.tools.synthetic import synthetic_vs_qk  # noqa: E402
+from synthetic import synthetic_vs_qk  # noqa: E402
 
 
 @pytest.mark.parametrize("share", [0.01, 0.3, 0.9])

@@ -291,7 +291,7 @@ def test_rope_slicing_follows_layout(layout, rank):
 
 def test_rotary_embedding_forward_uses_patch():
     """RotaryEmbedding.forward looks the slicer up in its own module: the patch reaches it."""
-    from megatron_mtraining.integration.cpu_shims import apply_cpu_shims
+    from megatron_mtraining.testing.cpu_shims import apply_cpu_shims
 
     with apply_cpu_shims():  # RoPE calls torch.cuda.current_device()
         rope = rotary_pos_embedding.RotaryEmbedding(kv_channels=8, rotary_percent=1.0,
@@ -432,7 +432,7 @@ def test_unstepped_distributed_optimizer_gets_states_before_a_load():
             self.param = torch.nn.Parameter(torch.ones(3))
             self.optimizer = torch.optim.AdamW([self.param], lr=0.1, weight_decay=0.1)
 
-    wrapped = patches._make_optimizer_state_before_load(sharded_state_dict)
+    wrapped = patches.optimizer.make_optimizer_state_before_load(sharded_state_dict)
     opt = Stand_in()
     with pytest.raises(AssertionError):
         sharded_state_dict(opt, {}, True)          # the unpatched failure
@@ -472,7 +472,7 @@ def test_resumed_torch_adam_keeps_the_checkpoint_step_one_tensor_per_parameter()
                                                    exp_avg_sq=torch.zeros_like(param))
 
     opt = Stand_in()
-    patches._make_load_state_dict_with_own_steps(Stand_in.load_state_dict)(opt, 2)
+    patches.optimizer.make_load_state_dict_with_own_steps(Stand_in.load_state_dict)(opt, 2)
     steps = [opt.optimizer.state[p]["step"] for p in opt.params]
     assert [s.item() for s in steps] == [2.0, 2.0] and steps[0] is not steps[1]
     for p in opt.params:
@@ -480,7 +480,7 @@ def test_resumed_torch_adam_keeps_the_checkpoint_step_one_tensor_per_parameter()
     opt.optimizer.step()
     assert [opt.optimizer.state[p]["step"].item() for p in opt.params] == [3.0, 3.0]
 
-    setter = patches._make_param_state_setter_keeping_step(
+    setter = patches.optimizer.make_param_state_setter_keeping_step(
         distrib.DistributedOptimizer._set_main_param_and_optimizer_states)
     stale = {"param": torch.full((3,), 5.0), "exp_avg": torch.full((3,), 6.0), "exp_avg_sq": torch.full((3,), 7.0),
              "step": torch.tensor(1.0)}                                     # dp_reshardable: a stale step

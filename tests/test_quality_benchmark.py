@@ -72,7 +72,7 @@ def test_answer_mask_and_weighted_training_loss():
     import torch
 
     import quality
-    from megatron_mtraining.tools.corpus import make_batch
+    from corpus import make_batch
 
     args = quality.parse_args(["--run", "dense", "--vocab-size", "128"])
     cfg = quality.corpus_config(args, 256)
@@ -97,7 +97,7 @@ def test_default_recipe_builds_every_phase_and_eval_length():
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import quality
 
-    from megatron_mtraining.tools.corpus import make_needle_probe, make_sequence
+    from corpus import make_needle_probe, make_sequence
 
     args = quality.parse_args(["--run", "dense"])
     lengths = [s for s, _ in quality.phases(args.phases)] + [int(x) for x in args.eval_lengths.split(",")]
@@ -123,7 +123,7 @@ def test_needle_column_holds_the_answer(needle_format):
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import quality
 
-    from megatron_mtraining.tools.corpus import make_needle_probe
+    from corpus import make_needle_probe
 
     args = quality.parse_args(["--run", "dense", "--needle-format", needle_format, "--key-len", "1",
                                "--value-len", "1"])

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import quality  # noqa: E402
 
-from megatron_mtraining.tools.corpus import (  # noqa: E402
+from corpus import (  # noqa: E402
     BOS, KEY, PROLONG_MIX, PackedConfig, make_packed_probe, make_packed_sequence, packed_document_lengths,
 )
 

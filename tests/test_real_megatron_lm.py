@@ -199,7 +199,8 @@ enable.enable_mtraining = recording_enable
 
 
 def core_attention(spec):
-    return spec.submodules.self_attention.submodules.core_attention.__name__
+    core = spec.submodules.self_attention.submodules.core_attention
+    return getattr(core, "module", core).__name__  # a ModuleSpec (MTraining's carries its config) or a class
 
 
 def stop(*args, **kwargs):

@@ -1,4 +1,4 @@
-"""Checkpoint resume without loss: the plugin's own training loop (``megatron_mtraining.tools.demo``:
+"""Checkpoint resume without loss: the demo's training loop (``examples/demo/demo.py``:
 megatron-core GPTModel with MTrainingAttention, Adam, CP=2 over gloo) trained N+M iterations in
 one go equals N iterations, a checkpoint, and M more in NEW processes, bit for bit (losses,
 parameters and optimizer state). Deterministic kernels are the default
@@ -13,7 +13,7 @@ pytest.importorskip("megatron.core")
 
 from dist_utils import run_distributed  # noqa: E402
 
-from megatron_mtraining.checkpointing import checkpoint_path, read_tracker  # noqa: E402
+from checkpointing import checkpoint_path, read_tracker  # noqa: E402  (examples/demo/)
 
 N, M = 3, 2
 # Small and quick: 2 layers, 256 tokens (128 per rank), telemetry (and with it the cross-rank
@@ -24,7 +24,7 @@ ARGS = ["--seq-length", "256", "--micro-batch-size", "1", "--num-layers", "2", "
 
 
 def _train(rank, world_size, argv):
-    from megatron_mtraining.tools import demo
+    import demo  # examples/demo/demo.py
     demo.main(list(argv))  # its return code is the loss-went-down check: meaningless over 3 iterations
     return None
 

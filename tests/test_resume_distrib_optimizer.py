@@ -4,7 +4,7 @@ The GPU machines have neither, so Megatron's DistributedOptimizer holds torch's 
 the real Megatron-LM tree (--use-distributed-optimizer --bf16 --ckpt-format torch_dist) gave
 iteration 3 equal to an uninterrupted run and iteration 4 far off: the resumed optimizer's ``step``
 was wrong (the dummy step's 1 instead of the checkpoint's, then one tensor shared by every
-parameter and incremented once per parameter). ``patches.py`` (its patches 5 to 7, on
+parameter and incremented once per parameter). ``integration/patches/optimizer.py`` (patches 5 to 7, on
 DistributedOptimizer) fixes it; here, on the CPU, as Megatron's checkpointing.py does it:
 
 train 2 steps, save (torch_dist: ``sharded_state_dict`` of the model and of the optimizer with the
@@ -218,7 +218,7 @@ def _resume_worker(rank, world_size, ckpt_root, cases):
 
     from megatron_mtraining import MTrainingConfig
     from megatron_mtraining.integration import patches
-    from megatron_mtraining.integration.cpu_shims import apply_cpu_shims
+    from megatron_mtraining.testing.cpu_shims import apply_cpu_shims
 
     shims = apply_cpu_shims()
     _apply_optimizer_cpu_shims()

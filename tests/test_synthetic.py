@@ -1,4 +1,4 @@
-"""Synthetic vertical-slash q/k and the recall measurement (megatron_mtraining.tools.synthetic)."""
+"""Synthetic vertical-slash q/k and the recall measurement (benchmarks/synthetic.py)."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_mtraining.index import VSIndex
-from megatron_mtraining.tools.synthetic import apply_rope, attention_recall, oracle_index, synthetic_vs_qk
+from synthetic import apply_rope, attention_recall, oracle_index, synthetic_vs_qk
 
 
 def test_shapes_dtype_device_and_determinism():

@@ -15,8 +15,10 @@ CP == 1. A layer with a dense index and ``deterministic=False`` runs the dense k
 where they can (``uses_dense_kernels``). Context parallelism needs neither Transformer Engine
 nor apex.
 
-The MTraining settings are module-level (``set_mtraining_config``) so that layer specs stay
-plain data; each ``MTrainingAttention`` reads them once, when it is built.
+The MTraining settings travel in the layer spec, like every megatron-core module's settings:
+``ModuleSpec(module=MTrainingAttention, params={"mtraining_config": cfg, "dense_layers": n})``
+(``spec.get_gpt_layer_spec`` builds it); Megatron's ``build_module`` passes ``params`` to the
+constructor as keyword arguments, and the attention hands its config on to its indexer.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -46,38 +49,44 @@ from .indexer import MTrainingAttentionSubmodules
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MTrainingAttention", "get_dense_layers", "get_mtraining_config", "inner_ring_size",
-           "set_mtraining_config"]
+__all__ = ["MTrainingAttention", "inner_ring_size"]
 
-# Module-level MTraining settings, read by every MTrainingAttention when it is constructed.
-_MTRAINING_CONFIG: Optional[MTrainingConfig] = None
-_DENSE_LAYERS: int = 0
+# Deprecated: module-level defaults for MTrainingAttention modules built from a spec without
+# ``params`` (``set_mtraining_config``). Nothing in this package sets or reads them except
+# MTrainingAttention's fallback below; pass the config in the spec instead.
+_legacy_config: Optional[MTrainingConfig] = None
+_legacy_dense_layers: int = 0
+_DEPRECATED = ("megatron_mtraining.integration.attention.{} is deprecated: pass the config in the layer spec, "
+               "get_gpt_layer_spec(config, dense_layers=...) or ModuleSpec(module=MTrainingAttention, "
+               "params={{'mtraining_config': config, 'dense_layers': n}})")
 
 
 def set_mtraining_config(config: Optional[MTrainingConfig], dense_layers: int = 0) -> None:
-    """Set the MTraining config used by MTrainingAttention modules built from now on.
-
-    ``dense_layers``: layers with ``layer_number <= dense_layers`` (1-based, global across
-    pipeline stages) use the dense index, i.e. exact causal attention. ``config=None`` resets
-    to the defaults.
-    """
-    global _MTRAINING_CONFIG, _DENSE_LAYERS
+    """Deprecated. The defaults for MTrainingAttention modules whose spec passes no
+    ``mtraining_config`` / ``dense_layers``; ``config=None`` resets them."""
+    warnings.warn(_DEPRECATED.format("set_mtraining_config"), DeprecationWarning, stacklevel=2)
+    global _legacy_config, _legacy_dense_layers
     if config is not None and not isinstance(config, MTrainingConfig):
         raise TypeError(f"set_mtraining_config expects an MTrainingConfig, got {type(config).__name__}")
-    if int(dense_layers) < 0:
-        raise ValueError(f"dense_layers must be >= 0, got {dense_layers}")
-    _MTRAINING_CONFIG = config
-    _DENSE_LAYERS = int(dense_layers)
+    _legacy_config, _legacy_dense_layers = config, _checked_dense_layers(dense_layers)
 
 
 def get_mtraining_config() -> MTrainingConfig:
-    """The config set by ``set_mtraining_config``, or ``MTrainingConfig()`` if none was set."""
-    return _MTRAINING_CONFIG if _MTRAINING_CONFIG is not None else MTrainingConfig()
+    """Deprecated. The config set by ``set_mtraining_config``, or ``MTrainingConfig()``."""
+    warnings.warn(_DEPRECATED.format("get_mtraining_config"), DeprecationWarning, stacklevel=2)
+    return _legacy_config if _legacy_config is not None else MTrainingConfig()
 
 
 def get_dense_layers() -> int:
-    """Number of leading layers that run dense attention (see ``set_mtraining_config``)."""
-    return _DENSE_LAYERS
+    """Deprecated. The ``dense_layers`` set by ``set_mtraining_config``."""
+    warnings.warn(_DEPRECATED.format("get_dense_layers"), DeprecationWarning, stacklevel=2)
+    return _legacy_dense_layers
+
+
+def _checked_dense_layers(dense_layers) -> int:
+    if isinstance(dense_layers, bool) or int(dense_layers) != dense_layers or dense_layers < 0:
+        raise ValueError(f"dense_layers must be an integer >= 0, got {dense_layers!r}")
+    return int(dense_layers)
 
 
 def _group_size(group) -> int:
@@ -135,9 +144,10 @@ class MTrainingAttention(MegatronModule):
     Args follow megatron-core's ``DotProductAttention``. ``pg_collection`` (megatron-core >=
     0.14) and ``model_comm_pgs`` (older releases) are the same thing under two names; its
     ``cp`` group is the context-parallel ring. Without either, the CP group comes from
-    ``parallel_state``. ``mtraining_config`` / ``dense_layers`` override the module-level
-    settings (e.g. through ``ModuleSpec.params``). Further keyword arguments that newer
-    megatron-core versions may pass are accepted and ignored.
+    ``parallel_state``. ``mtraining_config`` and ``dense_layers`` come from the layer spec
+    (``ModuleSpec.params``): layers with ``layer_number <= dense_layers`` (1-based, global across
+    pipeline stages) use the dense index. Further keyword arguments that newer megatron-core
+    versions may pass are accepted and ignored.
 
     Packed documents (``packing.py``) arrive as THD ``packed_seq_params`` (q ``[t, np, hn]``, out
     ``[t, np*hn]``; ``--sft``, ``--dataloader-inter-document-masking``) or, for ``[s, b, ...]``
@@ -193,8 +203,13 @@ class MTrainingAttention(MegatronModule):
         if getattr(config, "qk_clip", False):
             raise ValueError("MTrainingAttention does not support qk_clip (no attention logits are kept)")
 
-        self.mtraining_config = mtraining_config if mtraining_config is not None else get_mtraining_config()
-        self.dense_layers = get_dense_layers() if dense_layers is None else int(dense_layers)
+        if mtraining_config is None:  # a spec without params: the deprecated module defaults, else the defaults
+            mtraining_config = _legacy_config if _legacy_config is not None else MTrainingConfig()
+        if not isinstance(mtraining_config, MTrainingConfig):
+            raise TypeError(f"MTrainingAttention: mtraining_config must be an MTrainingConfig, got "
+                            f"{type(mtraining_config).__name__}")
+        self.mtraining_config = mtraining_config
+        self.dense_layers = _legacy_dense_layers if dense_layers is None else _checked_dense_layers(dense_layers)
         self.dense = self.layer_number <= self.dense_layers
 
         self.attention_dropout_p = float(config.attention_dropout if attention_dropout is None

@@ -10,12 +10,12 @@ never as an S x S mask. Megatron packs documents in two ways, and both reach the
    ``micro_batch_size * seq_length`` tokens (``flatten_batch_for_packed_sequences``) and
    ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``) are its documents in global positions: exactly
    MTraining's ``cu_seqlens`` (``thd_cu_seqlens``). Context parallelism splits that flat sequence
-   in the MTraining layout (``patches.py``), not per document, so no per-document padding is
+   in the MTraining layout (``patches/batch.py``), not per document, so no per-document padding is
    needed; RoPE restarts per document as in Megatron (``thd_rope_freqs``).
 2. Pretraining with ``--reset-attention-mask`` (plus ``--reset-position-ids`` / ``--eod-mask-loss``):
    Megatron's GPT dataset ends a document after each EOD token (``_get_ltor_masks_and_position_ids``
    in ``megatron/core/datasets/gpt_dataset.py``), and with ``--reset-position-ids`` the position ids
-   restart at 0 there. The CP batch split (``patches.py``), the one place that sees the WHOLE
+   restart at 0 there. The CP batch split (``patches/batch.py``), the one place that sees the WHOLE
    micro-batch before it is cut into CP shards, calls ``prepare_batch``: the documents come from
    ``position_ids == 0`` when ``--reset-position-ids`` is on, else from the EOD tokens, are turned
    into ``cu_seqlens`` on the batch's device, validated once, and left in this module's "current

@@ -4,6 +4,11 @@
 megatron-core GPT layer spec (the local spec by default; the Transformer Engine spec has the
 same slot, where it replaces ``TEDotProductAttention``). Everything else in the spec (fused
 layer-norm linears, MLP, MoE) is kept as it is.
+
+The slot becomes ``ModuleSpec(module=MTrainingAttention, params={"mtraining_config": config,
+"dense_layers": n}, submodules=MTrainingAttentionSubmodules(indexer=...))``: the settings are
+data in the spec, and megatron-core builds the module with ``params`` as keyword arguments, as
+for any of its own modules. No module-level state is set.
 """
 
 from __future__ import annotations
@@ -12,10 +17,10 @@ import copy
 from typing import Optional
 
 from ..config import MTrainingConfig
-from .attention import MTrainingAttention, set_mtraining_config
+from .attention import MTrainingAttention
 from .indexer import MTrainingAttentionSubmodules
 
-__all__ = ["get_gpt_layer_spec"]
+__all__ = ["get_gpt_layer_spec", "mtraining_attention_spec"]
 
 
 def _module_name(module) -> str:
@@ -40,6 +45,26 @@ def _set_core_attention(layer_spec, where: str, core_attention) -> None:
     attn_sub.core_attention = core_attention
 
 
+def mtraining_attention_spec(config: Optional[MTrainingConfig] = None, dense_layers: int = 0, indexer=None):
+    """The core-attention ``ModuleSpec``: ``MTrainingAttention`` with ``config`` and
+    ``dense_layers`` in its params, and ``indexer`` (a module class or ``ModuleSpec``; default
+    ``MTrainingIndexer``) as its indexer submodule. Without ``config`` the params carry none and
+    the attention takes ``MTrainingConfig()`` (or the deprecated ``set_mtraining_config`` default)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if config is not None and not isinstance(config, MTrainingConfig):
+        raise TypeError(f"get_gpt_layer_spec: config must be an MTrainingConfig, got {type(config).__name__}")
+    if isinstance(dense_layers, bool) or not isinstance(dense_layers, int) or dense_layers < 0:
+        raise ValueError(f"get_gpt_layer_spec: dense_layers must be an integer >= 0, got {dense_layers!r}")
+    params = {}
+    if config is not None:
+        params["mtraining_config"] = config
+    if config is not None or dense_layers:
+        params["dense_layers"] = dense_layers
+    submodules = MTrainingAttentionSubmodules() if indexer is None else MTrainingAttentionSubmodules(indexer=indexer)
+    return ModuleSpec(module=MTrainingAttention, params=params, submodules=submodules)
+
+
 def get_gpt_layer_spec(config: Optional[MTrainingConfig] = None, base_spec=None, dense_layers: int = 0,
                        indexer=None):
     """A deep copy of ``base_spec`` with MTrainingAttention as every layer's core attention.
@@ -47,24 +72,18 @@ def get_gpt_layer_spec(config: Optional[MTrainingConfig] = None, base_spec=None,
     ``base_spec``: a GPT transformer-layer ``ModuleSpec`` (default:
     ``get_gpt_layer_local_spec()``; a Transformer Engine spec works the same way), or a
     ``TransformerBlockSubmodules`` (``.layer_specs``, e.g. from ``get_gpt_decoder_block_spec``).
-    ``config``: when given, installed with ``set_mtraining_config(config, dense_layers)`` for
-    the MTrainingAttention modules built from the returned spec.
+    ``config``: the MTraining settings of the attention and its indexer (default:
+    ``MTrainingConfig()``); ``dense_layers``: layers with ``layer_number <= dense_layers``
+    (1-based, global across pipeline stages) use the dense index. Both go into the core
+    attention's ``ModuleSpec.params`` (``mtraining_attention_spec``).
     ``indexer``: a module class or ``ModuleSpec`` replacing ``MTrainingIndexer`` as the
     pre-attention index step (see ``indexer.py``).
     """
-    if config is not None:
-        set_mtraining_config(config, dense_layers=dense_layers)
+    core_attention = mtraining_attention_spec(config, dense_layers=dense_layers, indexer=indexer)
     if base_spec is None:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         base_spec = get_gpt_layer_local_spec()
-
-    core_attention = MTrainingAttention
-    if indexer is not None:
-        from megatron.core.transformer.spec_utils import ModuleSpec
-
-        core_attention = ModuleSpec(module=MTrainingAttention,
-                                    submodules=MTrainingAttentionSubmodules(indexer=indexer))
     spec = copy.deepcopy(base_spec)
     layer_specs = getattr(spec, "layer_specs", None)
     if layer_specs is not None:  # TransformerBlockSubmodules

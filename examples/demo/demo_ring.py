@@ -1,4 +1,4 @@
-"""Sparse ring attention check across processes (`python -m megatron_mtraining.tools.demo_ring` under torchrun).
+"""Sparse ring attention check across processes (`examples/demo/demo_ring.py` under torch.distributed.run).
 
 Launched by torchrun on every GPU (NCCL) or, without a GPU, on 2 CPU processes (gloo). Each
 rank takes its striped share of one sequence, runs sparse ring attention forward and backward
@@ -15,8 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from .. import VSIndex, gather_sequence, shard_sequence, sparse_attention, sparse_ring_attention
-from .._ext import status as extension_status
+from megatron_mtraining import VSIndex, gather_sequence, shard_sequence, sparse_attention, sparse_ring_attention
+from megatron_mtraining._ext import status as extension_status
 
 
 def parse_args(argv=None):
@@ -35,7 +35,7 @@ def parse_args(argv=None):
 
 
 def init_distributed():
-    if "RANK" not in os.environ:  # plain `python -m megatron_mtraining.tools.demo_ring`: one process
+    if "RANK" not in os.environ:  # plain `python examples/demo/demo_ring.py`: one process
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
     use_cuda = torch.cuda.is_available()
     if use_cuda:

@@ -1,4 +1,4 @@
-"""Checkpoints of the plugin's own training loop (``tools/demo.py``): save, then resume bit-identically.
+"""Checkpoints of the demo's training loop (``demo.py``): save, then resume bit-identically.
 
 Megatron-LM's ``megatron.training`` saves and loads its own checkpoints (``--save`` / ``--load``);
 MTraining adds nothing to them: the index is rebuilt from each layer's q and k in every forward

@@ -42,8 +42,8 @@ from typing import Dict, Optional
 
 import torch
 
-from ..index import VSIndex
-from ..kernels.reference import vs_mask
+from megatron_mtraining.index import VSIndex
+from megatron_mtraining.kernels.reference import vs_mask
 
 __all__ = ["apply_rope", "synthetic_vs_qk", "attention_recall", "oracle_index"]
 

@@ -7,7 +7,7 @@ striped share of every sequence; in every layer the index approximator builds th
 vertical-slash index from the layer's q and k and the sparse ring attention runs over the CP
 group. Logs look like Megatron's; the run fails if the loss does not go down.
 
-    python -m torch.distributed.run --nproc_per_node N -m megatron_mtraining.tools.demo [--iterations 30] [--seq-length 2048]
+    python -m torch.distributed.run --nproc_per_node N examples/demo/demo.py [--iterations 30] [--seq-length 2048]
 
 Checkpoints take Megatron's flag names: ``--save DIR`` writes one at the end (and every
 ``--save-interval`` iterations), ``--load DIR`` resumes from the latest one in new processes;
@@ -21,12 +21,25 @@ from __future__ import annotations
 import argparse
 import os
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 
-from .. import MTrainingConfig, shard_sequence
-from ..integration.args import add_mtraining_args
+from megatron_mtraining import MTrainingConfig, shard_sequence
+from megatron_mtraining.integration.args import add_mtraining_args
+
+
+# megatron-core's notices that a demo user cannot act on: optional packages the demo does not
+# need (Transformer Engine, Apex; it falls back to torch), and a deprecation raised by the defaults
+# of its own TransformerConfig. Other warnings still show.
+QUIET_WARNINGS = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                  "full scope is deprecated")
+
+
+def quiet_megatron_warnings() -> None:
+    for message in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 def parse_args(argv=None):
@@ -69,34 +82,13 @@ def synthetic_batch(step: int, batch: int, seq: int, vocab: int, seed: int) -> t
     return tokens
 
 
-def build_small_gpt(cfg: MTrainingConfig, *, num_layers: int, hidden_size: int, num_attention_heads: int,
-                    num_query_groups: int, vocab_size: int, seq_length: int, context_parallel_size: int = 1,
-                    dense_layers: int = 0, rotary_base: int = 10000):
-    """A megatron-core GPTModel (local spec, RoPE, GQA, fp32 parameters on the CPU)
-    whose core attention is MTrainingAttention with ``cfg`` (``cfg.index == "dense"``: exact
-    causal attention through the same code path). Shared by the demo and the quality benchmark."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from ..integration.spec import get_gpt_layer_spec
-
-    config = TransformerConfig(
-        num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-        num_query_groups=num_query_groups, context_parallel_size=context_parallel_size,
-        use_cpu_initialization=True, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
-        masked_softmax_fusion=False, apply_rope_fusion=False, attention_dropout=0.0,
-        hidden_dropout=0.0)  # fp32: no optimizer wrapper needed
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_spec(cfg, dense_layers=dense_layers),
-                    vocab_size=vocab_size, max_sequence_length=seq_length, position_embedding_type="rope",
-                    rotary_base=rotary_base)
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
+    quiet_megatron_warnings()  # before megatron.core is imported
     use_cuda = torch.cuda.is_available()
     owns_group = not dist.is_initialized()  # else the caller's process group (tests)
     if owns_group:
-        if "RANK" not in os.environ:  # plain `python -m megatron_mtraining.tools.demo`: one process
+        if "RANK" not in os.environ:  # plain `python examples/demo/demo.py`: one process
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -106,11 +98,12 @@ def main(argv=None) -> int:
 
     from megatron.core import parallel_state
 
-    from ..checkpointing import load_checkpoint, save_checkpoint
-    from ..integration import telemetry
-    from ..integration.args import integration_options
-    from ..integration.cpu_shims import apply_cpu_shims
-    from ..integration.patches import install, uninstall
+    from checkpointing import load_checkpoint, save_checkpoint
+    from megatron_mtraining.integration import telemetry
+    from megatron_mtraining.integration.args import integration_options
+    from megatron_mtraining.integration.patches import install, uninstall
+    from megatron_mtraining.testing.cpu_shims import apply_cpu_shims
+    from megatron_mtraining.testing.gpt import build_small_gpt
 
     shims = None if use_cuda else apply_cpu_shims()
     cfg = MTrainingConfig.from_args(args)
