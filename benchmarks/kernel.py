@@ -49,8 +49,7 @@ KERNEL_GROUPS = (("_vs_attn_fwd_kernel", "fwd"), ("_vs_attn_fwd_sm90_kernel", "f
                  ("_vs_attn_fwd_pingpong_kernel", "fwd"),
                  ("_dkdv_col_kernel", "dkdv_col"), ("_dkdv_col_sm90_kernel", "dkdv_col"),
                  ("_dkdv_kernel", "dkdv_block"), ("_dkdv_sm90_kernel", "dkdv_block"),
-                 ("_dkdv_pingpong_kernel", "dkdv_block"), ("_dq_kernel", "dq"),
-                 ("_dq_sm90_kernel", "dq"), ("_dq_pingpong_kernel", "dq"))
+                 ("_dq_kernel", "dq"), ("_dq_sm90_kernel", "dq"))
 
 
 @dataclasses.dataclass

@@ -45,36 +45,23 @@ def test_cross_compiles_for_sm90a_without_serialised_wgmma(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     configs = json.loads(out.read_text())["configs"]
-    assert sorted({e["kernel"] for e in configs.values()}) == ["dkdv", "dkdv_col", "dkdv_pp", "dq", "dq_pp", "fwd",
-                                                                "fwd_pp"]
-    assert len(configs) == 51
+    assert sorted({e["kernel"] for e in configs.values()}) == ["dkdv", "dkdv_col", "dq", "fwd", "fwd_pp"]
+    assert len(configs) == 37
     for name, e in configs.items():
         assert "error" not in e, (name, e.get("error"))
         assert e["ptxas_ok"] and not e["wgmma_serialized"], (name, e)
         assert e["cp_async_16"], (name, e)  # every copy a 16-byte piece
         d = e["config"]["HEAD_DIM"]
-        if e["kernel"].endswith("_pp"):
-            # Two consumer warpgroups and a producer warpgroup; the forward's Q and ring of three
-            # 128-key tiles (224 KB at d 128), dQ's Q, dO and four 64-key tiles, the key-block
-            # kernel's K, V and four Q/dO tiles (192 KB), in the 227 KB an sm_90 block may have.
+        if e["kernel"] == "fwd_pp":
+            # Two consumer warpgroups and a producer warpgroup; Q and a ring of three 128-key tiles
+            # (224 KB at d 128), in the 227 KB an sm_90 block may have.
             assert e["num_warps"] == 12, (name, e)
             assert e["shared_bytes"] <= (227 if d == 128 else 113) * 1024, (name, e)
-            if e["kernel"] == "fwd_pp":
-                # Per consumer S (d/16) and PV (128/16), each in two places (tile 0 and the loop;
-                # the loop and the last tile). A value kept across the loop spills (one store and
-                # one load per program).
-                assert e["wgmma"] == 4 * (d // 16 + 8), (name, e)
-                spill_limit = 64
-            elif e["kernel"] == "dq_pp":
-                # Per consumer S and dP (d/16 each) and dQ (64/16), in the loop only.
-                assert e["wgmma"] == 2 * (2 * (d // 16) + 4), (name, e)
-                spill_limit = 64
-            else:
-                # Per consumer S^T and dP^T (d/16 each), dV and dK (64/16 each), in the loop only.
-                # dK and dV alone take 128 of the consumers' 240 registers: list scalars spill, as
-                # in the lockstep kernel; more with int64 offsets (tensors past 2^31 elements).
-                assert e["wgmma"] == 2 * (2 * (d // 16) + 8), (name, e)
-                spill_limit = 640 if e["config"]["INT64"] else 192
+            # Per consumer S (d/16) and PV (128/16), each in two places (tile 0 and the loop; the
+            # loop and the last tile). A value kept across the loop spills (one store and one load
+            # per program).
+            assert e["wgmma"] == 4 * (d // 16 + 8), (name, e)
+            spill_limit = 64
         else:
             rows = e["config"].get("KEYS", e["config"].get("ROWS", 64))
             assert e["num_warps"] == rows // 16, (name, e)  # a warpgroup per 64 rows
@@ -467,56 +454,6 @@ def test_backward_megatron_strided_views_give_the_same_bits():
     want = _backward("hopper", *(x.contiguous() for x in views), plan)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), name
-
-
-@pytest.mark.parametrize("n, d, hq, hkv, kind, docs, accumulate_dq", [
-    (1024, 128, 4, 2, "random", True, True),
-    (2048, 128, 8, 2, "random", False, False),  # one step: dq written in bf16
-    (2048, 128, 4, 2, "many_columns", False, True),
-    (1024, 64, 4, 2, "no_columns", False, True),
-    (1024, 128, 4, 2, "dense", False, True),
-    (1024, 128, 4, 4, "no_diagonal", False, True),  # GQA 1
-    (128, 128, 4, 2, "random", False, True),  # a single block
-    (1024, 128, 8, 1, "many_columns", False, True),  # GQA 8: one full pass
-    (1024, 128, 16, 1, "random", True, True),  # GQA 16: the key-block kernel's heads in two passes
-    (1024, 64, 12, 1, "random", False, True),  # GQA 12: the second pass half empty
-], ids=lambda x: str(x))
-@pytest.mark.gpu
-@needs_hopper
-def test_pingpong_backward_matches_the_lockstep_one(monkeypatch, n, d, hq, hkv, kind, docs, accumulate_dq):
-    """MTRAINING_BACKWARD_SCHEDULE=pingpong (hopper_pingpong.py's dQ and key-block dK/dV, B = 128):
-    the backward against Triton's, the reference's and the same again (``_check_backward``), against
-    the lockstep Hopper kernels'; and Megatron's views give the same bits."""
-    from megatron_mtraining.kernels.hopper_bwd import SCHEDULE_ENV
-
-    B = 128
-    g = torch.Generator().manual_seed(n + d + hq + 1)
-    q, k, v, do = (torch.randn(2, h, n, d, generator=g).to("cuda", torch.bfloat16) for h in (hq, hkv, hkv, hq))
-    index = _index(kind, 2, hq, n, B, g).to("cuda")
-    cu = torch.tensor([0, 100, 101, 700, n], dtype=torch.int32, device="cuda") if docs else None
-    plan = single_device_plan(index, n, documents=as_documents(cu, n, B, q.device))
-    lockstep = _backward("hopper", q, k, v, do, plan, accumulate_dq)
-    monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
-    _check_backward(q, k, v, do, index, plan, cu_seqlens=cu, accumulate_dq=accumulate_dq)
-    for name, a, e in zip(("dq", "dk", "dv"), _backward("hopper", q, k, v, do, plan, accumulate_dq), lockstep):
-        assert rel_err(a, e) < 1e-3, name
-    views = [x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for x in (q, k, v, do)]  # [s, b, h, d]
-    compact = _backward("hopper", q, k, v, do, plan)
-    for name, a, e in zip(("dq", "dk", "dv"), _backward("hopper", *views, plan), compact):
-        assert torch.equal(a, e), name
-
-
-def test_backward_schedule_is_validated(monkeypatch):
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from megatron_mtraining.kernels.hopper_bwd import SCHEDULE_ENV, backward_schedule
-
-    monkeypatch.delenv(SCHEDULE_ENV, raising=False)
-    assert backward_schedule() == "lockstep"
-    monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
-    assert backward_schedule() == "pingpong"
-    monkeypatch.setenv(SCHEDULE_ENV, "ping-pong")
-    with pytest.raises(ValueError, match="MTRAINING_BACKWARD_SCHEDULE='ping-pong': must be one of lockstep, pingpong"):
-        backward_schedule()
 
 
 def test_the_choice_is_logged_once(monkeypatch, caplog):

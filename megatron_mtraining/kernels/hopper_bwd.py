@@ -24,15 +24,12 @@ faster than Triton's (dQ 10.0 against 9.9, key blocks 10.4-10.9 against 9.9-10.1
 Triton's dQ and key-block kernels (``triton_bwd.HOPPER_SLASH_BLOCK``) and this module's columns
 (4.5 against 5.7 ms).
 
-``MTRAINING_BACKWARD_SCHEDULE=pingpong`` runs dQ and the key-block dK/dV at B = 128 on
-``hopper_pingpong.py``'s schedule instead (a producer warpgroup, the two consumer warpgroups taking
-turns on the tensor cores, as the B = 128 forward): GPU-tested, but 23% slower than the lockstep
-kernels on an H200 (``benchmarks/NOTES.md``, session 16), hence opt-in.
+(The ping-pong schedule of the B = 128 forward, a producer warpgroup and two consumer warpgroups
+taking turns on the tensor cores, was tried for dQ and the key-block dK/dV: 23% slower than these
+lockstep kernels on an H200, ``benchmarks/NOTES.md`` session 16, and removed.)
 """
 
 from __future__ import annotations
-
-import os
 
 import triton
 from triton.experimental import gluon
@@ -501,11 +498,6 @@ def block_gradients_hopper(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc
     keys = plan.block_size
     if keys != 128:
         raise ValueError(f"block_gradients_hopper: index blocks of 128 only (got {keys}; B = 64 runs Triton's)")
-    if backward_schedule() == "pingpong":
-        from .hopper_pingpong import block_gradients_pingpong
-
-        return block_gradients_pingpong(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs, int64,
-                                        strides, qk_scale, softmax_scale)
     _dkdv_sm90_kernel[(nk // keys, b * hkv)](
         q, k, v, do, lse, delta, dk, dv,
         plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks, doc_start, doc_last,
@@ -514,19 +506,6 @@ def block_gradients_hopper(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc
         BLOCK=plan.block_size, KEYS=keys, HEAD_DIM=d, HEADS=min(8, triton.next_power_of_2(group)), INT64=int64,
         DOCS=docs, SMEM_LAYOUT=shared_layout(d, q.dtype), num_warps=keys // 16,
     )
-
-
-SCHEDULE_ENV = "MTRAINING_BACKWARD_SCHEDULE"
-SCHEDULES = ("lockstep", "pingpong")
-
-
-def backward_schedule() -> str:
-    """The schedule of the B = 128 dQ and key-block kernels, from MTRAINING_BACKWARD_SCHEDULE:
-    "lockstep" (this module's kernels, the default) or "pingpong" (``hopper_pingpong.py``)."""
-    value = os.environ.get(SCHEDULE_ENV, "lockstep")
-    if value not in SCHEDULES:
-        raise ValueError(f"{SCHEDULE_ENV}={value!r}: must be one of {', '.join(SCHEDULES)}")
-    return value
 
 
 def query_gradients_hopper(q, k, v, do, lse, delta, dq, plan, accumulate: bool, int64: bool, strides, qk_scale: float,
@@ -541,11 +520,6 @@ def query_gradients_hopper(q, k, v, do, lse, delta, dq, plan, accumulate: bool, 
     rows = plan.block_size
     if rows != 128:
         raise ValueError(f"query_gradients_hopper: index blocks of 128 only (got {rows}; B = 64 runs Triton's)")
-    if backward_schedule() == "pingpong":
-        from .hopper_pingpong import query_gradients_pingpong
-
-        return query_gradients_pingpong(q, k, v, do, lse, delta, dq, plan, accumulate, int64, strides, qk_scale,
-                                        softmax_scale)
     cols, col_pos, words, diag, n_words = column_arguments(plan)
     doc_start, doc_last, col_start, docs = document_arguments(plan)
     _dq_sm90_kernel[(nq // rows, b * hq)](
