@@ -472,7 +472,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# Letters after a launch setting that set kernel options (triton_fwd.tile_config's keys):
+# Letters after a launch setting that set kernel options (triton_common.tile_config's keys):
 # m: the causal mask on every slash tile of the forward and dQ (not only the diagonal block's);
 # c: 4x the column-gradient programs (shorter ones). (Session 5 also tried running a GQA group's
 # query heads as adjacent programs: no gain, removed; benchmarks/NOTES.md.)
@@ -502,22 +502,22 @@ def parse_launch(text: str) -> Dict[str, dict]:
 def sweep(cfg: Config, candidates: str, device: torch.device) -> Dict:
     """Our fwd and fwd+bwd times per launch setting: each fwd candidate with the default bwd,
     then each bwd candidate with the default fwd (the two families are independent kernels)."""
-    from megatron_mtraining.kernels import triton_fwd
+    from megatron_mtraining.kernels import triton_common
     rows = []
     ours_only = dataclasses.replace(cfg, skip=tuple(cfg.skip) + ("breakdown",))
     for seq_len in cfg.seq_lens:
         index, arg_sets = index_and_inputs(cfg, seq_len, device)  # the same inputs for every setting
         for family in ("fwd", "bwd"):
             for setting in filter(None, candidates.split(",")):
-                triton_fwd.LAUNCH_OVERRIDES.clear()
-                triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(f"{family}:{setting}"))
+                triton_common.LAUNCH_OVERRIDES.clear()
+                triton_common.LAUNCH_OVERRIDES.update(parse_launch(f"{family}:{setting}"))
                 ours = bench_ours(ours_only, index, seq_len, arg_sets, device)
                 rows.append({"family": family, "launch": setting, "seq_len": seq_len,
                              "fwd_ms": ours.get("fwd_ms"), "fwdbwd_ms": ours.get("fwdbwd_ms"),
                              "errors": ours.get("errors")})
                 print(f"{family} {setting:>5} S={seq_len}: fwd {fmt(ours.get('fwd_ms'))} ms, "
                       f"fwd+bwd {fmt(ours.get('fwdbwd_ms'))} ms", flush=True)
-    triton_fwd.LAUNCH_OVERRIDES.clear()
+    triton_common.LAUNCH_OVERRIDES.clear()
     return {"benchmark": "kernel_sweep", "meta": run_metadata(device), "config": dataclasses.asdict(cfg),
             "rows": rows}
 
@@ -548,8 +548,8 @@ def main(argv=None) -> int:
     os.environ[FORWARD_KERNEL_ENV] = cfg.forward_kernel
     os.environ[BACKWARD_KERNEL_ENV] = cfg.backward_kernel
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
-    from megatron_mtraining.kernels import triton_fwd
-    triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(cfg.launch))
+    from megatron_mtraining.kernels import triton_common
+    triton_common.LAUNCH_OVERRIDES.update(parse_launch(cfg.launch))
     if args.sweep:
         if cfg.launch:
             raise SystemExit("kernel.py: --sweep tries each setting against the other family's defaults; "

@@ -110,7 +110,7 @@ def test_kernel_choice_on_cpu_is_triton_and_hopper_is_refused(monkeypatch):
 
 def test_unsupported_reasons():
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from megatron_mtraining.kernels.hopper_common import unsupported_reason
+    from megatron_mtraining.kernels.step import _unsupported_reason as unsupported_reason
 
     plan = _cpu_plan()
     ok = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
@@ -137,6 +137,8 @@ def _forward(kernel, q, k, v, plan, out=None, lse=None, accumulate=False, **opti
     if out is None:
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], device=q.device)
+    if kernel == "hopper":
+        options.setdefault("rows", 128 if plan.block_size == 128 else 64)
     fn = vs_attention_fwd_hopper if kernel == "hopper" else vs_attention_fwd_triton
     fn(q, k, v, plan, out, lse, q.shape[-1] ** -0.5, accumulate, **options)
     return out, lse
@@ -205,8 +207,8 @@ def test_matches_reference_and_triton(n, B, d, hq, hkv, dtype, kind):
 @pytest.mark.gpu
 @needs_hopper
 def test_pingpong_forward_at_128_token_blocks(n, d, hq, hkv, dtype, kind, docs):
-    """B = 128's Hopper forward (hopper_pingpong.py: two ping-ponging warpgroups over 128-key
-    tiles) against the reference and the Triton forward (``_check``), the 64-row Hopper forward,
+    """B = 128's Hopper forward (hopper_fwd.py's ping-pong kernel: two ping-ponging warpgroups over
+    128-key tiles) against the reference and the Triton forward (``_check``), the 64-row Hopper forward,
     itself run again (the same bits), and, for the ring's merge mode, itself merged twice."""
     B = 128
     g = torch.Generator().manual_seed(n + d + docs)
@@ -313,7 +315,7 @@ def test_sparse_attention_takes_the_hopper_forward(monkeypatch):
 
     calls = []
     real = hopper_fwd.vs_attention_fwd_hopper
-    monkeypatch.setattr(hopper_fwd, "vs_attention_fwd_hopper", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(hopper_fwd, "vs_attention_fwd_hopper", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     n, d, hq, hkv = 2048, 128, 8, 2
     g = torch.Generator().manual_seed(5)
     base = [torch.randn(1, h, n, d, generator=g).to("cuda", torch.bfloat16) for h in (hq, hkv, hkv)]
@@ -346,15 +348,15 @@ def test_forcing_hopper_on_an_uncovered_call_is_an_error(monkeypatch):
 def _backward(kernels, q, k, v, do, plan, accumulate_dq=True):
     """The backward on ``kernels`` ("hopper" or "triton"): (dq, dk, dv) in fp32 (dq in q's dtype,
     written rather than added, with ``accumulate_dq=False``: the single-step path)."""
-    from megatron_mtraining.kernels.triton_bwd import vs_attention_bwd_triton
+    from megatron_mtraining.kernels.step import backward_parts, vs_attention_backward
 
     out, lse = _forward("triton", q, k, v, plan)
     delta = (do.float() * out.float()).sum(-1)
     dq = torch.zeros(q.shape, device=q.device) if accumulate_dq else torch.empty_like(q)
     dk = torch.zeros(k.shape, device=q.device)
     dv = torch.zeros(k.shape, device=q.device)
-    vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, q.shape[-1] ** -0.5,
-                            accumulate_dq=accumulate_dq, kernels=kernels)
+    vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, q.shape[-1] ** -0.5,
+                          backward_parts(kernels, plan.block_size), accumulate_dq=accumulate_dq)
     return dq.float(), dk, dv
 
 

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fwd import _wide, int64_offsets
+from .common import int64_offsets
+from .triton_common import wide
 
 WORD_BITS = 64
 
@@ -64,7 +65,7 @@ def _column_words_kernel(ColPos, QBlk, Bitmap, FirstDoc, LastDoc, Words, Diag, M
                          BLOCK: tl.constexpr, WORDS_PER_ITER: tl.constexpr, QUERY_BLOCKS: tl.constexpr,
                          INT64: tl.constexpr, DOCS: tl.constexpr):
     pid_q = tl.program_id(0)
-    bh = _wide(tl.program_id(1), INT64)  # times the rows' lengths
+    bh = wide(tl.program_id(1), INT64)  # times the rows' lengths
     bit = tl.arange(0, 64)
     one = tl.full([WORDS_PER_ITER, 64], 1, tl.int64)
     diag = tl.zeros([QUERY_BLOCKS], tl.int32)

@@ -10,11 +10,14 @@ import functools
 import importlib.util
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 
+from .common import HOPPER_TILE, LOG2E, column_arguments, document_arguments, int64_offsets, interpreting, plan_tensors
+from .plan import first_query_blocks, query_block_ends
 from .torch_step import vs_attention_bwd_torch, vs_attention_fwd_torch
-from .triton_fwd import interpreting
+from .triton_common import tile_config
 
 logger = logging.getLogger(__name__)
 _ANNOUNCED = set()  # (variable, kernel, reason) already logged: each choice is said once per process
@@ -57,6 +60,24 @@ def hopper_device_reason(device: torch.device) -> str:
     return "" if have_gluon else "this Triton has no Gluon (triton.experimental.gluon)"
 
 
+def _unsupported_reason(plan, tensors: dict) -> str:
+    """Why the Hopper kernels cannot run a call on these tensors (name -> tensor; '' when they
+    can). The device is checked by ``hopper_device_reason``."""
+    first = next(iter(tensors.values()))
+    d = first.shape[-1]
+    if first.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {first.dtype} (bf16 or fp16 only)"
+    if d not in (64, 128):
+        return f"head_dim {d} (64 or 128 only)"
+    if plan.block_size % HOPPER_TILE:
+        return f"block size {plan.block_size} (a multiple of 64 only)"
+    for name, x in tensors.items():
+        # cp.async moves 16-byte pieces: rows must start on 16 bytes.
+        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(s * x.element_size() % 16 for s in x.stride()[:-1]):
+            return f"{name}'s rows are not 16-byte aligned (strides {tuple(x.stride())})"
+    return ""
+
+
 def _kernel_choice(env: str, plan, tensors: dict) -> str:
     """"hopper" or "triton" for one call of the "triton" backend (``env``: the variable that forces one)."""
     choice = os.environ.get(env, "auto") or "auto"
@@ -67,8 +88,7 @@ def _kernel_choice(env: str, plan, tensors: dict) -> str:
     q = next(iter(tensors.values()))
     reason = hopper_device_reason(q.device)
     if not reason:
-        from .hopper_common import unsupported_reason
-        reason = unsupported_reason(plan, tensors)
+        reason = _unsupported_reason(plan, tensors)
     if not reason:
         _announce(env, "hopper", "")
         return "hopper"
@@ -92,6 +112,28 @@ def _announce(env: str, kernel: str, reason: str) -> None:
         logger.info("MTraining: %s on the Triton kernel (the Hopper one does not cover this call: %s)", part, reason)
 
 
+class BackwardParts(NamedTuple):
+    """The kernels ("triton" or "hopper") of the backward's three parts."""
+    query: str    # dQ
+    blocks: str   # dK, dV of the key blocks (the transposed slash lists)
+    columns: str  # dK, dV of the columns (partials per query-range split)
+
+
+# The index block size at which dQ and the key-block dK/dV run on the Hopper kernels: their
+# programs hold a whole 128-token block, two warpgroups sharing every streamed tile. (The column
+# gradients run on them at any block size.)
+HOPPER_SLASH_BLOCK = 128
+
+
+def backward_parts(kernel: str, block_size: int) -> BackwardParts:
+    """The Hopper backward's parts: dQ and the key blocks on Triton's kernels at B = 64 (as fast or
+    faster there; NOTES, session 12), the columns always on the Hopper kernel."""
+    if kernel == "triton":
+        return BackwardParts("triton", "triton", "triton")
+    slash = "hopper" if block_size == HOPPER_SLASH_BLOCK else "triton"
+    return BackwardParts(slash, slash, "hopper")
+
+
 def forward_kernel(q, k, v, plan, out) -> str:
     """The forward that runs this step on the "triton" backend: "hopper" or "triton"."""
     return _kernel_choice(FORWARD_KERNEL_ENV, plan, dict(q=q, k=k, v=v, out=out))
@@ -106,7 +148,8 @@ def step_forward(backend: str, q, k, v, plan, out, lse, softmax_scale: float, ac
     """Write (or merge, with ``accumulate``) this step's attention into ``out`` and fp32 ``lse``."""
     if backend == "triton" and forward_kernel(q, k, v, plan, out) == "hopper":
         from .hopper_fwd import vs_attention_fwd_hopper
-        vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale, accumulate)
+        vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale, accumulate,
+                                rows=128 if plan.block_size == 128 else 64)
     elif backend == "triton":
         from .triton_fwd import vs_attention_fwd_triton
         vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale, accumulate)
@@ -127,9 +170,8 @@ def backward_delta(backend: str, out: torch.Tensor, d_out: torch.Tensor) -> torc
 def step_backward(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float) -> None:
     """Add this step's gradients into fp32 ``dq``, ``dk``, ``dv`` (final ``lse`` and ``delta``)."""
     if backend == "triton":
-        from .triton_bwd import vs_attention_bwd_triton
-        vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale,
-                                kernels=backward_kernel(q, k, v, do, plan))
+        vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale,
+                              backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size))
     else:
         vs_attention_bwd_torch(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
 
@@ -142,11 +184,96 @@ def single_step_backward(backend: str, q, k, v, do, lse, delta, plan, softmax_sc
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     if backend == "triton":
-        from .triton_bwd import vs_attention_bwd_triton
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale, accumulate_dq=False,
-                                kernels=backward_kernel(q, k, v, do, plan))
+        vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale,
+                              backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size),
+                              accumulate_dq=False)
     else:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         step_backward(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _launchers(kernel: str) -> tuple:
+    """The (dQ, key-block dK/dV, column dK/dV) launchers of one kernel family: the same arguments
+    in ``triton_bwd.py`` and ``hopper_bwd.py``."""
+    if kernel == "hopper":
+        from .hopper_bwd import block_gradients_hopper, column_gradients_hopper, query_gradients_hopper  # Gluon
+
+        return query_gradients_hopper, block_gradients_hopper, column_gradients_hopper
+    from .triton_bwd import block_gradients_triton, column_gradients_triton, query_gradients_triton
+
+    return query_gradients_triton, block_gradients_triton, column_gradients_triton
+
+
+def _column_splits(nqb: int, programs_per_split: int, target: int) -> int:
+    """Query-range splits of the column reduction: about ``target`` programs, to fill a large GPU
+    (more splits: shorter programs, more fp32 partials to sum)."""
+    return max(1, min(nqb, -(-target // max(1, programs_per_split))))
+
+
+def vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float, parts: BackwardParts,
+                          accumulate_dq: bool = True) -> None:
+    """Add this plan's gradients into fp32 ``dq`` ``[b,hq,nq,d]`` and ``dk``/``dv`` ``[b,hkv,nk,d]``,
+    each part (dQ, the key blocks' dK/dV, the columns' dK/dV) on the kernels ``parts`` names
+    ("triton": ``triton_bwd.py``, "hopper": ``hopper_bwd.py``, sm_90; ``backward_parts`` picks).
+    ``accumulate_dq=False`` (a single step) writes ``dq`` in its own dtype instead of adding.
+    The column gradients go through fp32 partials per query-range split, summed here in a fixed
+    order: the backward is deterministic on either kernels.
+
+    ``lse`` and ``delta`` (fp32 ``[b, hq, nq]``, same strides) belong to the FINAL output.
+    """
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    B = plan.block_size
+    nqb = nq // B
+    max_v = plan.cols.shape[-1]
+    qk_scale = softmax_scale * LOG2E
+    if delta.stride() != lse.stride():
+        delta = delta.contiguous()
+        lse = lse.contiguous()
+    int64 = int64_offsets(q, k, v, do, lse, delta, dq, dk, dv, *plan_tensors(plan))
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+               lse.stride(0), lse.stride(1))
+    cols, col_pos, words, diag, n_words = column_arguments(plan)
+    doc_start, doc_last, col_start, docs = document_arguments(plan)
+
+    query_gradients = _launchers(parts.query)[0]
+    query_gradients(q, k, v, do, lse, delta, dq, plan, accumulate_dq, int64, strides, qk_scale, softmax_scale)
+    block_gradients = _launchers(parts.blocks)[1]
+    block_gradients(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs, int64, strides, qk_scale,
+                    softmax_scale)
+
+    if max_v == 0:
+        return
+    # The column tiles' width: the Hopper kernel's 64-row tile, or the Triton kernel's BLOCK_COL.
+    block_col = HOPPER_TILE if parts.columns == "hopper" else tile_config(B, q.dtype, "bwd")["BLOCK_COL"]
+    n_tiles = -(-max_v // block_col)
+    max_v_pad = n_tiles * block_col
+    splits = _column_splits(nqb, n_tiles * b * hq, tile_config(B, q.dtype, "bwd")["COLUMN_PROGRAMS"])
+    q_first = first_query_blocks(plan, block_col)
+    q_end = query_block_ends(plan, block_col) if docs else q_first  # read only with DOCS
+    dk_part = torch.empty(splits, b * hq, max_v_pad, d, dtype=torch.float32, device=q.device)
+    dv_part = torch.empty_like(dk_part)
+    head_diag = diag.amax(-1).contiguous()
+    column_gradients = _launchers(parts.columns)[2]
+    column_gradients(q, k, v, do, lse, delta, dk_part, dv_part, plan, cols, col_pos, words, head_diag, q_first, q_end,
+                     doc_start, docs, int64, strides, qk_scale, softmax_scale, splits)
+    # Fixed-order reduction over splits, then one scatter per GQA position: within one
+    # index_add_ every real target row is distinct (padding slots add exact zeros), so the
+    # result does not depend on the order of the adds.
+    dk_cols = dk_part.sum(0)[:, :max_v].view(b, hkv, group, max_v, d)
+    dv_cols = dv_part.sum(0)[:, :max_v].view(b, hkv, group, max_v, d)
+    slot_ok = torch.arange(max_v, device=q.device) < plan.col_count[..., None]
+    target = torch.where(slot_ok, plan.cols.long(), 0).view(b, hkv, group, max_v)
+    row_base = (torch.arange(b * hkv, device=q.device) * nk).view(b, hkv, 1)
+    dk_flat = dk.view(-1, d) if dk.is_contiguous() else None
+    dv_flat = dv.view(-1, d) if dv.is_contiguous() else None
+    if dk_flat is None or dv_flat is None:
+        raise ValueError("vs_attention_backward: dk and dv accumulators must be contiguous")
+    for g in range(group):
+        rows = (row_base + target[:, :, g]).reshape(-1)
+        dk_flat.index_add_(0, rows, dk_cols[:, :, g].reshape(-1, d))
+        dv_flat.index_add_(0, rows, dv_cols[:, :, g].reshape(-1, d))
