@@ -37,8 +37,8 @@ from common import (describe_index, device_slug, fixed_vs_index, json_ready, ker
 
 from megatron_mtraining import reference_attention, sparse_attention  # noqa: E402
 from megatron_mtraining.kernels import resolve_backend, single_device_plan, step_backward  # noqa: E402
-from megatron_mtraining.kernels.step import (BACKWARD_KERNEL_ENV, FORWARD_KERNEL_ENV, KERNEL_CHOICES,  # noqa: E402
-                                             backward_kernel, forward_kernel)
+from megatron_mtraining.kernels.dispatch import (BACKWARD_KERNEL_ENV, FORWARD_KERNEL_ENV, KERNEL_CHOICES,  # noqa: E402
+                                                 backward_kernel, forward_kernel)
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -71,7 +71,7 @@ class Config:
     skip: Sequence[str] = ()
     smoke: bool = False
     launch: str = ""  # "fwd:WxS,bwd:WxS" num_warps x num_stages overrides ("" = the defaults)
-    forward_kernel: str = "auto"  # kernels/step.py KERNEL_CHOICES: the GPU forward (auto: Hopper's on sm_90)
+    forward_kernel: str = "auto"  # kernels/dispatch.py KERNEL_CHOICES: the GPU forward (auto: Hopper's on sm_90)
     backward_kernel: str = "auto"  # the same for the backward's dK/dV (key blocks and columns)
 
 
@@ -182,7 +182,7 @@ def bench_ours(cfg: Config, index, seq_len: int, arg_sets, device: torch.device)
     def attn(q, k, v):
         return sparse_attention(q, k, v, index, scale, backend)
 
-    if backend == "triton":  # which kernels ran (step.py: Hopper's on sm_90 unless forced)
+    if backend == "triton":  # which kernels ran (dispatch.py: Hopper's on sm_90 unless forced)
         q, k, v, dout = arg_sets[0]
         plan = single_device_plan(index, seq_len)
         attempt(section, "forward_kernel", lambda: forward_kernel(q, k, v, plan, q))

@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-len", type=int, default=65536)
     parser.add_argument("--launch", default="", help="as benchmarks/kernel.py --launch, e.g. fwd:4x2,bwd:4x2")
     parser.add_argument("--block-size", type=int, default=64, help="index block size (128: the ping-pong forward)")
-    # The kernels that run: MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL (kernels/step.py)
+    # The kernels that run: MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL (kernels/dispatch.py)
     # choose between the Hopper and the Triton ones, as in training.
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """The Hopper kernels (kernels/hopper_fwd.py, hopper_bwd.py; Gluon, sm_90) against the reference and
-the Triton kernels, and the choice between them (kernels/step.py ``forward_kernel``,
-``backward_kernel``).
+the Triton kernels, and the choice between them (kernels/dispatch.py ``forward_kernel``,
+``backward_kernel``; the whole table on the CPU: test_dispatch.py).
 
 CPU: the kernels cross-compile for sm_90a in every configuration the dispatcher sends them, without
 serialised wgmma; the choice and its errors. GPU (sm_90 only): the forward's out and lse against
@@ -23,8 +23,9 @@ import torch
 from megatron_mtraining import VSIndex, reference_attention, sparse_attention
 from megatron_mtraining.documents import as_documents
 from megatron_mtraining.kernels import build_step_plan, single_device_plan, step_forward
-from megatron_mtraining.kernels.step import (BACKWARD_KERNEL_ENV, FORWARD_KERNEL_ENV, backward_kernel, forward_kernel,
-                                             hopper_device_reason)
+from megatron_mtraining.kernels.dispatch import (BACKWARD_KERNEL_ENV, FORWARD_KERNEL_ENV, backward_kernel,
+                                                 backward_parts, forward_kernel, hopper_device_reason,
+                                                 hopper_forward_rows, hopper_unsupported_reason)
 from oracle import rel_err
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,20 +110,16 @@ def test_kernel_choice_on_cpu_is_triton_and_hopper_is_refused(monkeypatch):
 
 
 def test_unsupported_reasons():
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from megatron_mtraining.kernels.step import _unsupported_reason as unsupported_reason
-
-    plan = _cpu_plan()
     ok = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
-    assert unsupported_reason(plan, dict(q=ok, k=ok, v=ok, out=ok)) == ""
-    assert unsupported_reason(plan, dict(q=ok, k=ok, v=ok, out=ok.float())) == ""  # the ring's fp32 accumulator
-    assert "dtype" in unsupported_reason(plan, dict(q=ok.float(), k=ok, v=ok, out=ok))
+    assert hopper_unsupported_reason(64, dict(q=ok, k=ok, v=ok, out=ok)) == ""
+    assert hopper_unsupported_reason(64, dict(q=ok, k=ok, v=ok, out=ok.float())) == ""  # the ring's fp32 accumulator
+    assert "dtype" in hopper_unsupported_reason(64, dict(q=ok.float(), k=ok, v=ok, out=ok))
     odd = torch.zeros(1, 2, 256, 96, dtype=torch.bfloat16)
-    assert "head_dim 96" in unsupported_reason(plan, dict(q=odd, k=odd, v=odd, out=odd))
-    assert "block size 32" in unsupported_reason(_cpu_plan(B=32), dict(q=ok, k=ok, v=ok, out=ok))
+    assert "head_dim 96" in hopper_unsupported_reason(64, dict(q=odd, k=odd, v=odd, out=odd))
+    assert "block size 32" in hopper_unsupported_reason(32, dict(q=ok, k=ok, v=ok, out=ok))
     # Rows that do not start on 16 bytes: a token stride of 132 elements (264 bytes).
     shifted = torch.zeros(1, 2, 256, 132, dtype=torch.bfloat16)[..., :128]
-    assert "do's rows are not 16-byte" in unsupported_reason(plan, dict(q=ok, k=ok, v=ok, do=shifted))
+    assert "do's rows are not 16-byte" in hopper_unsupported_reason(64, dict(q=ok, k=ok, v=ok, do=shifted))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,7 +135,7 @@ def _forward(kernel, q, k, v, plan, out=None, lse=None, accumulate=False, **opti
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], device=q.device)
     if kernel == "hopper":
-        options.setdefault("rows", 128 if plan.block_size == 128 else 64)
+        options.setdefault("rows", hopper_forward_rows(plan.block_size))
     fn = vs_attention_fwd_hopper if kernel == "hopper" else vs_attention_fwd_triton
     fn(q, k, v, plan, out, lse, q.shape[-1] ** -0.5, accumulate, **options)
     return out, lse
@@ -348,7 +345,7 @@ def test_forcing_hopper_on_an_uncovered_call_is_an_error(monkeypatch):
 def _backward(kernels, q, k, v, do, plan, accumulate_dq=True):
     """The backward on ``kernels`` ("hopper" or "triton"): (dq, dk, dv) in fp32 (dq in q's dtype,
     written rather than added, with ``accumulate_dq=False``: the single-step path)."""
-    from megatron_mtraining.kernels.step import backward_parts, vs_attention_backward
+    from megatron_mtraining.kernels.step import vs_attention_backward
 
     out, lse = _forward("triton", q, k, v, plan)
     delta = (do.float() * out.float()).sum(-1)
@@ -461,13 +458,13 @@ def test_backward_megatron_strided_views_give_the_same_bits():
 def test_the_choice_is_logged_once(monkeypatch, caplog):
     import logging
 
-    from megatron_mtraining.kernels import step
+    from megatron_mtraining.kernels import dispatch
 
     monkeypatch.delenv(FORWARD_KERNEL_ENV, raising=False)
-    monkeypatch.setattr(step, "_ANNOUNCED", set())
+    monkeypatch.setattr(dispatch, "_ANNOUNCED", set())
     q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
     plan = _cpu_plan()
-    with caplog.at_level(logging.INFO, logger="megatron_mtraining.kernels.step"):
+    with caplog.at_level(logging.INFO, logger="megatron_mtraining.kernels.dispatch"):
         for _ in range(3):
             forward_kernel(q, q, q, plan, q)
     said = [r.getMessage() for r in caplog.records]

@@ -116,10 +116,3 @@ def column_words_triton(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_
         BLOCK=block_size, WORDS_PER_ITER=min(16, triton.next_power_of_2(n_words)), QUERY_BLOCKS=query_blocks,
         INT64=int64_offsets(col_pos, slash_bitmap, words), DOCS=documents is not None, num_warps=4)
     return words, diag
-
-
-def column_words(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_bitmap: torch.Tensor, block_size: int,
-                 documents=None):
-    """(words, diag) through Triton on a GPU, in PyTorch elsewhere (CPU tests, the interpreter)."""
-    fn = column_words_triton if col_pos.is_cuda else column_words_reference
-    return fn(col_pos, q_block_ids.to(torch.int32), slash_bitmap, block_size, documents)

@@ -20,7 +20,7 @@ with no key yet keep m = -inf and contribute nothing, so empty lists, ring steps
 edges need no special case.
 
 Covered: sm_90 GPUs, bf16/fp16, head_dim 64 or 128, index blocks of 64 or 128 tokens, the merge
-mode of ring attention. Everything else runs the Triton forward (``step.forward_kernel`` decides).
+mode of ring attention. Everything else runs the Triton forward (``dispatch.forward_kernel`` decides).
 Gluon has no CPU interpreter: on the CPU this kernel is cross-compiled for sm_90a in the tests
 (no spills, no serialised wgmma); its numbers are tested on the GPU against the reference and the
 Triton forward.

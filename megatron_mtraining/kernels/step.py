@@ -1,147 +1,20 @@
 """One entry point per direction for a (query chunk, key chunk) step, whatever the backend.
 
 Ring attention calls ``step_forward`` / ``step_backward`` once per ring step with that step's
-plan; single-device attention is the one-step case.
+plan; single-device attention is the one-step case. What runs is ``dispatch.py``'s choice (the
+backend, the Triton or the Hopper kernels, their schedule); this module runs it, and holds the
+backward's host side shared by both kernel families (``vs_attention_backward``).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import logging
-import os
-from typing import NamedTuple
-
 import torch
 
-from .common import HOPPER_TILE, LOG2E, column_arguments, document_arguments, int64_offsets, interpreting, plan_tensors
+from .common import HOPPER_TILE, LOG2E, column_arguments, document_arguments, int64_offsets, plan_tensors
+from .dispatch import BackwardParts, backward_kernel, backward_parts, forward_kernel, hopper_forward_rows
 from .plan import first_query_blocks, query_block_ends
 from .torch_step import vs_attention_bwd_torch, vs_attention_fwd_torch
 from .triton_common import tile_config
-
-logger = logging.getLogger(__name__)
-_ANNOUNCED = set()  # (variable, kernel, reason) already logged: each choice is said once per process
-
-BACKENDS = ("auto", "triton", "torch")
-# On the "triton" backend, where the Hopper kernels (Gluon, sm_90) cover a call they replace the
-# Triton ones: the forward (kernels/hopper_fwd.py) and the backward (kernels/hopper_bwd.py).
-# MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL = triton or hopper force one ("hopper"
-# fails with the reason where it cannot run).
-KERNEL_CHOICES = ("auto", "triton", "hopper")
-FORWARD_KERNEL_ENV = "MTRAINING_FORWARD_KERNEL"
-BACKWARD_KERNEL_ENV = "MTRAINING_BACKWARD_KERNEL"
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """'auto' is Triton on CUDA and PyTorch elsewhere; 'triton' off-GPU needs TRITON_INTERPRET=1."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and not interpreting():
-        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter); "
-                         f"got tensors on {device}")
-    return backend
-
-
-@functools.lru_cache(maxsize=None)
-def hopper_device_reason(device: torch.device) -> str:
-    """Why the Hopper kernels cannot run on ``device`` ('' when they can): they need an sm_90 GPU
-    (H100, H200, GH200, H20) and Triton's Gluon dialect (Triton >= 3.5)."""
-    if device.type != "cuda" or interpreting():
-        return f"not a CUDA device ({device}{', TRITON_INTERPRET=1' if interpreting() else ''})"
-    capability = torch.cuda.get_device_capability(device)
-    if capability != (9, 0):
-        return f"compute capability {capability[0]}.{capability[1]} (sm_90 only)"
-    try:
-        have_gluon = importlib.util.find_spec("triton.experimental.gluon.language.nvidia.hopper") is not None
-    except ModuleNotFoundError:
-        have_gluon = False
-    return "" if have_gluon else "this Triton has no Gluon (triton.experimental.gluon)"
-
-
-def _unsupported_reason(plan, tensors: dict) -> str:
-    """Why the Hopper kernels cannot run a call on these tensors (name -> tensor; '' when they
-    can). The device is checked by ``hopper_device_reason``."""
-    first = next(iter(tensors.values()))
-    d = first.shape[-1]
-    if first.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {first.dtype} (bf16 or fp16 only)"
-    if d not in (64, 128):
-        return f"head_dim {d} (64 or 128 only)"
-    if plan.block_size % HOPPER_TILE:
-        return f"block size {plan.block_size} (a multiple of 64 only)"
-    for name, x in tensors.items():
-        # cp.async moves 16-byte pieces: rows must start on 16 bytes.
-        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(s * x.element_size() % 16 for s in x.stride()[:-1]):
-            return f"{name}'s rows are not 16-byte aligned (strides {tuple(x.stride())})"
-    return ""
-
-
-def _kernel_choice(env: str, plan, tensors: dict) -> str:
-    """"hopper" or "triton" for one call of the "triton" backend (``env``: the variable that forces one)."""
-    choice = os.environ.get(env, "auto") or "auto"
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"{env} must be one of {KERNEL_CHOICES}, got {choice!r}")
-    if choice == "triton":
-        return "triton"
-    q = next(iter(tensors.values()))
-    reason = hopper_device_reason(q.device)
-    if not reason:
-        reason = _unsupported_reason(plan, tensors)
-    if not reason:
-        _announce(env, "hopper", "")
-        return "hopper"
-    if choice == "hopper":
-        raise ValueError(f"{env}=hopper, but the Hopper kernel cannot run this call: {reason}")
-    _announce(env, "triton", reason)
-    return "triton"
-
-
-def _announce(env: str, kernel: str, reason: str) -> None:
-    """Log once which kernel a direction runs (and why not the Hopper one), as a user wants to see
-    at start-up; a later call that chooses differently (another dtype, say) logs again."""
-    key = (env, kernel, reason)
-    if key in _ANNOUNCED:
-        return
-    _ANNOUNCED.add(key)
-    part = "forward" if env == FORWARD_KERNEL_ENV else "backward"
-    if kernel == "hopper":
-        logger.info("MTraining: %s on the Hopper kernel (sm_90, Gluon); %s=triton for the Triton one", part, env)
-    else:
-        logger.info("MTraining: %s on the Triton kernel (the Hopper one does not cover this call: %s)", part, reason)
-
-
-class BackwardParts(NamedTuple):
-    """The kernels ("triton" or "hopper") of the backward's three parts."""
-    query: str    # dQ
-    blocks: str   # dK, dV of the key blocks (the transposed slash lists)
-    columns: str  # dK, dV of the columns (partials per query-range split)
-
-
-# The index block size at which dQ and the key-block dK/dV run on the Hopper kernels: their
-# programs hold a whole 128-token block, two warpgroups sharing every streamed tile. (The column
-# gradients run on them at any block size.)
-HOPPER_SLASH_BLOCK = 128
-
-
-def backward_parts(kernel: str, block_size: int) -> BackwardParts:
-    """The Hopper backward's parts: dQ and the key blocks on Triton's kernels at B = 64 (as fast or
-    faster there; NOTES, session 12), the columns always on the Hopper kernel."""
-    if kernel == "triton":
-        return BackwardParts("triton", "triton", "triton")
-    slash = "hopper" if block_size == HOPPER_SLASH_BLOCK else "triton"
-    return BackwardParts(slash, slash, "hopper")
-
-
-def forward_kernel(q, k, v, plan, out) -> str:
-    """The forward that runs this step on the "triton" backend: "hopper" or "triton"."""
-    return _kernel_choice(FORWARD_KERNEL_ENV, plan, dict(q=q, k=k, v=v, out=out))
-
-
-def backward_kernel(q, k, v, do, plan) -> str:
-    """The backward's kernels for this step on the "triton" backend: "hopper" or "triton"."""
-    return _kernel_choice(BACKWARD_KERNEL_ENV, plan, dict(q=q, k=k, v=v, do=do))
 
 
 def step_forward(backend: str, q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool) -> None:
@@ -149,7 +22,7 @@ def step_forward(backend: str, q, k, v, plan, out, lse, softmax_scale: float, ac
     if backend == "triton" and forward_kernel(q, k, v, plan, out) == "hopper":
         from .hopper_fwd import vs_attention_fwd_hopper
         vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale, accumulate,
-                                rows=128 if plan.block_size == 128 else 64)
+                                rows=hopper_forward_rows(plan.block_size))
     elif backend == "triton":
         from .triton_fwd import vs_attention_fwd_triton
         vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale, accumulate)
@@ -216,7 +89,7 @@ def vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_sca
                           accumulate_dq: bool = True) -> None:
     """Add this plan's gradients into fp32 ``dq`` ``[b,hq,nq,d]`` and ``dk``/``dv`` ``[b,hkv,nk,d]``,
     each part (dQ, the key blocks' dK/dV, the columns' dK/dV) on the kernels ``parts`` names
-    ("triton": ``triton_bwd.py``, "hopper": ``hopper_bwd.py``, sm_90; ``backward_parts`` picks).
+    ("triton": ``triton_bwd.py``, "hopper": ``hopper_bwd.py``, sm_90; ``dispatch.backward_parts``).
     ``accumulate_dq=False`` (a single step) writes ``dq`` in its own dtype instead of adding.
     The column gradients go through fp32 partials per query-range split, summed here in a fixed
     order: the backward is deterministic on either kernels.
