@@ -110,8 +110,8 @@ def vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_sca
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
                lse.stride(0), lse.stride(1))
-    cols, col_pos, words, diag, n_words = column_arguments(plan)
-    doc_start, doc_last, col_start, docs = document_arguments(plan)
+    cols, col_pos, words, diag, _ = column_arguments(plan)
+    doc_start, doc_last, _, docs = document_arguments(plan)
 
     query_gradients = _launchers(parts.query)[0]
     query_gradients(q, k, v, do, lse, delta, dq, plan, accumulate_dq, int64, strides, qk_scale, softmax_scale)
