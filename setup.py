@@ -14,8 +14,31 @@ from setuptools import find_packages, setup
 
 
 def _warn(msg: str) -> None:
-    print(f"WARNING (megatron-mtraining): {msg}; installing the pure-Python package "
-          "(the PyTorch index conversion is used instead of megatron_mtraining._C)", file=sys.stderr)
+    # A banner, so that it stands out of the build log (pip shows it with -v; at run time the
+    # package warns again the first time it needs the extension, and _ext.status() says why).
+    bar = "=" * 78
+    print(f"\n{bar}\nmegatron-mtraining: the C++/CUDA extension megatron_mtraining._C is NOT built:\n  {msg}.\n"
+          "The pure-Python package is installed; the PyTorch index conversion runs instead.\n"
+          f"{bar}\n", file=sys.stderr)
+
+
+def _check_build_tools() -> None:
+    """Building a wheel (pip install, editable or not) with setuptools < 70.1 needs the `wheel`
+    package, which --no-build-isolation does not install: say so instead of setuptools'
+    "invalid command 'bdist_wheel'"."""
+    if not any(cmd in sys.argv for cmd in ("bdist_wheel", "editable_wheel")):
+        return
+    import setuptools
+    version = tuple(int(part) for part in setuptools.__version__.split(".")[:2] if part.isdigit())
+    if version >= (70, 1):
+        return  # bdist_wheel is part of setuptools
+    try:
+        import wheel  # noqa: F401
+    except ImportError:
+        sys.exit(f"megatron-mtraining: building needs the `wheel` package with setuptools "
+                 f"{setuptools.__version__} (< 70.1). Install the build requirements first:\n"
+                 "    pip install 'setuptools>=64' wheel pybind11\n"
+                 "then: pip install --no-build-isolation -e .")
 
 
 def _extension_kwargs() -> dict:
@@ -56,14 +79,29 @@ def _extension_kwargs() -> dict:
     return {"ext_modules": [ext], "cmdclass": {"build_ext": OptionalBuildExtension}}
 
 
+_check_build_tools()
+
+# Tested: CPU (CI) Python 3.11, torch 2.13.0, triton 3.6.0, megatron-core 0.16.1; GPU machines
+# Python 3.12, torch 2.11.0+cu130, triton 3.6.0, megatron-core 0.19.2. numpy < 2.4: Triton 3.6's
+# CPU interpreter fails with numpy 2.4. triton ships for Linux only.
+INSTALL_REQUIRES = [
+    "torch>=2.11,<2.14",
+    "triton>=3.6,<3.7; platform_system == 'Linux'",
+    "numpy<2.4",
+    "megatron-core>=0.16,<0.20",
+]
+
 setup(
     name="megatron-mtraining",
     version="0.1.0",
     description="Vertical-slash sparse attention for Megatron-LM (MTraining)",
     packages=find_packages(include=["megatron_mtraining*"]),
-    python_requires=">=3.10",
-    install_requires=["torch>=2.4", "triton>=3.0", "megatron-core>=0.16", "pybind11>=2.10"],
-    extras_require={"test": ["pytest"]},
+    # 3.11 and 3.12 are tested; megatron.training (launcher, example, fork patch) needs
+    # megatron-core >= 0.17, which needs Python >= 3.12.
+    python_requires=">=3.11",
+    install_requires=INSTALL_REQUIRES,
+    extras_require={"test": ["pytest>=7", "einops"]},
+    classifiers=["Programming Language :: Python :: 3.11", "Programming Language :: Python :: 3.12"],
     zip_safe=False,
     **_extension_kwargs(),
 )

@@ -87,7 +87,7 @@ def fixed_vs_index(batch: int, heads: int, seq_len: int, block_size: int = 64, d
     every head. Vertical: sink columns 0..sinks-1 plus random columns, different per head
     (seeded). The counts come from two small searches: the slash count for
     ``(1 - column_share) * density``, then the column count for the total. Budgets are equal
-    across heads (fixed budgets, DESIGN.md's `fixed` builder), so shapes carry no padding.
+    across heads (fixed budgets, docs/design.md §2's `fixed` builder), so shapes carry no padding.
     Tiny problems cannot go below the diagonal's density; the result then has one offset.
     """
     if seq_len % block_size:
@@ -385,7 +385,7 @@ def document_causal_pairs(lengths: Sequence[int]) -> float:
 
 
 def packed_active_pairs(index: VSIndex, cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """float64 ``[b, h]``: exact (query, key) pairs the function of DESIGN.md section 1 keeps with
+    """float64 ``[b, h]``: exact (query, key) pairs the function of docs/design.md §1 keeps with
     documents, counted per block from tokens-per-(block, document) without any S x S tensor:
     a slash offset ``delta`` keeps sum over blocks and documents of cnt[qb, d] * cnt[qb - delta, d]
     (the diagonal: cnt (cnt + 1) / 2), and a column in block ``cb`` of document ``d`` adds the

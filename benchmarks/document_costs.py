@@ -5,7 +5,7 @@ A slash offset ``delta`` keeps, in every document, about one key block per query
 ``B * L`` pairs of a document's ``L (L + 1) / 2``, so its share of the pairs grows as documents
 get shorter (about ``2 / L_blocks`` for one document). An index that selects the same offsets
 therefore has a density that depends on the documents, not only on the model. This script counts
-the shares exactly (``common.packed_active_pairs``, the function of DESIGN.md section 1 with
+the shares exactly (``common.packed_active_pairs``, the function of docs/design.md §1 with
 documents, no S x S tensor) for:
 
 * one unbroken sequence (the unpacked quality run, 32K; the kernel benchmark, 128K);

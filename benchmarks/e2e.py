@@ -1,20 +1,28 @@
-"""End-to-end Megatron training: MTraining vs the dense ring, iteration time and tokens/s.
+"""End-to-end Megatron training: MTraining against Megatron's own context parallelism, tokens/s.
 
 Runs ``examples/pretrain_gpt_mtraining.py`` (``megatron.training.pretrain``, mock data) with
-torchrun on every GPU of the machine, context parallel over all of them, twice from the same
-settings: ``--mtraining`` (``vs`` index, top-p 0.9) and the dense baseline ``dense``: exact causal
-attention with the dense kernels (cuDNN: SDPA on one GPU, the zigzag ring over CP, as
-Transformer Engine does; ``--mtraining-index dense --mtraining-layout zigzag
---no-mtraining-deterministic``). ``--runs`` can add ``dense_sparse_kernels``, the dense index
-through MTraining's own kernels on the striped ring (the baseline of the results before session
-7, slower than cuDNN), and ``mtraining_b128``, MTraining with 128-token index blocks. Model:
-Qwen2.5-3B attention and MLP shapes (hidden 2048, FFN 11008, 16 query heads / 2 KV groups, head
-dim 128, QKV bias, SwiGLU, RMSNorm) with fewer layers and a small vocabulary
-(flags below). Parses Megatron's "elapsed time per iteration" lines, drops the warm-up
-iterations, and writes one JSON with both runs and their ratio. ``--profile-iteration N`` also
-traces iteration N on rank 0 (Megatron's ``--profile --use-pytorch-profiler``) and records where
-its GPU time went (``gpu_time_breakdown``: MTraining's kernels, dense attention, GEMMs, NCCL, the
-rest), the split of a step into attention and everything else that the speedups depend on.
+torchrun on every GPU of the machine, context parallel over all of them, once per run in ``--runs``
+from the same settings. On Transformer Engine layers (``--transformer-impl auto``: TE when it
+imports, the configuration users run) the baseline is Megatron itself:
+
+* ``te_cp``: Transformer Engine's own CP attention (``--cp-comm-type p2p``, cuDNN fused
+  attention; plain TE attention on one GPU), no ``--mtraining``;
+* ``mtraining``: MTraining (``vs`` index, top-p 0.9) in place of TE's core attention.
+
+Without TE (``--transformer-impl local``) Megatron has no CP attention, and the baseline is
+``dense``: exact causal attention with cuDNN through MTraining's ring (the zigzag ring over CP, SDPA
+on one GPU; ``--mtraining-index dense --mtraining-layout zigzag --no-mtraining-deterministic``).
+``--runs`` can add ``dense_sparse_kernels`` (the dense index through MTraining's own kernels) and
+``mtraining_b128`` (128-token index blocks). ``--fp8`` adds TE's FP8 linear layers to every run
+(``--fp8-format hybrid``; attention stays bf16 on both sides).
+
+Model: Qwen2.5-3B attention and MLP shapes (hidden 2048, FFN 11008, 16 query heads / 2 KV groups,
+head dim 128, QKV bias, SwiGLU, RMSNorm) with fewer layers and a small vocabulary (flags below).
+Parses Megatron's "elapsed time per iteration" lines, drops the warm-up iterations, and writes one
+JSON with every run and each run's speedup over the baseline. ``--profile-iteration N`` also traces
+iteration N on rank 0 (Megatron's ``--profile --use-pytorch-profiler``; that iteration is left out
+of the mean) and records where its GPU time went (``gpu_time_breakdown``: MTraining's kernels,
+dense attention, GEMMs, NCCL, the rest).
 
     python benchmarks/e2e.py --seq-length 262144 --num-layers 4 --train-iters 8 --out e2e.json
 """
@@ -37,9 +45,46 @@ from common import device_slug, json_ready, run_metadata  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+TELEMETRY_LINE = re.compile(r"\[MTraining\] iteration (\d+) \|")
+
+
+def timed_iterations(times, log, warmup_iters, profile_iteration):
+    """(mean over the plain training iterations, the iterations left out and why). Left out: the
+    warm-up, the iterations MTraining's telemetry logged (``--mtraining-log-interval``: CUDA-event
+    timing and one exchange across ranks, a diagnostic a user runs every N iterations), and with
+    ``--profile-iteration`` the traced iteration and the next one (the profiler writes its trace)."""
+    excluded = {i: "warm-up" for i in range(1, warmup_iters + 1)}
+    excluded.update({int(i): "telemetry" for i in TELEMETRY_LINE.findall(log) if int(i) not in excluded})
+    if profile_iteration:
+        excluded.update({profile_iteration: "profiled", profile_iteration + 1: "trace export"})
+    measured = [t for i, t in enumerate(times, start=1) if i not in excluded]
+    return (sum(measured) / len(measured) if measured else None), {i: excluded[i] for i in sorted(excluded)
+                                                                    if i <= len(times)}
+
+
+def transformer_engine_version():
+    """TE's version when ``transformer_engine.pytorch`` imports, else None. Asked of a child
+    python: importing TE here loads its own cuDNN into this process, which then fails torch's
+    cuDNN version check in ``run_metadata`` (seen with TE 2.20.2 on the GPU machines)."""
+    proc = subprocess.run([sys.executable, "-c", "import transformer_engine as te, transformer_engine.pytorch; "
+                           "print(te.__version__)"], capture_output=True, text=True)
+    return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else None
+
+
+def resolve_transformer_impl(requested: str, te_version) -> str:
+    if requested == "auto":
+        return "transformer_engine" if te_version else "local"
+    if requested == "transformer_engine" and not te_version:
+        raise SystemExit("--transformer-impl transformer_engine: Transformer Engine does not import here")
+    return requested
 
 
 def model_flags(args):
+    if args.transformer_impl == "transformer_engine":
+        impl = ["--transformer-impl", "transformer_engine"]  # Megatron's defaults: fused RoPE, TE layers
+    else:
+        impl = ["--transformer-impl", "local", "--no-rope-fusion",  # the fused RoPE needs Transformer Engine
+                "--no-persist-layer-norm"]  # the persistent LayerNorm kernel needs apex
     return [
         "--num-layers", str(args.num_layers), "--hidden-size", "2048", "--ffn-hidden-size", "11008",
         "--num-attention-heads", "16", "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "128",
@@ -47,9 +92,7 @@ def model_flags(args):
         "--add-qkv-bias", "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
         "--rotary-base", "1000000", "--seq-length", str(args.seq_length),
         "--max-position-embeddings", str(args.seq_length), "--attention-dropout", "0", "--hidden-dropout", "0",
-        "--transformer-impl", "local", "--no-rope-fusion",  # the fused RoPE needs Transformer Engine
-        "--no-create-attention-mask-in-dataloader",  # causal attention: no [s, s] mask per sample
-        "--no-persist-layer-norm",  # the persistent LayerNorm kernel needs apex
+        *impl, "--no-create-attention-mask-in-dataloader",  # causal attention: no [s, s] mask per sample
     ]
 
 
@@ -65,7 +108,12 @@ def training_flags(args, world):
     ]
     if args.recompute:
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    if args.fp8:  # TE's FP8 linear layers; attention stays bf16 on both sides
+        flags += FP8_FLAGS
     return flags
+
+
+FP8_FLAGS = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"]
 
 
 # Kernel-name fragments of each category of GPU time, checked in this order (ours first: their
@@ -134,11 +182,10 @@ def run_one(name, extra, args, world, log_dir):
     with open(os.path.join(log_dir, f"e2e_{name}.log"), "w") as f:
         f.write(" ".join(cmd) + "\n\n" + log)
     times = [float(x) for x in ITERATION_MS.findall(log)]
-    measured = times[args.warmup_iters:]
+    mean_ms, excluded = timed_iterations(times, log, args.warmup_iters, args.profile_iteration)
     row = {"name": name, "flags": extra, "returncode": proc.returncode, "wall_s": time.time() - start,
-           "iteration_ms": times}
-    if proc.returncode == 0 and measured:
-        mean_ms = sum(measured) / len(measured)
+           "iteration_ms": times, "excluded_iterations": excluded}
+    if proc.returncode == 0 and mean_ms:
         row.update(mean_iteration_ms=mean_ms, tokens_per_s=args.seq_length / (mean_ms / 1e3))
     if trace_dir:
         trace = os.path.join(trace_dir, "torch_profile", "rank-0.json.gz")
@@ -164,21 +211,39 @@ def main():
     p.add_argument("--warmup-iters", type=int, default=3, help="first iterations left out of the mean")
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--timeout", type=int, default=300)
-    p.add_argument("--runs", default="mtraining,dense")
+    p.add_argument("--runs", default=None,
+                   help="comma-separated runs (default: te_cp,mtraining on TE layers, mtraining,dense on local ones)")
+    p.add_argument("--transformer-impl", choices=("auto", "transformer_engine", "local"), default="auto",
+                   help="auto: Transformer Engine when it imports (the configuration users run), else local")
+    p.add_argument("--fp8", action="store_true", help="TE's FP8 linear layers in every run (attention bf16)")
     p.add_argument("--profile-iteration", type=int, default=0,
                    help="trace this iteration on rank 0 and record its GPU time by category (0: off)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    variants = {"mtraining": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "4"],
+    te_version = transformer_engine_version()
+    args.transformer_impl = resolve_transformer_impl(args.transformer_impl, te_version)
+    te = args.transformer_impl == "transformer_engine"
+    if args.fp8 and not te:
+        raise SystemExit("--fp8 needs Transformer Engine layers (TE's FP8 linear layers)")
+    if args.runs is None:
+        args.runs = "te_cp,mtraining" if te else "mtraining,dense"
+    world = torch.cuda.device_count()
+    variants = {"te_cp": ["--cp-comm-type", "p2p"],
+                # TE's hierarchical CP: all-to-all inside pairs of GPUs, p2p between them (its choice across
+                # nodes); needs an even CP size and the 2 KV heads split over the a2a pairs.
+                "te_cp_a2a_p2p": ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2",
+                                  str(max(world // 2, 1))],
+                "mtraining": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "5"],
                 "dense": ["--mtraining", "--mtraining-index", "dense", "--mtraining-layout", "zigzag",
                           "--no-mtraining-deterministic"],
                 "dense_sparse_kernels": ["--mtraining", "--mtraining-index", "dense"],
-                "mtraining_b128": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "4",
+                "mtraining_b128": ["--mtraining", "--mtraining-top-p", "0.9", "--mtraining-log-interval", "5",
                                    "--mtraining-block-size", "128"]}
     unknown = [name for name in args.runs.split(",") if name not in variants]
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {sorted(variants)}")
-    world = torch.cuda.device_count()
+    if {"te_cp", "te_cp_a2a_p2p"} & set(args.runs.split(",")) and not te:
+        raise SystemExit("--runs te_cp / te_cp_a2a_p2p are Transformer Engine's context parallelism: they need TE layers")
     if world < 1:
         raise SystemExit("benchmarks/e2e.py needs GPUs (megatron.training is CUDA-only)")
     out = args.out or os.path.join(REPO, "benchmarks", "results", f"e2e_{device_slug(torch.device('cuda'))}_{world}gpu.json")
@@ -188,15 +253,19 @@ def main():
     result = {"benchmark": "e2e", "meta": run_metadata(torch.device("cuda")), "world_size": world,
               "model": {"num_layers": args.num_layers, "hidden": 2048, "ffn": 11008, "heads": 16, "kv_groups": 2,
                         "head_dim": 128, "vocab": args.vocab_size, "shape_of": "Qwen2.5-3B (fewer layers)"},
-              "seq_length": args.seq_length, "recompute": args.recompute, "runs": rows}
-    if by_name.get("dense", {}).get("tokens_per_s"):  # every run against the dense one
-        result["speedups"] = {r["name"]: r["tokens_per_s"] / by_name["dense"]["tokens_per_s"]
+              "seq_length": args.seq_length, "recompute": args.recompute, "fp8": args.fp8,
+              "transformer_impl": args.transformer_impl, "transformer_engine": te_version,
+              "runs": rows}
+    baseline = "te_cp" if "te_cp" in by_name else "dense"
+    if by_name.get(baseline, {}).get("tokens_per_s"):  # every run against the baseline
+        result["baseline"] = baseline
+        result["speedups"] = {r["name"]: r["tokens_per_s"] / by_name[baseline]["tokens_per_s"]
                               for r in rows if r.get("tokens_per_s")}
-        print("speedups over dense:", {k: round(v, 2) for k, v in result["speedups"].items()})
+        print(f"speedups over {baseline}:", {k: round(v, 2) for k, v in result["speedups"].items()})
         if "mtraining" in result["speedups"]:
             result["e2e_speedup"] = result["speedups"]["mtraining"]
-            print(f"tokens/s: MTraining {by_name['mtraining']['tokens_per_s']:.0f}, dense ring "
-                  f"{by_name['dense']['tokens_per_s']:.0f}: speedup {result['e2e_speedup']:.2f}x")
+            print(f"tokens/s: MTraining {by_name['mtraining']['tokens_per_s']:.0f}, {baseline} "
+                  f"{by_name[baseline]['tokens_per_s']:.0f}: speedup {result['e2e_speedup']:.2f}x")
     with open(out, "w") as f:
         json.dump(json_ready(result), f, indent=1)
     print(f"wrote {out}")

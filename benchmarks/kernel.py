@@ -1,6 +1,6 @@
 """Single-GPU kernel benchmark: vertical-slash sparse attention against dense cuDNN and FlexAttention.
 
-Canonical shape (docs: benchmarks.md): Qwen2.5-3B attention, batch 1, 16 query heads, 2 KV
+Canonical shape (docs/benchmarks.md): Qwen2.5-3B attention, batch 1, 16 query heads, 2 KV
 heads, head dim 128, bf16, causal; the `fixed` synthetic index at ~5% density. Per sequence
 length it records, each item on its own so one failure loses nothing else:
 
@@ -276,7 +276,7 @@ def compiled_flex_attention():
 
 
 def flex_block_mask(index, seq_len: int, device: torch.device):
-    """BlockMask of DESIGN.md section 1's function, built from the index's own bitmap and columns."""
+    """BlockMask of docs/design.md §1's function, built from the index's own bitmap and columns."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B = index.block_size
@@ -474,8 +474,8 @@ def parse_args(argv=None):
 
 # Letters after a launch setting that set kernel options (triton_common.tile_config's keys):
 # m: the causal mask on every slash tile of the forward and dQ (not only the diagonal block's);
-# c: 4x the column-gradient programs (shorter ones). (Session 5 also tried running a GQA group's
-# query heads as adjacent programs: no gain, removed; benchmarks/NOTES.md.)
+# c: 4x the column-gradient programs (shorter ones). (Running a GQA group's query heads as
+# adjacent programs was also tried: no gain, removed; docs/performance.md.)
 LAUNCH_OPTIONS = {"m": ("MASK_EVERY_TILE", True), "c": ("COLUMN_PROGRAMS", 4096)}
 
 

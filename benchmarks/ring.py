@@ -1,6 +1,6 @@
 """Ring (context-parallel) benchmark: one attention layer forward+backward over W GPUs.
 
-Canonical shape (docs: benchmarks.md): batch 1, 16 query heads, 2 KV heads, head dim 128, bf16,
+Canonical shape (docs/benchmarks.md): batch 1, 16 query heads, 2 KV heads, head dim 128, bf16,
 causal, block 64, the `fixed` synthetic index at ~5% density (the same seed on every rank, so
 every rank holds the identical global index). Every rank generates only its own N/W tokens of
 q, k, v (random, in the layout's local order); no full-sequence tensor exists, except for

@@ -4,7 +4,7 @@ the files the run read, ``common.source_tree``) looked up among this repository'
 Device copies carry the session's first commit as their .git, so a result's ``meta.commit`` may
 name older code than ran; the tree hash does not.
 
-    python benchmarks/which_commit.py benchmarks/results/spike_tilelang_nvidia-h200.json [...]
+    python benchmarks/which_commit.py benchmarks/results/kernel_nvidia-h200.json [...]
 """
 
 from __future__ import annotations

@@ -11,11 +11,12 @@ plugin's ``--mtraining*`` flags:
         --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 65536 \\
         --max-position-embeddings 65536 --position-embedding-type rope --attention-dropout 0 \\
         --micro-batch-size 1 --global-batch-size 1 --train-iters 20 --lr 3e-4 --bf16 \\
-        --transformer-impl local --no-gradient-accumulation-fusion \\
+        --transformer-impl transformer_engine --no-gradient-accumulation-fusion \\
         --context-parallel-size 4 --mtraining
 
-(without Transformer Engine also ``--no-rope-fusion``; without apex ``--no-gradient-accumulation-fusion``
-is needed, as above).
+on Transformer Engine layers (Megatron's default, with its fused RoPE; TE 2.20 is the tested
+version). Without Transformer Engine use ``--transformer-impl local --no-rope-fusion
+--no-persist-layer-norm`` instead; without apex keep ``--no-gradient-accumulation-fusion``.
 
 With ``--mtraining`` every layer's core attention is ``MTrainingAttention`` (local or Transformer
 Engine layer spec, after ``--transformer-impl``), and ``patches.install`` makes the CP batch split

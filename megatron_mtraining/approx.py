@@ -15,7 +15,7 @@ Communication is independent of the sequence length per rank except for the slas
 values per head) and each rank's top ``max_vertical`` column candidates (all-gather). No host
 synchronisation; every shape is fixed by the inputs and the config.
 
-Packed documents (``cu_seqlens``, DESIGN.md section 1): a query only sees its own document, so
+Packed documents (``cu_seqlens``, docs/design.md §1): a query only sees its own document, so
 the last queries of the sequence say nothing about the other documents. Instead, every document
 longer than one block (``block_size`` tokens) is scored by ITS OWN last ``last_q`` queries (all
 of them if it is shorter), against its own keys only, causal by global position:
@@ -66,6 +66,7 @@ from .documents import check_cu_seqlens
 from .index import VSIndex
 from .kernels.dispatch import resolve_backend
 from .layout import check_layout, local_positions
+from .ring import agreement
 
 KEY_CHUNK = 8192  # keys scored at a time (a multiple of every block size): memory O(last_q x chunk) per head
 
@@ -562,6 +563,37 @@ def fixed_index(batch: int, heads: int, seq_len: int, config: MTrainingConfig, d
                               device=device, max_slash=config.max_slash, max_vertical=config.max_vertical)
 
 
+def _agree_on_shapes(q, k, config: MTrainingConfig, group, layout: str, softmax_scale, cu_seqlens,
+                     local_error: Optional[BaseException]) -> None:
+    """Before the first collective whose size depends on them: the CP ranks agree on the shapes
+    and settings (``ring.agreement``; a rank whose own checks failed makes its peers fail too).
+    Eager where that costs no device synchronisation (CPU / gloo, or MTRAINING_VALIDATE=1); on
+    GPUs with NCCL the Megatron path checks them at its consistency iterations instead
+    (``integration/consistency.py``), and nothing is added here."""
+    if agreement.mode(q.device, group) != "eager":
+        if local_error is not None:
+            raise local_error
+        return
+    items = []
+    if local_error is None:
+        given = cu_seqlens is not None
+        items = [("function", agreement.host_word("approximate_index"), "approximate_index"),
+                 ("q shape [batch, heads, tokens per rank, head_dim]", agreement.host_word(tuple(q.shape)),
+                  tuple(q.shape)),
+                 ("k shape", agreement.host_word(tuple(k.shape)), tuple(k.shape)),
+                 ("dtype", agreement.host_word(str(q.dtype)), q.dtype),
+                 ("layout", agreement.host_word(layout), layout),
+                 ("MTraining config", agreement.host_word(config), config),
+                 ("softmax scale", agreement.host_word(softmax_scale), softmax_scale),
+                 ("cu_seqlens given", given, given),
+                 ("cu_seqlens length", int(cu_seqlens.numel()) if given else 0,
+                  int(cu_seqlens.numel()) if given else 0),
+                 ("cu_seqlens values", agreement.checksum(cu_seqlens) if given else 0, None)]
+    agreement.agree(group, "approximate_index", items, local_error, q.device,
+                    hint="(In Megatron: q is [--micro-batch-size, heads, --seq-length / CP, head_dim]: the CP ranks "
+                         "got batches of different --seq-length or --micro-batch-size from the data path.) ")
+
+
 def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig, group=None,
                       layout: str = "striped", softmax_scale: Optional[float] = None,
                       backend: str = "auto", cu_seqlens: Optional[torch.Tensor] = None) -> VSIndex:
@@ -578,24 +610,33 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
     ``config.max_documents`` documents, the longest first; see the module docstring); None or
     one document ``[0, N]`` gives exactly the unpacked index."""
     world, _ = _world(group)
-    resolve_backend(backend, q.device)  # a bad name fails here, whatever the index builder
-    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"approximate_index: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
-                         "[batch, heads, tokens, head_dim] with matching batch, tokens and head_dim")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"approximate_index: query heads ({q.shape[1]}) must be a multiple of key heads "
-                         f"({k.shape[1]})")
-    n_local = q.shape[2]
-    seq_len = n_local * world
-    check_layout(seq_len, layout, world, config.block_size)
-    if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, seq_len, "approximate_index: cu_seqlens")
+    local_error = None
+    try:  # this rank's own checks; with CP > 1 its peers hear of a failure in the agreement below
+        resolve_backend(backend, q.device)  # a bad name fails here, whatever the index builder
+        if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+            raise ValueError(f"approximate_index: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
+                             "[batch, heads, tokens, head_dim] with matching batch, tokens and head_dim")
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"approximate_index: query heads ({q.shape[1]}) must be a multiple of key heads "
+                             f"({k.shape[1]})")
+        n_local = q.shape[2]
+        seq_len = n_local * world
+        check_layout(seq_len, layout, world, config.block_size)
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, seq_len, "approximate_index: cu_seqlens")
+        builds_vs = not (config.index == "dense" or seq_len <= config.dense_max_seq_length or config.index == "fixed")
+        if builds_vs and config.last_q > n_local:
+            raise ValueError(f"approximate_index: last_q ({config.last_q}) exceeds the {n_local} tokens each rank "
+                             "holds; lower --mtraining-last-q")
+    except Exception as err:
+        if world == 1:
+            raise
+        local_error = err
+    if world > 1:
+        _agree_on_shapes(q, k, config, group, layout, softmax_scale, cu_seqlens, local_error)
     b, hq = q.shape[:2]
     if config.index == "dense" or seq_len <= config.dense_max_seq_length:
         return VSIndex.dense(b, hq, seq_len, config.block_size, device=q.device)
     if config.index == "fixed":
         return fixed_index(b, hq, seq_len, config, device=q.device)
-    if config.last_q > n_local:
-        raise ValueError(f"approximate_index: last_q ({config.last_q}) exceeds the {n_local} tokens each rank "
-                         "holds; lower --mtraining-last-q")
     return approximate_vs_index(q, k, config, group, layout, softmax_scale, backend, cu_seqlens)

@@ -80,7 +80,7 @@ class _SparseAttention(torch.autograd.Function):
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex,
                      softmax_scale: Optional[float] = None, backend: str = "auto",
                      return_lse: bool = False, cu_seqlens: Optional[torch.Tensor] = None):
-    """Vertical-slash sparse causal attention on one device (DESIGN.md section 1).
+    """Vertical-slash sparse causal attention on one device (docs/design.md §1).
 
     q ``[b, hq, n, d]``, k/v ``[b, hkv, n, d]`` (GQA when ``hkv < hq``), ``index`` a
     ``VSIndex`` for batch ``b`` and ``hq`` heads on the same device. Differentiable in q, k, v.

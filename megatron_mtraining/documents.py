@@ -1,4 +1,4 @@
-"""Packed documents (DESIGN.md section 1): ``cu_seqlens`` and the tables the kernels read.
+"""Packed documents (docs/design.md §1): ``cu_seqlens`` and the tables the kernels read.
 
 A packed sequence of ``N`` tokens holds documents given by ``cu_seqlens``, int32
 ``[0, e1, ..., N]`` of GLOBAL positions, strictly increasing, the same on every batch element and

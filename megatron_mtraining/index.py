@@ -1,4 +1,4 @@
-"""VSIndex: the vertical-slash sparse index (DESIGN.md section 2), plain data with fixed shapes.
+"""VSIndex: the vertical-slash sparse index (docs/design.md §2), plain data with fixed shapes.
 
 For batch element ``b`` and query head ``h``:
   * ``slash[b, h, :n_slash[b, h]]`` are block offsets ``delta >= 0``, strictly ascending and

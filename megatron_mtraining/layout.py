@@ -1,4 +1,4 @@
-"""Token layouts across context-parallel ranks (DESIGN.md section 3).
+"""Token layouts across context-parallel ranks (docs/design.md §3).
 
 * ``striped`` (default, balanced): rank ``r`` of ``W`` holds global blocks ``r, r+W, r+2W, ...``
   of ``block_size`` tokens, in order. Every slash diagonal meets every rank in exactly one ring

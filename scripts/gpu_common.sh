@@ -55,12 +55,11 @@ setup_venv() {
   [ -n "$DEVICE_SLUG" ] || DEVICE_SLUG=gpu  # no CUDA device, or torch missing: still a valid file name
 }
 
-# Wheels over the 64 MiB a device call may carry (issue 17: the CuTe DSL runtime,
-# nvidia-cutlass-dsl-libs-cu13, is ~92 MB) travel split over two calls to one warm machine:
+# Wheels over the 64 MiB a device call may carry travel split over two calls to one warm machine:
 #   here:    split -b 55000000 -d --additional-suffix= BIG.whl BIG.whl.part  (names end .partNN)
 #            first folder: the first part(s); second folder: the rest and the other wheels
-#   call 1:  stash_wheel_parts .fa4a          (copies the parts out of the repository copy)
-#   call 2:  install_split_wheels .fa4b SITE  (the same machine, within its 30 s warm window)
+#   call 1:  stash_wheel_parts .wheels_a      (copies the parts out of the repository copy)
+#   call 2:  install_split_wheels .wheels_b SITE  (the same machine, within its 30 s warm window)
 # Parts wait in $WHEEL_PARTS (default /tmp/mtraining_wheel_parts), outside the repository copy,
 # because a path a call does not carry is removed there.
 WHEEL_PARTS=${WHEEL_PARTS:-/tmp/mtraining_wheel_parts}
@@ -70,7 +69,7 @@ stash_wheel_parts() {
 # install_split_wheels DIR SITE: DIR's files join the stashed parts, every BIG.whl.partNN set is
 # joined in order into BIG.whl, and every wheel is installed (no index, no dependencies) into SITE,
 # which goes first on PYTHONPATH; a sitecustomize.py there runs SITE's .pth files (PYTHONPATH alone
-# skips them, and nvidia-cutlass-dsl finds its `cutlass` package through one). Returns non-zero,
+# skips them, and some wheels find their modules through one). Returns non-zero,
 # saying which, when a wheel is missing or broken.
 install_split_wheels() {
   local dir=$1 site=$2 part whole

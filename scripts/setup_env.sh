@@ -34,7 +34,8 @@ if "$PYTHON" -c "import torch, triton" >/dev/null 2>&1 && "$PYTHON" -c "import t
         "$VENV/bin/python" -c "import $mod" >/dev/null 2>&1 || $PIP install -q "$mod" || true
     done
 else
-    echo "[setup] installing CPU dependencies into $VENV"
+    echo "[setup] installing CPU dependencies into $VENV (torch, triton, megatron-core, ...:" \
+         "a few minutes the first time, once)"
     "$PYTHON" -m venv "$VENV"
     PIP="$VENV/bin/python -m pip"
     $PIP install -q --disable-pip-version-check \

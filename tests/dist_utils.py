@@ -7,12 +7,20 @@ the results come back detached on the CPU. A worker exception is re-raised in th
 ``WorkerError`` carrying the worker's traceback; a run that does not finish within ``timeout``
 seconds is killed and raises ``TimeoutError``. Nothing here can hang the test session.
 
+``run_distributed_outcomes`` is for fault-injection tests: it does not kill the other ranks once
+one fails, but waits (up to ``timeout``) until every rank not in ``may_stay_silent`` has
+finished or failed on its own, and returns one ``RankOutcome`` per rank (ok / error with its
+type / died / HUNG, and the seconds from the start of ``fn`` to its end), so a test can assert
+that every surviving rank ends with the expected error within a bound. ``pg_timeout`` (both
+functions) is the process group's timeout, the bound of any collective or transfer.
+
 ``fn`` must be a module-level function (it is pickled by name). The workers have the tests
 directory and the repository root on ``sys.path``, so test modules and the package import there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import sys
@@ -20,6 +28,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+from typing import List, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -43,28 +52,83 @@ def interpreter_works() -> bool:
     return tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4)
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
-    """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, one process each."""
+@dataclasses.dataclass
+class RankOutcome:
+    """How one rank of ``run_distributed_outcomes`` ended."""
+
+    rank: int
+    status: str                 # "ok", "error", "died" (exited without a report) or "hung" (killed at the timeout)
+    error_type: str = ""        # the exception's class name, for "error"
+    message: str = ""           # the exception's message ("error"), or the return value's repr ("ok")
+    seconds: float = float("nan")  # from the start of fn to its return or exception
+    value: object = None        # fn's return value, for "ok"
+
+
+def _start(fn, world_size: int, args, timeout: float, pg_timeout: Optional[float], tmp: str):
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     payload = pickle.dumps((fn, args))  # fails here, with a clear error, if fn is not picklable
-    what = f"run_distributed({getattr(fn, '__qualname__', fn)}, world_size={world_size})"
     ctx = mp.get_context("spawn")
+    sys_path = [TESTS_DIR, REPO_ROOT] + [p for p in sys.path if p not in (TESTS_DIR, REPO_ROOT)]
+    pg_timeout = timeout if pg_timeout is None else pg_timeout
+    procs = [ctx.Process(target=_worker, args=(rank, world_size, tmp, payload, sys_path, pg_timeout),
+                         name=f"dist-worker-{rank}", daemon=True)
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join()
+
+
+def run_distributed_outcomes(fn, world_size: int, *args, timeout: float = 60.0, pg_timeout: float = 10.0,
+                             may_stay_silent=()) -> List[RankOutcome]:
+    """One ``RankOutcome`` per rank (module docstring); never raises for a worker's failure.
+    Ranks in ``may_stay_silent`` (the ones a test makes stall or die) are not waited for."""
     with tempfile.TemporaryDirectory(prefix="mtraining-dist-") as tmp:
-        sys_path = [TESTS_DIR, REPO_ROOT] + [p for p in sys.path if p not in (TESTS_DIR, REPO_ROOT)]
-        procs = [ctx.Process(target=_worker, args=(rank, world_size, tmp, payload, sys_path, timeout),
-                             name=f"dist-worker-{rank}", daemon=True)
-                 for rank in range(world_size)]
-        for p in procs:
-            p.start()
+        procs = _start(fn, world_size, args, timeout, pg_timeout, tmp)
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                waiting = [rank for rank, p in enumerate(procs)
+                           if rank not in may_stay_silent and p.is_alive() and _read_report(tmp, rank) is None]
+                if not waiting:
+                    break
+                time.sleep(POLL_S)
+        finally:
+            alive = [p.is_alive() for p in procs]
+            _stop(procs)
+        outcomes = []
+        for rank, p in enumerate(procs):
+            report, meta = _read_report(tmp, rank), _read_meta(tmp, rank)
+            seconds = meta.get("seconds", float("nan"))
+            if report is None:
+                outcomes.append(RankOutcome(rank, "hung" if alive[rank] else "died", seconds=seconds,
+                                            message=f"exit code {p.exitcode}"))
+            elif report[0] == "error":
+                outcomes.append(RankOutcome(rank, "error", meta.get("type", "?"), meta.get("message", report[1]),
+                                            seconds))
+            else:
+                outcomes.append(RankOutcome(rank, "ok", message=repr(report[1])[:200], seconds=seconds,
+                                            value=report[1]))
+        return outcomes
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 180.0, pg_timeout: Optional[float] = None) -> list:
+    """``[fn(0, world_size, *args), ..., fn(world_size - 1, world_size, *args)]``, one process each."""
+    what = f"run_distributed({getattr(fn, '__qualname__', fn)}, world_size={world_size})"
+    with tempfile.TemporaryDirectory(prefix="mtraining-dist-") as tmp:
+        procs = _start(fn, world_size, args, timeout, pg_timeout, tmp)
         try:
             timed_out = _wait(procs, tmp, timeout)
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-            for p in procs:
-                p.join()
+            _stop(procs)
         reports = [_read_report(tmp, rank) for rank in range(world_size)]
 
     failures, killed = [], []
@@ -118,6 +182,21 @@ def _read_report(tmp: str, rank: int):
     return None
 
 
+def _read_meta(tmp: str, rank: int) -> dict:
+    try:
+        with open(_report_path(tmp, rank, "meta"), "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def _write_meta(tmp: str, rank: int, meta: dict) -> None:
+    path = _report_path(tmp, rank, "meta")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump(meta, f)
+    os.replace(path + ".tmp", path)
+
+
 def _write_report(tmp: str, rank: int, status: str, value) -> None:
     """Atomically write the report; an unpicklable result becomes this rank's error."""
     try:
@@ -154,13 +233,17 @@ def _worker(rank: int, world_size: int, tmp: str, payload: bytes, sys_path: list
     sys.path[:] = sys_path
     import torch.distributed as dist
 
-    status, value = "ok", None
+    status, value, started = "ok", None, None
     try:
         fn, args = pickle.loads(payload)
         dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "rendezvous"), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout))
+        started = time.monotonic()
         value = _to_cpu(fn(rank, world_size, *args))
-    except BaseException:
+        _write_meta(tmp, rank, {"seconds": time.monotonic() - started})
+    except BaseException as err:
+        seconds = time.monotonic() - started if started is not None else float("nan")
+        _write_meta(tmp, rank, {"type": type(err).__name__, "message": str(err), "seconds": seconds})
         status, value = "error", traceback.format_exc()
         _write_report(tmp, rank, status, value)  # before the teardown, which may wait on stuck peers
     try:

@@ -1,4 +1,4 @@
-"""Test-only oracle: the attention function of DESIGN.md section 1 in float64, mask built
+"""Test-only oracle: the attention function of docs/design.md §1 in float64, mask built
 entry by entry from Python sets (independent of the package's vectorised mask code)."""
 
 import math

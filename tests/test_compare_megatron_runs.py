@@ -69,5 +69,17 @@ def test_a_diverging_resume_fails(tmp_path, capsys, resume):
 def test_per_iteration_undoes_only_the_second_line():
     printed = {3: ("8.549797E+00", "4.951"), 4: ("8.211313E+00", "16.160"), 5: ("7.000000E+00", "1.0")}
     got = compare.per_iteration(printed)
-    assert got[3] == (8.549797, "4.951", False) and got[5] == (7.0, "1.0", False)
+    assert got[3][:3] == (8.549797, "4.951", False) and got[5][:3] == (7.0, "1.0", False)
     assert got[4][2] and got[4][0] == pytest.approx(7.872829, abs=1e-9)
+    assert got[4][3] == pytest.approx(1.5e-6)  # one unit of the second line's last digit + half the first's
+
+
+def test_recovered_loss_two_last_digits_apart_is_the_same_iteration():
+    """A correct CP=2 run (real Megatron-LM, 2 GPUs): iteration 4 recovered from the two-iteration
+    mean reads 7.873597 against the uninterrupted run's printed 7.873599, inside the rounding."""
+    resumed = compare.per_iteration({3: ("8.000001E+00", "4.0"), 4: ("7.936799E+00", "3.0")})
+    full = compare.per_iteration({1: ("9.0E+00", "1.0"), 2: ("8.5E+00", "2.0"), 4: ("7.873599E+00", "3.0")})
+    assert resumed[4][0] == pytest.approx(7.873597, abs=1e-9)
+    assert compare.same_iteration(resumed[4], full[4])
+    off = compare.per_iteration({3: ("8.000001E+00", "4.0"), 4: ("7.936798E+00", "3.0")})  # 7.873595: 4 units off
+    assert not compare.same_iteration(off[4], full[4])

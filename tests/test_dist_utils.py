@@ -58,3 +58,40 @@ def test_timeout_kills_workers():
 def test_unpicklable_function_fails_in_parent():
     with pytest.raises(Exception):
         run_distributed(lambda rank, world_size: rank, 1)
+
+
+# ---------------------------------------------------------------------------- run_distributed_outcomes
+
+
+def _one_stalls_one_waits(rank, world_size):
+    if rank == 1:
+        time.sleep(600)  # alive and silent
+    dist.all_reduce(torch.zeros(1))  # waits for rank 1 until the process group's timeout
+    return rank
+
+
+def test_outcomes_report_a_hang_instead_of_killing_it_early():
+    from dist_utils import run_distributed_outcomes
+
+    start = time.monotonic()
+    outcomes = run_distributed_outcomes(_one_stalls_one_waits, 2, timeout=10, pg_timeout=60)
+    assert [o.status for o in outcomes] == ["hung", "hung"], outcomes
+    assert 10 <= time.monotonic() - start < 30
+
+
+def test_outcomes_give_error_types_and_times():
+    from dist_utils import run_distributed_outcomes
+
+    start = time.monotonic()
+    # The stalled rank is expected to stay silent: its peer's collective ends at the group's timeout.
+    outcomes = run_distributed_outcomes(_one_stalls_one_waits, 2, timeout=60, pg_timeout=3, may_stay_silent=(1,))
+    assert outcomes[0].status == "error" and 2.5 < outcomes[0].seconds < 10, outcomes
+    assert outcomes[1].status == "hung"
+    # A rank that raises: its type and message; its peer sees the closed connection.
+    outcomes = run_distributed_outcomes(_failing_worker, 2, timeout=60, pg_timeout=30)
+    assert (outcomes[1].status, outcomes[1].error_type, outcomes[1].message) == \
+        ("error", "ValueError", "rank one is unhappy")
+    assert outcomes[1].seconds < 1 and outcomes[0].status == "error" and outcomes[0].seconds < 10, outcomes
+    ok = run_distributed_outcomes(_all_reduce_worker, 2, 3.0, timeout=60)
+    assert [o.status for o in ok] == ["ok", "ok"] and ok[1].value["rank"] == 1
+    assert time.monotonic() - start < 45

@@ -54,3 +54,35 @@ def test_gpu_time_breakdown_sorts_kernels_into_categories(tmp_path):
     assert got["gpu_busy_ms"] == pytest.approx(12.11) and got["gpu_span_ms"] == pytest.approx(13.1)
     assert list(got["top_kernels_ms"]) == ["_vs_attn_fwd_sm90_kernel", "_dq_sm90_kernel",
                                            "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"]
+
+
+def test_timed_iterations_leave_out_warmup_telemetry_and_profiling():
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import e2e
+
+    times = [9000.0, 5000.0, 950.0, 900.0, 990.0, 910.0, 905.0, 915.0, 895.0, 1000.0, 1500.0, 1400.0]
+    log = "[MTraining] iteration 5 | density 0.06\n[MTraining] iteration 10 | density 0.06\n"
+    mean, excluded = e2e.timed_iterations(times, log, warmup_iters=3, profile_iteration=11)
+    assert excluded == {1: "warm-up", 2: "warm-up", 3: "warm-up", 5: "telemetry", 10: "telemetry",
+                        11: "profiled", 12: "trace export"}
+    assert mean == pytest.approx((900 + 910 + 905 + 915 + 895) / 5)
+    assert e2e.timed_iterations(times[:3], "", 3, 0) == (None, {1: "warm-up", 2: "warm-up", 3: "warm-up"})
+
+
+def test_transformer_engine_flags():
+    import argparse
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import e2e
+
+    args = argparse.Namespace(num_layers=2, seq_length=4096, transformer_impl="transformer_engine", fp8=True,
+                              train_iters=4, vocab_size=512, recompute=False)
+    model, training = e2e.model_flags(args), e2e.training_flags(args, 2)
+    assert "transformer_engine" in model and "--no-rope-fusion" not in model  # TE's fused RoPE, Megatron's default
+    assert training[-len(e2e.FP8_FLAGS):] == e2e.FP8_FLAGS
+    args.transformer_impl, args.fp8 = "local", False
+    assert "--no-rope-fusion" in e2e.model_flags(args) and not set(e2e.FP8_FLAGS) & set(e2e.training_flags(args, 2))
+    with pytest.raises(SystemExit, match="Transformer Engine does not import"):
+        e2e.resolve_transformer_impl("transformer_engine", None)
+    assert e2e.resolve_transformer_impl("auto", None) == "local"
+    assert e2e.resolve_transformer_impl("auto", "2.20.2") == "transformer_engine"

@@ -8,6 +8,7 @@ import ast
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,8 @@ import pytest
 from megatron_mtraining.integration.args import add_mtraining_args
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-SCRIPTS = sorted(EXAMPLES.glob("*.sh"))
+SCRIPTS = sorted(EXAMPLES.glob("pretrain_*.sh"))  # the launchers; examples/common.sh is what they source
+COMMON = EXAMPLES / "common.sh"
 EXPECTED = {"pretrain_qwen2.5_3b_512k_mtraining.sh", "pretrain_llama3.1_8b_512k_mtraining.sh",
             "pretrain_small_mtraining.sh"}
 BASH = shutil.which("bash")
@@ -35,6 +37,12 @@ def _code(path: Path) -> str:
     return "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
 
 
+def _launcher_code(path: Path) -> str:
+    """What a launcher runs: its own code and the helper it sources."""
+    assert 'source "$(dirname "${BASH_SOURCE[0]}")/common.sh"' in path.read_text(), path.name
+    return _code(path) + "\n" + _code(COMMON)
+
+
 def test_expected_scripts_present():
     assert EXPECTED <= {p.name for p in SCRIPTS}
     assert (EXAMPLES / "README.md").is_file()
@@ -42,14 +50,17 @@ def test_expected_scripts_present():
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=ids)
 def test_bash_syntax(script):
+    for path in (script, COMMON):
+        r = subprocess.run([BASH, "-n", str(path)], capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
     r = subprocess.run([BASH, "-n", str(script)], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=ids)
 def test_uses_launcher_and_mtraining(script):
-    code = _code(script)
-    assert "set -euo pipefail" in code
+    assert "set -euo pipefail" in _code(script)
+    code = _launcher_code(script)
     assert re.search(r"-m megatron_mtraining\.launch \"\$MEGATRON_LM/pretrain_gpt\.py\"", code)
     assert re.search(r"(?<![\w-])--mtraining(?![\w-])", code)
     for flag in ("--mtraining-top-p", "--mtraining-layout", "--mtraining-block-size",
@@ -84,7 +95,7 @@ def test_mtraining_flags_exist():
     known = set(parser._option_string_actions)
     seen = set()
     for script in SCRIPTS:
-        used = set(re.findall(r"(?<![\w-])--mtraining[\w-]*", _code(script)))
+        used = set(re.findall(r"(?<![\w-])--mtraining[\w-]*", _launcher_code(script)))
         assert used, script.name
         unknown = used - known
         assert not unknown, f"{script.name}: {sorted(unknown)} not defined by add_mtraining_args"
@@ -96,7 +107,7 @@ def test_mtraining_flags_exist():
 def test_mtraining_values_parse(script):
     """The literal --mtraining* values in the script are accepted by the parser (choices, types)."""
     parser = add_mtraining_args(argparse.ArgumentParser())
-    code = _code(script)
+    code = _launcher_code(script)
     argv = ["--mtraining"]
     for flag in ("--mtraining-top-p", "--mtraining-layout", "--mtraining-block-size"):
         m = re.search(re.escape(flag) + r"\s+(\S+)", code)
@@ -105,6 +116,102 @@ def test_mtraining_values_parse(script):
     args = parser.parse_args(argv)
     assert args.mtraining and args.mtraining_top_p == 0.9
     assert args.mtraining_layout == "striped" and args.mtraining_block_size == 64
+
+
+def test_common_helper_is_sourced_not_run():
+    r = subprocess.run([BASH, str(COMMON)], capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "sourced by examples/pretrain_*.sh, not run" in r.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=ids)
+def test_launcher_holds_only_its_own_settings(script):
+    """The checks, the command and its shared flags live in examples/common.sh, once."""
+    code = _code(script)
+    assert len(script.read_text().splitlines()) <= 70, script.name
+    for shared in ("torch.distributed.run", "MEGATRON_LM", "DRY_RUN", "TRANSFORMER_IMPL=", "--mtraining",
+                   "--context-parallel-size", "--transformer-impl", "--mock-data", "exec "):
+        assert shared not in code, f"{script.name} repeats {shared!r} (it belongs in common.sh)"
+    assert code.rstrip().endswith('mtraining_launch "$@"')
+
+
+# ------------------------------------------------------------ layer implementation (TE or local)
+# Fake modules on PYTHONPATH stand for Transformer Engine and apex: the launchers only ask whether
+# `import transformer_engine.pytorch` / `import fused_weight_gradient_mlp_cuda` succeed.
+
+LOCAL_FLAGS = ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm"]
+
+
+def _fake_modules(root: Path, te: bool = False, apex: bool = False) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    if te:
+        (root / "transformer_engine").mkdir()
+        (root / "transformer_engine" / "__init__.py").write_text('__version__ = "2.20.2"\n')
+        (root / "transformer_engine" / "pytorch.py").write_text("")
+    if apex:
+        (root / "fused_weight_gradient_mlp_cuda.py").write_text("")
+    return root
+
+
+def _dry_run(script, tmp_path, te=False, apex=False, **env):
+    tree = tmp_path / "megatron_lm"
+    (tree / "megatron" / "training").mkdir(parents=True, exist_ok=True)
+    (tree / "pretrain_gpt.py").write_text("")
+    fake = _fake_modules(tmp_path / "fake", te=te, apex=apex)
+    env = {"DRY_RUN": "1", "GPUS_PER_NODE": "2", "MEGATRON_LM": str(tree), "PYTHON": sys.executable,
+           "PYTHONPATH": str(fake), **env}
+    r = _run_env(script, **env)
+    return r, (shlex.split(r.stdout) if r.returncode == 0 else None)
+
+
+def _impl_lines(stderr: str):
+    return [line for line in stderr.splitlines() if "layers:" in line]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=ids)
+def test_layers_default_to_transformer_engine_when_it_imports(script, tmp_path):
+    r, cmd = _dry_run(script, tmp_path, te=True)
+    assert r.returncode == 0, r.stderr
+    assert cmd[cmd.index("--transformer-impl") + 1] == "transformer_engine"
+    assert cmd.count("--transformer-impl") == 1
+    assert "--no-rope-fusion" not in cmd and "--no-persist-layer-norm" not in cmd  # Megatron's defaults
+    assert "--no-gradient-accumulation-fusion" in cmd  # no apex: megatron-core's output layer needs it off
+    lines = _impl_lines(r.stderr)
+    assert len(lines) == 1 and "Transformer Engine 2.20.2" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=ids)
+def test_layers_fall_back_to_local_without_transformer_engine(script, tmp_path):
+    r, cmd = _dry_run(script, tmp_path)
+    assert r.returncode == 0, r.stderr
+    at = cmd.index("--transformer-impl")
+    assert cmd[at:at + 4] == LOCAL_FLAGS and cmd.count("--transformer-impl") == 1
+    assert "--no-gradient-accumulation-fusion" in cmd
+    lines = _impl_lines(r.stderr)
+    assert len(lines) == 1, r.stderr
+    assert "layers: local" in lines[0] and "Transformer Engine does not import" in lines[0]
+    assert "import transformer_engine.pytorch" in lines[0]
+
+
+def test_layers_override_and_apex(tmp_path):
+    script = EXAMPLES / "pretrain_small_mtraining.sh"
+    r, cmd = _dry_run(script, tmp_path / "a", te=True, TRANSFORMER_IMPL="local")
+    assert r.returncode == 0, r.stderr
+    at = cmd.index("--transformer-impl")
+    assert cmd[at:at + 4] == LOCAL_FLAGS and len(_impl_lines(r.stderr)) == 1
+    # With apex's kernel, Megatron's gradient-accumulation fusion stays on.
+    r, cmd = _dry_run(script, tmp_path / "b", te=True, apex=True)
+    assert r.returncode == 0 and "--no-gradient-accumulation-fusion" not in cmd, r.stderr
+    # TE asked for where it does not import: a dry run prints the TE command (for a machine that has
+    # TE), a real run stops before anything starts.
+    r, cmd = _dry_run(script, tmp_path / "c", TRANSFORMER_IMPL="transformer_engine")
+    assert r.returncode == 0, r.stderr
+    assert cmd[cmd.index("--transformer-impl") + 1] == "transformer_engine" and "--no-rope-fusion" not in cmd
+    assert "not importable here" in r.stderr
+    r, _ = _dry_run(script, tmp_path / "d", TRANSFORMER_IMPL="transformer_engine", DRY_RUN="0")
+    assert r.returncode == 1 and not r.stdout
+    assert "TRANSFORMER_IMPL=transformer_engine but Transformer Engine does not import" in r.stderr
+    r, _ = _dry_run(script, tmp_path / "e", TRANSFORMER_IMPL="te")
+    assert r.returncode == 1 and "TRANSFORMER_IMPL=te is none of auto, transformer_engine, local" in r.stderr
 
 
 # ---------------------------------------------------------------------------- pretrain_gpt_mtraining.py

@@ -233,11 +233,14 @@ def _layer_inputs(rank, world, n=256, poison=False):
 
 def _outcome(fn):
     from megatron_mtraining.integration.consistency import ConsistencyError
+    from megatron_mtraining.ring.agreement import RingAgreementError
     try:
         fn()
         return None
     except ConsistencyError as err:
         return str(err)
+    except RingAgreementError as err:  # the ring's own per-call agreement
+        return f"ring: {err}"
 
 
 def _consistency_worker(rank, world):
@@ -291,9 +294,12 @@ def test_ranks_that_disagree_fail_on_every_rank():
             assert "differ" in report[name] and "same --mtraining-* flags" in report[name]
         assert report["same"] is None
         # Iteration 1: first forward, checked (flags + index: 2 reductions). 2: log iteration,
-        # checked. 3: skewed but not a log iteration: not checked, no reduction. 4: skewed, checked.
+        # checked. 3: skewed but not a log iteration: no consistency reduction, but the ring's
+        # own agreement (every call) stops it. 4: skewed, log iteration: consistency check.
         (i1, e1, c1), (i2, e2, c2), (i3, e3, c3), (i4, e4, c4) = report["per_iteration"]
-        assert (e1, e2, e3) == (None, None, None) and (c1, c2, c3) == (2, 4, 4), report["per_iteration"]
+        assert (e1, e2) == (None, None) and (c1, c2, c3) == (2, 4, 4), report["per_iteration"]
+        assert e3 is not None and e3.startswith("ring: sparse_ring_attention: the context-parallel ranks disagree")
+        assert "vertical counts" in e3 and "vertical columns" in e3 and "slash" not in e3, e3
         assert e4 is not None and "vertical counts" in e4 and "vertical columns" in e4 and c4 == 6, e4
         assert "slash offsets" not in e4 and "slash counts" not in e4  # names only what differs
         assert report["padding"] is None
@@ -309,7 +315,7 @@ def _peer_failure_worker(rank, world, direction, how):
     q, k, v = (shard_sequence(x, 2, "striped", world, rank, B).contiguous().requires_grad_(True)
                for x in _qkv(256))
     index = _index(256)
-    # One healthy step first (it also passes the ring's one-time shape check, a collective).
+    # One healthy step first (each call starts with the ring's agreement, a collective).
     sparse_ring_attention(q, k, v, index, group=group, layout="striped").sum().backward()
     if rank == 1 and direction == "forward":
         _die(how)
@@ -335,8 +341,12 @@ def test_dead_ring_peer_raises_naming_the_step(direction, how):
     message = str(info.value)
     assert "rank 0 raised" in message, message
     assert "RingCommunicationError" in message
-    assert f"MTraining ring attention, {direction} ring step 0 of 2 (0-based)" in message, message
-    assert "context-parallel rank 1 did not arrive from global rank 1" in message
+    if direction == "forward":  # the peer never makes the call: the per-call agreement, before any transfer
+        assert "MTraining ring attention (sparse_ring_attention): the agreement step before the first ring " \
+            "transfer failed" in message, message
+    else:
+        assert f"MTraining ring attention, {direction} ring step 0 of 2 (0-based)" in message, message
+        assert "context-parallel rank 1 did not arrive from global rank 1" in message
     assert "--distributed-timeout-minutes" in message
     if how == "stall":
         assert "Timed out" in message or "timed out" in message.lower()

@@ -11,10 +11,12 @@ above it that Python initialises on the way (``from ..kernels.plan import x`` is
 Layers, lowest first (a module may import its own layer and the ones below):
   0 data         config, index, layout, documents, _ext (and the compiled _C)
   1 kernels      kernels/ (with its own tiers, below)
-  2 functions    attention, approx: the single-device functions and the approximator
-  3 ring         ring/
+  2 functions    attention: the single-device attention functions
+  3 distributed  ring/, and approx (the approximator scores over the CP group and agrees on its
+                 inputs through ring/agreement.py, as the ring does)
   4 integration  integration/ (Megatron)
-  5 entry        the package facade (__init__), launch, checkpointing, tools/, testing/
+  5 entry        the package facade (__init__), launch, checkpointing, plan/ (the step-time
+                 planner's CLI), tools/, testing/
 Nothing outside tools/ imports tools/.
 
 Inside kernels/, tiers (a module imports only kernels modules of a LOWER tier, so the kernels of
@@ -33,15 +35,15 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "megatron_mtraining"
 
-LAYERS = {"data": 0, "kernels": 1, "functions": 2, "ring": 3, "integration": 4, "entry": 5}
+LAYERS = {"data": 0, "kernels": 1, "functions": 2, "distributed": 3, "integration": 4, "entry": 5}
 # The first component under the package -> its layer.
 TOP_LEVEL = {
     "config": "data", "index": "data", "layout": "data", "documents": "data", "_ext": "data", "_C": "data",
     "kernels": "kernels",
-    "attention": "functions", "approx": "functions",
-    "ring": "ring",
+    "attention": "functions",
+    "ring": "distributed", "approx": "distributed",
     "integration": "integration",
-    "launch": "entry", "checkpointing": "entry", "tools": "entry", "testing": "entry",
+    "launch": "entry", "checkpointing": "entry", "plan": "entry", "tools": "entry", "testing": "entry",
 }
 KERNEL_TIERS = {
     "common": 0,

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = sorted((REPO / "examples").glob("*.sh"))
+EXAMPLES = sorted((REPO / "examples").glob("pretrain_*.sh"))  # the launchers (common.sh: what they source)
 SCANNED = sorted({REPO / "README.md", REPO / "examples" / "README.md", REPO / "patches" / "README.md",
-                  REPO / "Makefile", *EXAMPLES, *(REPO / "scripts").glob("*.sh")})
+                  REPO / "Makefile", *(REPO / "examples").glob("*.sh"), *(REPO / "scripts").glob("*.sh")})
 BASH = shutil.which("bash")
 
 pytestmark = pytest.mark.skipif(BASH is None, reason="bash not available")
@@ -158,6 +158,11 @@ def test_gpu_megatron_lm_script_syntax():
     assert "examples/pretrain_small_mtraining.sh" in text and "MTRAINING_ENTRY" in text
     for flag in ("--save", "--load", "--exit-interval", "--ckpt-format torch_dist", "--mtraining-deterministic"):
         assert flag in text, flag
+    # Exact resume on the saved state: the resumed and the uninterrupted runs both save at N+M, and
+    # scripts/compare_checkpoints.py compares the two checkpoints (tests/test_compare_checkpoints.py).
+    assert text.count('--save-interval "$((N + M))"') == 2
+    assert 'scripts/compare_checkpoints.py" "$BUILD/ckpt/${name}_resume" "$BUILD/ckpt/${name}_full"' in text
+    assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO" in text and "TRANSFORMER_IMPL" in text
 
 
 def test_gpu_megatron_lm_script_without_tarball(tmp_path):

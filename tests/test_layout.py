@@ -1,4 +1,4 @@
-"""Token layouts across context-parallel ranks (DESIGN.md section 3)."""
+"""Token layouts across context-parallel ranks (docs/design.md §3)."""
 
 import pytest
 import torch

@@ -377,9 +377,9 @@ def _cp_worker(rank, world_size, cases, data):
             model = build_gpt(get_gpt_layer_spec(cfg), context_parallel_size=world_size)
             model.load_state_dict(state)
             logits, loss, grads = run_packed(model, data, kind, cp_group=group, with_mask=with_mask)
-            # One cross-rank check of the documents per batch: in the split (EOD / position ids), or in
-            # the first layer's ring (THD); every later layer found the tensor checked.
-            assert len(checks) == 1, (kind, len(checks))
+            # One cross-rank check of the documents per batch in the split (EOD / position ids); THD
+            # documents are compared by the ring's per-call agreement (no synchronisation on GPUs).
+            assert len(checks) == (0 if kind.startswith("thd") else 1), (kind, len(checks))
             dist.all_reduce(loss, group=group)
             for g in grads.values():
                 dist.all_reduce(g, group=group)

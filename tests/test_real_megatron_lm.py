@@ -137,7 +137,8 @@ for label, world_size, argv in request["commands"]:
         patches.validate_megatron_config(args, config, seq_length=args.seq_length)
         report["commands"][label] = dict(ok=args.mtraining, cp=args.context_parallel_size,
                                          tp=args.tensor_model_parallel_size, dp=args.data_parallel_size,
-                                         seq=args.seq_length)
+                                         seq=args.seq_length, impl=args.transformer_impl,
+                                         rope_fusion=args.apply_rope_fusion)
     except BaseException as exc:  # SystemExit from argparse included
         report["commands"][label] = dict(ok=False, error=f"{type(exc).__name__}: {exc}")
 json.dump(report, open(report_path, "w"), indent=1, default=repr)
@@ -326,19 +327,30 @@ def parser_report(trees, tmp_path_factory):
                                    MTRAINING_ENTRY="fork"))[1]
     flags_argv, dests, expected, plugin_options = _plugin_flags()
     commands = []
-    for script in sorted(EXAMPLES.glob("*.sh")):
+    for script in sorted(EXAMPLES.glob("pretrain_*.sh")):
         for entry, tree in (("launcher", pristine), ("fork", patched)):
             for gpus, tp in (("1", "1"), ("8", "1"), ("8", "2")):
                 nproc, argv = _megatron_argv(_dry_run(script, MEGATRON_LM=str(tree), GPUS_PER_NODE=gpus,
                                                       MTRAINING_ENTRY=entry, TP=tp))
                 commands.append([f"{script.name} {entry} x{gpus}" + (f" tp{tp}" if tp != "1" else ""), nproc, argv])
+            # The command for a machine with Transformer Engine (the default there; a dry run prints
+            # it here, where TE does not import).
+            nproc, argv = _megatron_argv(_dry_run(script, MEGATRON_LM=str(tree), GPUS_PER_NODE="8",
+                                                  MTRAINING_ENTRY=entry, TRANSFORMER_IMPL="transformer_engine"))
+            commands.append([f"{script.name} {entry} x8 te", nproc, argv])
     gpu_out = _gpu_script_dry_run(tmp)
-    for line in gpu_out.splitlines():
-        if line.startswith("[dry-run] "):
-            label, command = line[len("[dry-run] "):].split(": CUDA_VISIBLE_DEVICES=", 1)
-            nproc, argv = _megatron_argv(shlex.split(command)[1:])
-            commands.append([f"gpu_megatron_lm.sh {label}", nproc, argv])
-    assert sum(c[0].startswith("gpu_megatron_lm.sh") for c in commands) == 12, gpu_out
+    assert "[megatron-lm] layers: local (--transformer-impl local: Transformer Engine does not import)" in gpu_out
+    # On the GPU machines (TE installed) the runs use TE layers: their CP=2 commands, printed here.
+    gpu_te_out = _gpu_script_dry_run(tmp / "te", TRANSFORMER_IMPL="transformer_engine", CP_SIZES="2")
+    assert "[megatron-lm] layers: Transformer Engine (not importable here: dry run)" in gpu_te_out
+    for prefix, out in (("gpu_megatron_lm.sh", gpu_out), ("gpu_megatron_lm.sh te", gpu_te_out)):
+        for line in out.splitlines():
+            if line.startswith("[dry-run] "):
+                label, command = line[len("[dry-run] "):].split(": CUDA_VISIBLE_DEVICES=", 1)
+                nproc, argv = _megatron_argv(shlex.split(command)[1:])
+                commands.append([f"{prefix} {label}", nproc, argv])
+    assert sum(c[0].startswith("gpu_megatron_lm.sh te ") for c in commands) == 6, gpu_te_out
+    assert sum(c[0].startswith("gpu_megatron_lm.sh") for c in commands) == 18, gpu_out
     request = tmp / "request.json"
     request.write_text(json.dumps(dict(missing_argv=base, flags_argv=base + flags_argv, dests=dests,
                                        commands=commands)))
@@ -352,9 +364,10 @@ def parser_report(trees, tmp_path_factory):
     return report
 
 
-def _gpu_script_dry_run(tmp: Path) -> str:
+def _gpu_script_dry_run(tmp: Path, **extra) -> str:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", str(tmp)),
-           "PYTHON": sys.executable, "DRY_RUN": "1", "OUT": str(tmp / "gpu_out"), "BUILD_DIR": str(tmp / "build")}
+           "PYTHON": sys.executable, "DRY_RUN": "1", "OUT": str(tmp / "gpu_out"), "BUILD_DIR": str(tmp / "build"),
+           **extra}
     tarball = require_tarball("scripts/gpu_megatron_lm.sh DRY_RUN")
     env["MTRAINING_MEGATRON_LM_TARBALL"] = str(tarball)
     proc = subprocess.run([BASH, str(GPU_SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
@@ -388,9 +401,10 @@ def test_patched_parser_without_plugin_names_interpreter(parser_report):
 
 
 def test_example_and_gpu_script_commands_pass_megatron_validation(parser_report):
-    """Every launcher command line (examples/*.sh at 1 and 8 GPUs, and at 8 with TP=2; launcher
-    and fork entries; scripts/gpu_megatron_lm.sh's 12 runs) passes Megatron-LM's parse_args +
-    validate_args and MTraining's start-up checks, with --mtraining on."""
+    """Every launcher command line (examples/pretrain_*.sh at 1 and 8 GPUs, at 8 with TP=2, and at 8
+    on Transformer Engine layers; launcher and fork entries; scripts/gpu_megatron_lm.sh's 12 runs and
+    its 6 CP=2 runs on TE layers) passes Megatron-LM's parse_args + validate_args and MTraining's
+    start-up checks, with --mtraining on."""
     results = parser_report["commands"]
     assert sorted(results) == sorted(parser_report["commands_sent"])
     failed = {label: r for label, r in results.items() if not r.get("ok")}
@@ -399,8 +413,21 @@ def test_example_and_gpu_script_commands_pass_megatron_validation(parser_report)
     for script in ("pretrain_small_mtraining.sh", "pretrain_qwen2.5_3b_512k_mtraining.sh",
                    "pretrain_llama3.1_8b_512k_mtraining.sh"):
         assert {k: results[f"{script} fork x8 tp2"][k] for k in ("tp", "cp", "dp")} == dict(tp=2, cp=4, dp=1), script
+    for script in ("pretrain_small_mtraining.sh", "pretrain_qwen2.5_3b_512k_mtraining.sh",
+                   "pretrain_llama3.1_8b_512k_mtraining.sh"):
+        for entry in ("launcher", "fork"):
+            # Transformer Engine layers with Megatron's defaults: fused RoPE (Megatron turns it off
+            # itself for YaRN, the Qwen launcher's --position-embedding-type); local ones without it.
+            assert results[f"{script} {entry} x8 te"]["impl"] == "transformer_engine", script
+            assert results[f"{script} {entry} x8 te"]["rope_fusion"] is ("qwen" not in script), script
+            assert (results[f"{script} {entry} x8"]["impl"], results[f"{script} {entry} x8"]["rope_fusion"]) == (
+                "local", False), script
     assert results["gpu_megatron_lm.sh launcher_cp2 save"]["cp"] == 2
     assert results["gpu_megatron_lm.sh fork_cp1 full"]["cp"] == 1
+    gpu = {label: r for label, r in results.items() if label.startswith("gpu_megatron_lm.sh")}
+    assert {r["impl"] for label, r in gpu.items() if " te " in label} == {"transformer_engine"}
+    assert {r["impl"] for label, r in gpu.items() if " te " not in label} == {"local"}
+    assert results["gpu_megatron_lm.sh te fork_cp2 resume"]["cp"] == 2
 
 
 def _pretrain(mode: str, tree: Path, tmp: Path) -> dict:

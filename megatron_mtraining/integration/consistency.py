@@ -1,7 +1,7 @@
 """Cross-rank consistency checks: the context-parallel ranks must agree on flags and index.
 
 Every CP rank of a layer must run with the same MTraining settings and build the same
-``VSIndex`` (DESIGN.md section 2): the ring, the per-step index conversion and the
+``VSIndex`` (docs/design.md §2): the ring, the per-step index conversion and the
 approximator's collectives all assume it. Ranks that disagree would otherwise hang in a
 collective of another size or silently compute a different function on each rank.
 
@@ -9,17 +9,20 @@ collective of another size or silently compute a different function on each rank
 forward of each telemetry log iteration (``--mtraining-log-interval``; the iteration is the
 telemetry's, see ``telemetry.py``):
 
-* ``check_flags(attention, group)`` before the indexer: one int64 per setting (a hash of its
+* ``check_flags(attention, group, q)`` before the indexer: one int64 per setting (a hash of its
   value: every ``MTrainingConfig`` field, the dense layers, the log interval, the layer's
-  dense flag, softmax scale and indexer class), so a disagreement is found before the
-  approximator's collectives, which depend on them;
+  dense flag, softmax scale and indexer class) and per batch dimension (micro-batch size,
+  sequence length, heads and head dim), so a disagreement is found before the approximator's
+  collectives, which depend on them;
 * ``check_index(index, group, layer)`` after it: the index shapes and checksums of the valid
   entries of each tensor (padding is ignored: any value may stand there).
 
 Each check is one all-reduce of a few int64s that yields the MIN and the MAX of every entry
 over the group (MAX over ``[x, -x]``), so every rank learns the same thing and every rank
 raises the same ``ConsistencyError``; none is left waiting. Between the checked iterations
-nothing runs: no collective, no host synchronisation on the per-layer hot path.
+nothing runs here: no collective, no host synchronisation on the per-layer hot path. The ring
+itself (``ring/agreement.py``) agrees on its own inputs on every call, and on CPU tensors the
+approximator too.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..index import VSIndex
+from ..ring.agreement import checksum
 from . import telemetry
 
 __all__ = ["ConsistencyError", "check_flags", "check_index", "due", "flag_values"]
@@ -104,10 +108,24 @@ def flag_values(attention) -> List[Tuple[str, str, object]]:
     return fields
 
 
+def shape_values(like: Optional[torch.Tensor], group) -> List[Tuple[str, str, object]]:
+    """``(name, flag, value)`` of the batch shape the CP ranks must share, from the layer's q
+    ``[b, heads, s_local, head_dim]``: the approximator's collectives have sizes that depend on it."""
+    if like is None or like.dim() != 4:
+        return []
+    world = dist.get_world_size(group)
+    return [("micro_batch_size", "--micro-batch-size (the batch on this rank)", int(like.shape[0])),
+            ("seq_length", "--seq-length (tokens per CP rank x CP size)", int(like.shape[2]) * world),
+            ("heads_and_head_dim", "attention heads per rank and head dim (--num-attention-heads, --kv-channels, "
+             "--tensor-model-parallel-size)", (int(like.shape[1]), int(like.shape[3])))]
+
+
 def check_flags(attention, group, like: Optional[torch.Tensor] = None) -> None:
     """Raise ``ConsistencyError`` on every rank of ``group`` unless all of them run ``attention``'s
-    layer with the same settings (``flag_values``). A collective over ``group``."""
-    fields = flag_values(attention)
+    layer with the same settings (``flag_values``) and, when ``like`` (the layer's q) is given, the
+    same batch shape (``shape_values``): before the approximator, whose collectives depend on both.
+    A collective over ``group``."""
+    fields = flag_values(attention) + shape_values(like, group)
     values = torch.tensor([_hash(value) for _, _, value in fields], dtype=torch.int64,
                           device=_device(group, like))
     low, high = _min_max(values, group)
@@ -119,24 +137,11 @@ def check_flags(attention, group, like: Optional[torch.Tensor] = None) -> None:
             f"settings: {listed} [{_rank(group)}]. Every rank of a context-parallel group must get the same "
             "--mtraining-* flags: launch every node with the same command line (and the same LOCAL_WORLD_SIZE / "
             "GPUS_PER_NODE, which set the default of --mtraining-inner-ring-size), or set the differing flag "
-            "explicitly. See docs/troubleshooting.md.")
+            "explicitly; a differing --seq-length or --micro-batch-size comes from the data path (every CP rank "
+            "must get the same batch shape). See docs/troubleshooting.md.")
 
 
-def _weights(n: int, device) -> torch.Tensor:
-    """Position weights in [1, 2^31): a checksum that sees permutations, not only sums."""
-    return (torch.arange(n, dtype=torch.int64, device=device) * 2654435761) % 2147483647 + 1
-
-
-def _checksum(values: torch.Tensor, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Position-weighted sum of the entries of ``values`` (with ``counts``: only the valid ones,
-    ``values[..., :counts]``); int64 sums wrap modulo 2^64 identically in any order, so the same
-    index gives the same checksum on every device."""
-    entries = values.long() + 1
-    if counts is not None:
-        valid = torch.arange(values.shape[-1], device=values.device) < counts[..., None].long()
-        entries = torch.where(valid, entries, torch.zeros_like(entries))
-    flat = entries.flatten()
-    return (flat * _weights(flat.numel(), flat.device)).sum() & _MASK
+_checksum = checksum  # position-weighted, padding-blind (shared with the ring's per-call agreement)
 
 
 def check_index(index: VSIndex, group, layer_number: int) -> None:

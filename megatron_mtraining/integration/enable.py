@@ -7,9 +7,16 @@ so that they cannot drift apart. From the parsed Megatron arguments it
    and runs the start-up validation (``patches.validate_megatron_config``: sequence length,
    attention dropout, hierarchical or hybrid CP, packed or per-document masking, MTP with CP,
    Transformer Engine CP options) on the parsed arguments, whose names match megatron-core's
-   ``TransformerConfig`` fields,
+   ``TransformerConfig`` fields, and, on TE layers, the TE version (``transformer_engine.py``),
 2. calls ``patches.install(config)`` (striped batch split, RoPE slicing),
 3. turns on the training telemetry when ``--mtraining-log-interval`` > 0,
+4. refuses an ``--mtraining-inner-ring-size`` that the launch cannot honour (it must divide the
+   world size, and the CP groups must split evenly across nodes of that many ranks), where it
+   would otherwise be ignored or fail in the first forward,
+5. when resuming (``--load``), compares the ``--mtraining-*`` flags saved in the checkpoint with
+   this run's and says what changed: a ``ResumeConfigWarning`` (MTraining keeps no state, so a
+   change is allowed, but it changes the attention the model was trained with), or a ValueError
+   with ``MTRAINING_RESUME_CHANGES=error``,
 
 and returns the GPT layer-spec hook (``spec -> spec`` with MTrainingAttention as core attention)
 that the caller applies to the spec every ``GPTModel`` is built with.
@@ -17,14 +24,114 @@ that the caller applies to the spec every ``GPTModel`` is built with.
 
 from __future__ import annotations
 
-from typing import Callable
+import glob
+import os
+import warnings
+from typing import Callable, List, Optional, Tuple
+
+import torch
 
 from ..config import MTrainingConfig
 from . import patches, telemetry
+from .transformer_engine import check_transformer_engine
 from .args import integration_options
 from .spec import get_gpt_layer_spec
 
-__all__ = ["SpecHook", "enable_mtraining"]
+__all__ = ["ResumeConfigWarning", "SpecHook", "check_inner_ring_size", "enable_mtraining", "resume_changes"]
+
+RESUME_ENV = "MTRAINING_RESUME_CHANGES"  # "warn" (default) or "error"
+_NOT_MATH = ("mtraining_log_interval",)  # flags that do not change what the model computes
+
+
+class ResumeConfigWarning(UserWarning):
+    """The run resumes from a checkpoint saved with other --mtraining-* flags."""
+
+
+def check_inner_ring_size(args, config: MTrainingConfig) -> None:
+    """ValueError for an inner ring size this launch cannot use (module docstring, item 4).
+    Megatron's CP groups are strided by tensor parallelism (rank order tp-cp-...): the first one
+    is ``[0, tp, 2 tp, ...]``; the others have the same shape."""
+    size = config.inner_ring_size
+    world = getattr(args, "world_size", None)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    if size is None or world is None or cp <= 1:
+        return
+    from .attention import inner_ring_size  # megatron imports
+
+    source = ("--mtraining-inner-ring-size" if getattr(args, "mtraining_inner_ring_size", None) is not None
+              else "the default of --mtraining-inner-ring-size (LOCAL_WORLD_SIZE / GPUS_PER_NODE)")
+    if int(world) % int(size):
+        raise ValueError(f"MTraining: {source} = {size} does not divide the world size {world}: nodes of {size} "
+                         "ranks cannot hold this launch. Set it to the number of ranks per node, or leave it unset")
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    try:
+        inner_ring_size([i * tp for i in range(cp)], size)
+    except ValueError as err:
+        raise ValueError(f"{err} ({source} = {size}, --context-parallel-size {cp}, "
+                         f"--tensor-model-parallel-size {tp})") from None
+
+
+def _saved_args(load_dir: str, ckpt_step: Optional[int]):
+    """The argument namespace saved in the checkpoint ``--load`` resumes from, or None."""
+    tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        return None
+    with open(tracker) as f:
+        text = f.read().strip()
+    directory = "release" if text == "release" and not ckpt_step else f"iter_{int(ckpt_step or text):07d}"
+    base = os.path.join(load_dir, directory)
+    # torch_dist checkpoints keep the args in common.pt; legacy ones in every model_optim_rng.pt
+    for path in [os.path.join(base, "common.pt")] + sorted(glob.glob(os.path.join(base, "mp_rank_*",
+                                                                                   "model_optim_rng.pt"))):
+        if os.path.isfile(path):
+            state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            return state.get("args") if isinstance(state, dict) else None
+    return None
+
+
+def resume_changes(args) -> List[Tuple[str, object, object]]:
+    """``(flag, saved value, this run's value)`` of every ``--mtraining-*`` flag that changes the
+    attention and differs from the checkpoint ``args.load`` resumes from (empty when not resuming,
+    or when the checkpoint has no saved arguments)."""
+    load = getattr(args, "load", None)
+    if not load or getattr(args, "finetune", False):
+        return []
+    try:
+        saved = _saved_args(load, getattr(args, "ckpt_step", None))
+    except Exception as err:  # an unreadable checkpoint fails in Megatron's own load, with its error
+        warnings.warn(f"MTraining: could not read the arguments saved in the checkpoint in {load} to compare the "
+                      f"--mtraining-* flags ({type(err).__name__}: {err})", ResumeConfigWarning, stacklevel=3)
+        return []
+    if saved is None:
+        return []
+    names = sorted(name for name in set(vars(args)) | set(vars(saved))
+                   if name.startswith("mtraining") and name not in _NOT_MATH)
+    missing = object()
+    changes = []
+    for name in names:
+        before, now = getattr(saved, name, missing), getattr(args, name, missing)
+        if before is missing:
+            before = "(not set: saved without MTraining's flags)"
+        if now is not missing and before != now:
+            changes.append(("--" + name.replace("_", "-"), before, now))
+    return changes
+
+
+def check_resume(args) -> None:
+    """Say what changed since the checkpoint (module docstring, item 5)."""
+    changes = resume_changes(args)
+    if not changes:
+        return
+    how = os.environ.get(RESUME_ENV, "warn") or "warn"
+    if how not in ("warn", "error"):
+        raise ValueError(f"{RESUME_ENV} must be 'warn' or 'error', got {how!r}")
+    listed = "; ".join(f"{flag}: {before!r} in the checkpoint, {now!r} now" for flag, before, now in changes)
+    message = (f"MTraining: resuming from {args.load} with other MTraining settings than the checkpoint was "
+               f"saved with: {listed}. The attention now differs from the one the model was trained with; "
+               f"set {RESUME_ENV}=error to refuse such a resume. See docs/troubleshooting.md.")
+    if how == "error":
+        raise ValueError(message)
+    warnings.warn(message, ResumeConfigWarning, stacklevel=3)
 
 
 class SpecHook:
@@ -44,6 +151,10 @@ def enable_mtraining(args) -> Callable:
     config = MTrainingConfig.from_args(args)
     options = integration_options(args)
     patches.validate_megatron_config(args, config, seq_length=getattr(args, "seq_length", None))
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        check_transformer_engine(required=True)
+    check_inner_ring_size(args, config)
+    check_resume(args)
     patches.install(config)
     if options["log_interval"] > 0:
         telemetry.enable_telemetry(options["log_interval"])

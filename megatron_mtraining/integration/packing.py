@@ -1,6 +1,6 @@
 """Packed documents from Megatron's data paths, handed to MTrainingAttention as ``cu_seqlens``.
 
-MTraining attention takes packed documents as ``cu_seqlens`` (DESIGN.md section 1: int32
+MTraining attention takes packed documents as ``cu_seqlens`` (docs/design.md §1: int32
 ``[0, e1, ..., N]`` in GLOBAL positions, shared by the batch and by every context-parallel rank),
 never as an S x S mask. Megatron packs documents in two ways, and both reach the layers:
 

@@ -1,4 +1,4 @@
-"""Patches that let an unmodified megatron-core run MTraining context parallelism (DESIGN.md §6).
+"""Patches that let an unmodified megatron-core run MTraining context parallelism (docs/design.md §6).
 
 Megatron splits every batch across context-parallel (CP) ranks in its zigzag layout and slices
 the RoPE frequency table the same way. MTraining's default ``striped`` layout gives rank ``r`` of

@@ -1,4 +1,4 @@
-"""Sparse-attention telemetry for training logs (DESIGN.md section 7), every N iterations.
+"""Sparse-attention telemetry for training logs (docs/design.md §7), every N iterations.
 
 At a log iteration every ``MTrainingAttention`` reports its layer's index (budgets, density)
 and the time of its approximator and of its attention (forward and backward), and the ring

@@ -97,7 +97,7 @@ HOPPER_DTYPES = (torch.bfloat16, torch.float16)
 HOPPER_HEAD_DIMS = (64, 128)
 # The index block size at which dQ and the key-block dK/dV run on the Hopper kernels: their
 # programs hold a whole 128-token block, two warpgroups sharing every streamed tile. At B = 64
-# Triton's are as fast or faster (NOTES, session 12). The column gradients run on the Hopper
+# Triton's are as fast or faster (docs/performance.md). The column gradients run on the Hopper
 # kernel at any block size.
 HOPPER_SLASH_BLOCK = 128
 # The index block size at which the Hopper forward runs 128-row programs (the ping-pong kernel).

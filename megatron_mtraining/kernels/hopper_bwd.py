@@ -16,17 +16,17 @@ product finishes, then the gradient products, which retire at the next tile's to
 land; one bar.sync per tile (a thread's copies visible to all, a slot refilled only once every
 warp's products that read it retired).
 
-Program shapes (benchmarks/NOTES.md, session 12): a dQ / key-block program holds a whole index
+Program shapes (docs/performance.md, "The whole backward in Gluon"): a dQ / key-block program holds a whole index
 block of 128, two warpgroups sharing every streamed tile (half the bytes per pair). At 128K on an
 H200, B = 128: dQ 11.1 ms, key blocks 10.3, columns 4.1 against Triton's 11.9, 17.6 and 9.9
 (fwd+bwd 36.5 against 49.8 ms). At B = 64 the same kernels with one warpgroup per program were no
 faster than Triton's (dQ 10.0 against 9.9, key blocks 10.4-10.9 against 9.9-10.1), so B = 64 runs
-Triton's dQ and key-block kernels (``dispatch.backward_kernels``) and this module's columns
+Triton's dQ and key-block kernels (``dispatch.backward_parts``) and this module's columns
 (4.5 against 5.7 ms).
 
 (The ping-pong schedule of the B = 128 forward, a producer warpgroup and two consumer warpgroups
 taking turns on the tensor cores, was tried for dQ and the key-block dK/dV: 23% slower than these
-lockstep kernels on an H200, ``benchmarks/NOTES.md`` session 16, and removed.)
+lockstep kernels on an H200 (``docs/performance.md``), and removed.)
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def _dkdv_col_sm90_kernel(
         word_next = gl.load(words + i_next * N_WORDS, mask=u + 1 < n_q, other=0)
         q_blk_next = gl.load(QBlk + i_next, mask=u + 1 < n_q, other=0)
         # The tile's statistics load first: L2's latency hides behind tile u-1's dV/dK products and
-        # tile u's S^T/dP^T (loaded later, the products waited on them: profile, NOTES).
+        # tile u's S^T/dP^T (loaded later, the products waited on them: docs/performance.md).
         stat = stat_base + row0 + u * TILE + q_offs
         lse = gl.load(Lse + stat)
         di = gl.load(Delta + stat)

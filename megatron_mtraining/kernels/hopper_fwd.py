@@ -1,7 +1,7 @@
 """Hopper (sm_90) forward of vertical-slash attention, in Gluon: the Triton forward's function,
 plan and interface (``vs_attention_fwd_triton``), with the tensor cores kept busy.
 
-Why a second kernel (benchmarks/NOTES.md, issue 17, spikes M1 and M10): Triton's forward runs
+Why a second kernel (docs/performance.md, "Is the forward bound by moving K/V?"): Triton's forward runs
 QK^T -> softmax -> PV one after the other in its single warpgroup, so the tensor cores idle while
 exp2 runs. Here one warpgroup issues S_t = Q K_t^T and O += P_{t-1} V_{t-1} as two asynchronous
 wgmma groups, waits for the scores only, and runs tile t's softmax while the tensor cores run
@@ -29,14 +29,14 @@ At B = 128 the default is the ping-pong forward (below: one program per query bl
 ping-ponging warpgroups sharing every K/V tile); ``dispatch.hopper_forward_rows`` picks the
 program's rows, 64 or 128.
 
-The ping-pong forward, B = 128 only (benchmarks/NOTES.md, spike M10 and session 12): the 64-row
-forward moves 8 bytes of K/V per pair and sits at that stream's time. At B = 128 one program can
-hold the whole query block, so that two consumer warpgroups (64 query rows each) share every
-streamed K/V tile: half the bytes per pair. In lockstep the two softmaxes collide (a 128-row
-variant of the kernel above: 2% slower), so here they take turns to issue their wgmma groups
-(ping-pong): one's softmax runs while the other's products use the tensor cores. M10's slash-only
-version of this shape ran 1.63x our B = 128 forward. One program per (query block, batch x query
-head), three partitions (``gl.warp_specialize``):
+The ping-pong forward, B = 128 only (docs/performance.md, "The ping-pong forward at B = 128"):
+the 64-row forward moves 8 bytes of K/V per pair and sits at that stream's time. At B = 128 one
+program can hold the whole query block, so that two consumer warpgroups (64 query rows each)
+share every streamed K/V tile: half the bytes per pair. In lockstep the two softmaxes collide (a
+128-row variant of the kernel above: 2% slower), so here they take turns to issue their wgmma
+groups (ping-pong): one's softmax runs while the other's products use the tensor cores. A
+slash-only spike of this shape ran 1.63x our B = 128 forward. One program per (query block,
+batch x query head), three partitions (``gl.warp_specialize``):
   * a producer warpgroup copies Q once, then every key tile (128 keys: one slash key block, or
     128 column slots) into a ring of PINGPONG_STAGES slots by ``cp.async`` from row indices (TMA
     cannot gather on sm_90, and cp.async takes Megatron's strided views as they are), in
@@ -47,7 +47,7 @@ head), three partitions (``gl.warp_specialize``):
     (``hopper_common``'s key stream with KT = 128); a slot is released on ``empty`` once both
     consumers' PV products that read it retired.
 (The backward's dQ and key-block kernels in this schedule ran ~23% slower than the lockstep ones
-of ``hopper_bwd.py`` on an H200, NOTES session 16, and were removed.)
+of ``hopper_bwd.py`` on an H200, docs/performance.md, and were removed.)
 """
 
 from __future__ import annotations

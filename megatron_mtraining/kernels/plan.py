@@ -1,4 +1,4 @@
-"""Per-step index conversion (DESIGN.md section 5): VSIndex -> block lists for one (query chunk, key chunk).
+"""Per-step index conversion (docs/design.md §5): VSIndex -> block lists for one (query chunk, key chunk).
 
 A chunk is described by the global block id of each of its local blocks (``q_block_ids`` /
 ``k_block_ids``): local block ``i`` holds global tokens ``ids[i]*B .. ids[i]*B + B-1``. The

@@ -1,6 +1,6 @@
 """Plain-PyTorch vertical-slash attention: the oracle every kernel and ring schedule is tested against.
 
-It computes DESIGN.md section 1 literally: query ``n`` attends key ``m`` iff ``m <= n`` and
+It computes docs/design.md §1 literally: query ``n`` attends key ``m`` iff ``m <= n`` and
 (``n//B - m//B`` is a selected slash offset or ``m`` is a selected column), and, for packed
 documents (``cu_seqlens``), both lie in one document; softmax over the active keys only, in fp32
 (fp64 if the inputs are fp64).
@@ -48,7 +48,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
                         softmax_scale: Optional[float] = None,
                         num_blocks: Optional[int] = None,
                         cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Masked attention of DESIGN.md section 1 in fp32; differentiable through autograd.
+    """Masked attention of docs/design.md §1 in fp32; differentiable through autograd.
 
     q ``[b, hq, nq, d]``, k/v ``[b, hkv, nk, d]``. ``q_positions`` / ``k_positions`` (int,
     ``[nq]`` / ``[nk]``) are the tokens' global positions, so any (query chunk, key chunk)

@@ -22,11 +22,13 @@ from ..kernels.plan import build_step_plan
 from ..kernels.dispatch import resolve_backend
 from ..kernels.step import backward_delta, step_backward, step_forward
 from ..layout import check_layout, local_block_ids
-from .comm import RingTopology, ring_topology
+from . import agreement
+from .agreement import checksum, host_word
+from .comm import check_inner_size, ring_topology
 from .schedule import ring_backward, ring_forward
 
-_CHECKED_SIGNATURES = set()
 _BLOCK_IDS = {}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _block_ids_on(device, seq_len: int, layout: str, world_size: int, block_size: int):
@@ -39,27 +41,51 @@ def _block_ids_on(device, seq_len: int, layout: str, world_size: int, block_size
     return _BLOCK_IDS[key]
 
 
-def _check_same_on_all_ranks(topo: RingTopology, group, q, k, index: VSIndex, layout: str) -> None:
-    """First call per signature: all-gather shapes and dtypes, so a mismatch is a clear error on
-    every rank instead of a hang or a crash inside a transfer."""
-    signature = (tuple(q.shape), tuple(k.shape), str(q.dtype), tuple(index.slash.shape),
-                 tuple(index.vertical.shape), index.block_size, layout, topo.inner_size)
-    if topo.world_size == 1 or signature in _CHECKED_SIGNATURES:
-        return
-    dtype_code = [torch.float16, torch.bfloat16, torch.float32, torch.float64].index(q.dtype) \
-        if q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) else -1
-    numbers = [*q.shape, *k.shape, dtype_code, *index.slash.shape, *index.vertical.shape, index.block_size,
-               ("striped", "zigzag").index(layout), topo.inner_size]
-    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor(numbers, dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(topo.world_size)]
-    dist.all_gather(everyone, mine, group=group)
-    rows = [tuple(t.tolist()) for t in everyone]
-    if len(set(rows)) != 1:
-        raise ValueError("sparse_ring_attention: ranks disagree on shapes, dtype, index capacity, block size, "
-                         "layout or inner_size. Per rank (q shape, k shape, dtype, slash shape, vertical "
-                         f"shape, block, layout, inner): {rows}")
-    _CHECKED_SIGNATURES.add(signature)
+def _device_of(q) -> torch.device:
+    """q's device; the CPU for a q so malformed that it is not a tensor (its error is raised anyway)."""
+    return q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+
+
+def cp_group_of(group):
+    """``(group, size)``: the CP group (None when there is no process group or one rank)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 1
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    return (group if world > 1 else None), world
+
+
+def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, index: Optional[VSIndex],
+               cu_seqlens: Optional[torch.Tensor]):
+    """The agreement items of a ring call (``agreement.agree``): everything that changes the math."""
+    dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else host_word(str(q.dtype))
+    items = [("function", host_word(function), function),
+             ("q shape", host_word(tuple(q.shape)), tuple(q.shape)),
+             ("k shape", host_word(tuple(k.shape)), tuple(k.shape)),
+             ("v shape", host_word(tuple(v.shape)), tuple(v.shape)),
+             ("dtype", dtype, q.dtype),
+             ("layout", host_word(layout), layout),
+             ("inner_size", host_word(inner_size), inner_size),
+             ("softmax scale", host_word(float(softmax_scale)), softmax_scale),
+             ("cu_seqlens given", cu_seqlens is not None, cu_seqlens is not None)]
+    # A fixed list of items (zeros for what a call does not have), so every rank names them alike.
+    given = cu_seqlens is not None
+    items += [("cu_seqlens length", int(cu_seqlens.numel()) if given else 0, int(cu_seqlens.numel()) if given else 0),
+              ("cu_seqlens values", checksum(cu_seqlens) if given else 0, "on the device" if given else None)]
+    names = ["block size", "index batch and heads", "slash capacity", "vertical capacity", "slash counts (n_slash)",
+             "slash offsets", "vertical counts (n_vertical)", "vertical columns"]
+    if index is None:
+        items += [(name, 0, None) for name in names]
+    else:
+        items += [("block size", int(index.block_size), index.block_size),
+                  ("index batch and heads", host_word(tuple(index.slash.shape[:2])), tuple(index.slash.shape[:2])),
+                  ("slash capacity", int(index.slash.shape[-1]), index.slash.shape[-1]),
+                  ("vertical capacity", int(index.vertical.shape[-1]), index.vertical.shape[-1]),
+                  ("slash counts (n_slash)", checksum(index.n_slash), "on the device"),
+                  ("slash offsets", checksum(index.slash, index.n_slash), "on the device"),
+                  ("vertical counts (n_vertical)", checksum(index.n_vertical), "on the device"),
+                  ("vertical columns", checksum(index.vertical, index.n_vertical), "on the device")]
+    return items
 
 
 class SparseSteps:
@@ -82,19 +108,20 @@ class RingAttentionFunction(torch.autograd.Function):
     """Autograd around the ring schedules for any ``steps`` object (sparse or dense)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, topo, steps):
+    def forward(ctx, q, k, v, topo, steps, disagree=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         b, hq, n, d = q.shape
         out = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
         ring_forward(topo, (k, v), lambda kv, source: steps.forward(q, kv[0], kv[1], source, out, lse))
-        out = out.to(q.dtype)
+        out = agreement.poison(out, disagree).to(q.dtype)  # deferred agreement: NaN if the ranks disagreed
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.topo, ctx.steps = topo, steps
         return out
 
     @staticmethod
     def backward(ctx, d_out):
+        agreement.check_deferred()  # a disagreement found since the forward: raise it (never waits)
         q, k, v, out, lse = ctx.saved_tensors
         d_out = d_out.contiguous()
         delta = ctx.steps.delta(out, d_out)
@@ -107,14 +134,14 @@ class RingAttentionFunction(torch.autograd.Function):
             return dk, dv
 
         dk, dv = ring_backward(ctx.topo, (k, v), gradients)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex, group=None,
                           layout: str = "striped", inner_size: Optional[int] = None,
                           softmax_scale: Optional[float] = None, backend: str = "auto",
                           cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Vertical-slash sparse attention across the context-parallel ``group`` (DESIGN.md 3-4).
+    """Vertical-slash sparse attention across the context-parallel ``group`` (docs/design.md §3-4).
 
     q ``[b, hq, n_local, d]`` and k/v ``[b, hkv, n_local, d]`` hold this rank's tokens in the
     ``layout``'s local order ("striped" or "zigzag"); ``index`` is the same global ``VSIndex`` on
@@ -122,29 +149,52 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     hierarchical ring; None runs one flat ring. Returns this rank's output ``[b, hq, n_local,
     d]`` in q's dtype, equal to ``sparse_attention`` on the full sequence at these positions.
     ``cu_seqlens``: packed documents of the GLOBAL sequence (int32 ``[0, e1, ..., N]``, the same on
-    every rank; ``documents.py``): checked across ranks once per new tensor (one synchronisation,
-    so pass one tensor to every layer of an iteration), and key blocks of earlier documents are
-    skipped in every step.
+    every rank; ``documents.py``): key blocks of earlier documents are skipped in every step.
+
+    On every call the ranks agree on everything that changes the math (shapes, dtype, layout,
+    block size, inner_size, softmax scale, the index contents, cu_seqlens' presence and values)
+    before any transfer: one all-reduce of a few int64 words (``agreement.py``). A rank whose
+    own checks fail tells its peers there, so every rank raises (that rank its own error, the others
+    ``RingAgreementError``). On GPUs with NCCL the verdict is read without a host
+    synchronisation (deferred: NaN output, then the error at the next call or the backward).
     """
-    topo = ring_topology(group, inner_size)
-    backend = resolve_backend(backend, q.device)
-    check_qkv(q, k, v, backend)
-    seq_len = q.shape[2] * topo.world_size
-    check_layout(seq_len, layout, topo.world_size, index.block_size)  # names the global length
-    check_attention_inputs(q, k, v, index, backend)
-    cp_group = (group if group is not None else dist.group.WORLD) if topo.world_size > 1 else None
+    cp_group, world = cp_group_of(group)
     if cp_group is not None:
-        _check_same_on_all_ranks(topo, cp_group, q, k, index, layout)
-    if value_checks(q.device):  # the CPU always; a GPU with MTRAINING_VALIDATE=1 (it synchronises)
-        index.validate(seq_len)
-    if cu_seqlens is not None:
-        check_documents_across_ranks(cu_seqlens, seq_len, cp_group)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+        agreement.check_deferred()
+    local_error = None
+    try:  # this rank's own checks; on failure its peers are told in the agreement below
+        if cp_group is not None:
+            check_inner_size(inner_size, world)
+        backend = resolve_backend(backend, q.device)
+        check_qkv(q, k, v, backend)
+        if not isinstance(index, VSIndex):
+            raise ValueError(f"index must be a VSIndex, got {type(index).__name__}")
+        seq_len = q.shape[2] * world
+        check_layout(seq_len, layout, world, index.block_size)  # names the global length
+        check_attention_inputs(q, k, v, index, backend)
+        if value_checks(q.device):  # the CPU always; a GPU with MTRAINING_VALIDATE=1 (it synchronises)
+            index.validate(seq_len)
+        if cu_seqlens is not None:
+            # The full value check, once per tensor (one synchronisation per batch on GPUs); group
+            # None: no collective here, the agreement below compares the ranks' documents.
+            check_documents_across_ranks(cu_seqlens, seq_len, None)
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    except Exception as err:
+        if cp_group is None:
+            raise
+        local_error = err
+    disagree = None
+    if cp_group is not None:
+        items = [] if local_error is not None else call_items(
+            "sparse_ring_attention", q, k, v, layout, world if inner_size is None else inner_size, softmax_scale,
+            index, cu_seqlens)
+        disagree = agreement.agree(cp_group, "sparse_ring_attention", items, local_error, _device_of(q))
+    topo = ring_topology(group, inner_size)  # after the agreement: every rank asks for the same rings
     B, nb = index.block_size, seq_len // index.block_size
     blocks = _block_ids_on(q.device, seq_len, layout, topo.world_size, B)
     bitmap = index.slash_bitmap(nb)
     documents = as_documents(cu_seqlens, seq_len, B, q.device)
     plans = [build_step_plan(index, blocks[topo.rank], blocks[src], nb, slash_bitmap=bitmap, documents=documents)
              for src in range(topo.world_size)]
-    return RingAttentionFunction.apply(q, k, v, topo, SparseSteps(plans, float(softmax_scale), backend))
+    return RingAttentionFunction.apply(q, k, v, topo, SparseSteps(plans, float(softmax_scale), backend), disagree)

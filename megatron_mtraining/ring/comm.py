@@ -7,15 +7,24 @@ the CP group) and ``outer`` (the ranks with the same inner index on every node),
 own process group, so NCCL runs them on separate communicators and streams and the outer
 transfer overlaps the whole inner loop.
 
-A transfer that fails (a peer died, or did not arrive within the process group's timeout:
-``init_process_group(timeout=...)``, Megatron's ``--distributed-timeout-minutes``) raises
-``RingCommunicationError`` from ``Pending.wait``, naming the ring step, the direction, whose
-data was on its way and the peer it was coming from, with the original error chained.
+A transfer that fails raises ``RingCommunicationError``, naming the ring step, the direction,
+whose data was on its way and the peer it was coming from, with the original error chained:
+when it is posted (``batch_isend_irecv`` raises at once on a closed connection) and when it is
+waited for (``Pending.wait``). A transfer that does not complete fails after the transfer
+timeout (``transfer_timeout``): ``MTRAINING_RING_TIMEOUT_S`` seconds if set, otherwise the
+process group's own timeout (``init_process_group(timeout=...)``; Megatron sets it with
+``--distributed-timeout-minutes``).
+
+Hierarchical ring groups are created once per (CP group, inner size), after the members have
+agreed on the inner size (an all-reduce over the CP group), never from an argument that could
+differ between ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -30,6 +39,40 @@ _DistError = getattr(dist, "DistError", RuntimeError)
 class RingCommunicationError(_DistError):
     """A ring transfer failed or timed out; the message names the ring step (a
     ``torch.distributed.DistError``, i.e. a RuntimeError; the original error is its ``__cause__``)."""
+
+
+TIMEOUT_ENV = "MTRAINING_RING_TIMEOUT_S"
+
+
+def transfer_timeout() -> Optional[timedelta]:
+    """``MTRAINING_RING_TIMEOUT_S`` as a timedelta, or None: the process group's own timeout.
+    On NCCL an explicit timeout makes each wait block the host (PyTorch's blocking wait), so
+    leave it unset on GPUs except while debugging; NCCL's watchdog enforces the group's."""
+    value = os.environ.get(TIMEOUT_ENV, "")
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {value!r}")
+    return timedelta(seconds=seconds)
+
+
+def wait_work(work) -> None:
+    """``work.wait()`` within the transfer timeout; raises the transport's own error."""
+    timeout = transfer_timeout()
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
+
+
+_LIKELY_CAUSE = ("A peer process died or stopped (look for the first error in the other ranks' logs), or it is "
+                 "alive but slower than the transfer timeout: raise it with Megatron's "
+                 "--distributed-timeout-minutes, torch.distributed.init_process_group(timeout=...) or "
+                 f"{TIMEOUT_ENV}. See docs/troubleshooting.md.")
 
 
 class Pending:
@@ -47,7 +90,7 @@ class Pending:
         ring schedule, put into the error message if the transfer fails (no cost otherwise)."""
         try:
             for work in self._works:
-                work.wait()
+                wait_work(work)
         except Exception as err:
             raise RingCommunicationError(self._describe(context, err)) from err
         if self._arrival is not None:
@@ -56,20 +99,21 @@ class Pending:
         return self._tensors
 
     def _describe(self, context, err: BaseException) -> str:
-        ring = self._ring
-        peers = (f"global rank {ring.prev_rank} (sending to global rank {ring.next_rank}) on the {ring.name} ring"
-                 if ring is not None else "its ring neighbours")
-        if context is not None:
-            direction, step, steps, what, source = context
-            where = (f"{direction} ring step {step} of {steps} (0-based): the {what} of context-parallel rank "
-                     f"{source} did not arrive from {peers}")
-        else:
-            where = f"a ring transfer from {peers} failed"
-        return (f"MTraining ring attention, {where}: {type(err).__name__}: {err}\n"
-                "A peer process died or stopped (look for the first error in the other ranks' logs), or it is "
-                "alive but slower than the process-group timeout: raise it with Megatron's "
-                "--distributed-timeout-minutes or torch.distributed.init_process_group(timeout=...). "
-                "See docs/troubleshooting.md.")
+        return describe_failure(self._ring, context, err)
+
+
+def describe_failure(ring, context, err: BaseException, posting: bool = False) -> str:
+    """The RingCommunicationError message: where in the schedule, which peer, the likely cause."""
+    peers = (f"global rank {ring.prev_rank} (sending to global rank {ring.next_rank}) on the {ring.name} ring"
+             if ring is not None else "its ring neighbours")
+    how = " (posting the transfer failed)" if posting else ""
+    if context is not None:
+        direction, step, steps, what, source = context
+        where = (f"{direction} ring step {step} of {steps} (0-based): the {what} of context-parallel rank "
+                 f"{source} did not arrive from {peers}{how}")
+    else:
+        where = f"a ring transfer from {peers} failed{how}"
+    return f"MTraining ring attention, {where}: {type(err).__name__}: {err}\n{_LIKELY_CAUSE}"
 
 
 class Ring:
@@ -85,14 +129,18 @@ class Ring:
         self.global_rank = ranks[index]
         self._link_delay = None  # slow_link.LinkDelay of the emulated incoming link, when one is set
 
-    def exchange(self, tensors: Sequence[torch.Tensor]) -> Pending:
-        """Send ``tensors`` to the next member, receive the previous member's (same shapes)."""
+    def exchange(self, tensors: Sequence[torch.Tensor], context=None) -> Pending:
+        """Send ``tensors`` to the next member, receive the previous member's (same shapes).
+        ``context`` as in ``Pending.wait``: named if posting the transfer fails."""
         if self.size == 1:
             return Pending(tensors)
         received = [torch.empty_like(t) for t in tensors]
         ops = [dist.P2POp(dist.isend, t, self.next_rank, self.group) for t in tensors]
         ops += [dist.P2POp(dist.irecv, r, self.prev_rank, self.group) for r in received]
-        works = dist.batch_isend_irecv(ops)
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as err:  # gloo raises here at once when the peer's connection is closed
+            raise RingCommunicationError(describe_failure(self, context, err, posting=True)) from err
         return Pending(received, works, keep_alive=tuple(tensors), arrival=self._emulated_arrival(received),
                        ring=self)
 
@@ -137,9 +185,36 @@ def group_ranks(group) -> List[int]:
     return [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
 
 
+def check_inner_size(inner_size: Optional[int], world: int) -> int:
+    """The inner ring size for ``inner_size`` over ``world`` ranks (None: one flat ring)."""
+    inner = world if inner_size is None else int(inner_size)
+    if inner < 1 or world % inner:
+        raise ValueError(f"inner_size {inner_size} must divide the context-parallel size {world}")
+    return inner
+
+
+def _agree_on_inner_size(group, inner: int, world: int) -> None:
+    """Before any subgroup exists: every rank of ``group`` must have asked for the same inner
+    size (one all-reduce), else ValueError on every rank; never a rank stuck in ``new_group``."""
+    both = torch.tensor([inner, -inner], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        both = both.cuda()
+    try:
+        wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
+    except Exception as err:
+        raise RingCommunicationError(f"MTraining ring set-up: agreeing on the inner ring size failed: "
+                                     f"{type(err).__name__}: {err}\n{_LIKELY_CAUSE}") from err
+    high, low = int(both[0]), -int(both[1])
+    if high != low:
+        raise ValueError(f"MTraining ring set-up: the context-parallel ranks ask for different inner ring sizes "
+                         f"(from {low} to {high}; this rank: {inner}, of {world} ranks): every rank must pass the "
+                         "same inner_size (--mtraining-inner-ring-size)")
+
+
 def ring_topology(group=None, inner_size: Optional[int] = None) -> RingTopology:
-    """The (cached) flat or hierarchical ring of ``group``. Subgroups are created once, by their
-    members only (``use_local_synchronization``), so calling this from all ranks cannot deadlock."""
+    """The (cached) flat or hierarchical ring of ``group``. The first time for a (group, inner
+    size) the ranks agree on the inner size (one all-reduce); subgroups are then created by
+    their members only (``use_local_synchronization``), so no rank waits in ``new_group``."""
     global _SINGLE
     if not (dist.is_available() and dist.is_initialized()):
         if inner_size not in (None, 1):
@@ -150,11 +225,11 @@ def ring_topology(group=None, inner_size: Optional[int] = None) -> RingTopology:
     group = group if group is not None else dist.group.WORLD
     ranks = group_ranks(group)
     world, rank = len(ranks), dist.get_rank(group)
-    inner = world if inner_size is None else int(inner_size)
-    if inner < 1 or world % inner:
-        raise ValueError(f"inner_size {inner_size} must divide the context-parallel size {world}")
+    inner = check_inner_size(inner_size, world)
     key = (tuple(ranks), inner)
     if key not in _TOPOLOGIES:
+        if world > 1:
+            _agree_on_inner_size(group, inner, world)
         node, i = divmod(rank, inner)
         if inner in (1, world):  # one level: the group itself is the ring
             flat = Ring(group, ranks, rank)

@@ -18,8 +18,9 @@ from ..attention import check_qkv
 from ..index import VSIndex
 from ..kernels.dense import dense_attention_backward, dense_attention_forward
 from ..kernels.torch_step import merge_partials
-from .attention import RingAttentionFunction, sparse_ring_attention
-from .comm import ring_topology
+from . import agreement
+from .attention import RingAttentionFunction, _device_of, call_items, cp_group_of, sparse_ring_attention
+from .comm import check_inner_size, ring_topology
 
 
 class DenseZigzagSteps:
@@ -74,19 +75,44 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     Either layout then runs the block-skipping sparse kernels with an all-blocks index: they skip
     whole key blocks of earlier documents and mask only blocks that straddle a boundary, which a
     per-step dense kernel call cannot express on these layouts (``impl`` is then unused)."""
-    topo = ring_topology(group, inner_size)
-    b, hq, n_local, d = q.shape
-    seq_len = n_local * topo.world_size
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(d)
+    cp_group, world = cp_group_of(group)
     if layout == "striped" or cu_seqlens is not None:
-        index = VSIndex.dense(b, hq, seq_len, block_size, device=q.device)
+        try:
+            check_qkv(q, k, v, "torch" if q.device.type == "cpu" else "cuda")  # names the expected shapes
+            b, hq, n_local, d = q.shape
+            index = VSIndex.dense(b, hq, n_local * world, block_size, device=q.device)
+        except Exception as err:
+            if cp_group is None:
+                raise
+            # Tell the peers (waiting in sparse_ring_attention's agreement), then raise err here.
+            agreement.agree(cp_group, "dense_ring_attention", [], err, _device_of(q))
         return sparse_ring_attention(q, k, v, index, group, layout, inner_size, softmax_scale,
                                      cu_seqlens=cu_seqlens)
-    if layout != "zigzag":
-        raise ValueError(f"layout must be 'striped' or 'zigzag', got {layout!r}")
-    if seq_len % (2 * topo.world_size):
-        raise ValueError(f"zigzag layout: sequence length {seq_len} is not divisible by 2 * context-parallel "
-                         f"size = {2 * topo.world_size}")
-    check_qkv(q, k, v, "torch" if q.device.type == "cpu" else "cuda")
-    return RingAttentionFunction.apply(q, k, v, topo, DenseZigzagSteps(topo.rank, float(softmax_scale), impl))
+    if cp_group is not None:
+        agreement.check_deferred()
+    local_error = None
+    try:  # this rank's own checks; on failure its peers are told in the agreement below
+        if layout != "zigzag":
+            raise ValueError(f"layout must be 'striped' or 'zigzag', got {layout!r}")
+        check_qkv(q, k, v, "torch" if q.device.type == "cpu" else "cuda")
+        seq_len = q.shape[2] * world
+        if seq_len % (2 * world):
+            raise ValueError(f"zigzag layout: sequence length {seq_len} is not divisible by 2 * context-parallel "
+                             f"size = {2 * world}")
+        if cp_group is not None:
+            check_inner_size(inner_size, world)
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    except Exception as err:
+        if cp_group is None:
+            raise
+        local_error = err
+    disagree = None
+    if cp_group is not None:
+        items = [] if local_error is not None else call_items(
+            "dense_ring_attention (zigzag)", q, k, v, layout, world if inner_size is None else inner_size,
+            softmax_scale, None, None)
+        disagree = agreement.agree(cp_group, "dense_ring_attention", items, local_error, _device_of(q))
+    topo = ring_topology(group, inner_size)
+    return RingAttentionFunction.apply(q, k, v, topo, DenseZigzagSteps(topo.rank, float(softmax_scale), impl),
+                                       disagree)

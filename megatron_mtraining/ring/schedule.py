@@ -26,11 +26,13 @@ def ring_forward(topo: RingTopology, kv: Sequence[torch.Tensor], compute: Callab
     W = topo.world_size
     outer_kv = tuple(kv)
     for so in range(topo.outer_size):
-        outer_next = topo.outer.exchange(outer_kv) if so + 1 < topo.outer_size else None
+        outer_next = (topo.outer.exchange(outer_kv, ("forward", so * topo.inner_size, W, "K/V", topo.source(so + 1, 0)))
+                      if so + 1 < topo.outer_size else None)
         inner_kv = outer_kv
         for si in range(topo.inner_size):
             step = so * topo.inner_size + si
-            inner_next = topo.inner.exchange(inner_kv) if si + 1 < topo.inner_size else None
+            inner_next = (topo.inner.exchange(inner_kv, ("forward", step, W, "K/V", topo.source(so, si + 1)))
+                          if si + 1 < topo.inner_size else None)
             with instrument.measure("forward", "compute", step):
                 compute(inner_kv, topo.source(so, si))
             with instrument.measure("forward", "wait", step):
@@ -58,18 +60,21 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
     outer_kv = tuple(kv)
     outer_grads = None
     for so in range(topo.outer_size):
-        outer_next = topo.outer.exchange(outer_kv) if so + 1 < topo.outer_size else None
+        outer_next = (topo.outer.exchange(outer_kv, ("backward", so * topo.inner_size, W, "K/V",
+                                                     topo.source(so + 1, 0)))
+                      if so + 1 < topo.outer_size else None)
         inner_kv = outer_kv
         inner_grads = None
         for si in range(topo.inner_size):
             step = so * topo.inner_size + si
-            inner_next = topo.inner.exchange(inner_kv) if si + 1 < topo.inner_size else None
+            inner_next = (topo.inner.exchange(inner_kv, ("backward", step, W, "K/V", topo.source(so, si + 1)))
+                          if si + 1 < topo.inner_size else None)
             with instrument.measure("backward", "compute", step):
                 grads = compute(inner_kv, topo.source(so, si))
             with instrument.measure("backward", "wait", step):
                 if inner_grads is not None:  # what earlier holders of this K/V contributed
                     grads = _add(inner_grads.wait(("backward", step, W, "partial dK/dV", topo.source(so, si))), grads)
-                inner_grads = topo.inner.exchange(grads)
+                inner_grads = topo.inner.exchange(grads, ("backward", step, W, "partial dK/dV", topo.source(so, si)))
                 if inner_next is not None:
                     inner_kv = inner_next.wait(("backward", step, W, "K/V", topo.source(so, si + 1)))
                 if si + 1 == topo.inner_size:
@@ -77,7 +82,7 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
                     if outer_grads is not None:
                         node_grads = _add(outer_grads.wait(("backward", step, W, "dK/dV", topo.source(so, 0))),
                                           node_grads)
-                    outer_grads = topo.outer.exchange(node_grads)
+                    outer_grads = topo.outer.exchange(node_grads, ("backward", step, W, "dK/dV", topo.source(so, 0)))
                     if outer_next is not None:
                         outer_kv = outer_next.wait(("backward", step, W, "K/V", topo.source(so + 1, 0)))
     return outer_grads.wait(("backward", W - 1, W, "dK/dV (coming home)", topo.rank))

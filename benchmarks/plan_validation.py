@@ -1,0 +1,329 @@
+"""Validation of the step-time model: every measured configuration, predicted, beside its measurement.
+
+    python benchmarks/plan_validation.py            # writes benchmarks/results/plan_validation.json
+    python benchmarks/plan_validation.py --scaling  # also prints docs/scaling.md's tables
+
+The model's inputs are one-GPU primitives only (the profiles of ``calibrate.py --from-results``):
+kernel fits at 64K-512K on one GPU, the approximator on one GPU, the rest of the layer from a
+one-GPU training step. Nothing is fitted to a multi-GPU point. Two facts of each run enter as
+inputs, as they would for a user:
+
+* the kernels it ran: many results were taken with older kernels. Each result's code commit is
+  matched to the newest one-GPU kernel benchmark (``kernel_nvidia-h200.json``, in the git history
+  of this repository) whose code is an ancestor of it, and the sparse kernel times are scaled by
+  that benchmark's 128K forward+backward over the profile's. One number per kernel generation,
+  measured on one GPU;
+* for training runs, the index density from the run's own telemetry (the approximator decides it).
+
+Held out as calibration (reported, not counted in the errors): the one-GPU dense training step
+(``e2e_nvidia-h200_1gpu.json``, dense), which defines the rest of the layer. Not predicted:
+``ringpacked`` (packed documents: the model has no document masks) and the 2-GPU approximator run
+of session 2 (an approximator implementation replaced since, with no one-GPU run of its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+
+from calibrate import telemetry  # noqa: E402
+
+from megatron_mtraining.plan import (Cluster, ModelShape, Workload, approximator_ms, load_profile,  # noqa: E402
+                                     predict_dense_p2p, predict_mtraining)
+
+RESULTS = os.path.join(HERE, "results")
+KERNEL_FILE = "benchmarks/results/kernel_nvidia-h200.json"
+# The ring benchmark's attention layer, as a model shape (rest of the layer unused there).
+RING_SHAPE = ModelShape(layers=1, vocab=8192)
+
+
+def _git(*args) -> str:
+    out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise RuntimeError(f"git {' '.join(args)} failed: {out.stderr.strip()[:300]}")
+    return out.stdout
+
+
+def kernel_generations() -> List[Dict]:
+    """Every committed version of the one-GPU kernel benchmark: its code commit and 128K fwd+bwd ms."""
+    gens = []
+    for results_commit in _git("log", "--format=%H", "--", KERNEL_FILE).split():
+        try:
+            d = json.loads(_git("show", f"{results_commit}:{KERNEL_FILE}"))
+        except (RuntimeError, json.JSONDecodeError):
+            continue
+        run = next((r for r in d.get("runs", []) if r.get("seq_len") == 131072), None)
+        code = str(d["meta"].get("commit", "")).split("+")[0]
+        if run and code:
+            gens.append({"code_commit": code[:7], "results_commit": results_commit[:7],
+                         "fwdbwd_128k_ms": run["ours"]["fwdbwd_ms"], "time_utc": d["meta"].get("time_utc")})
+    return gens
+
+
+def _is_ancestor(a: str, b: str) -> bool:
+    out = subprocess.run(["git", "merge-base", "--is-ancestor", a, b], cwd=REPO, capture_output=True, timeout=60)
+    return out.returncode == 0
+
+
+def generation_of(code_commit: str, gens: List[Dict]) -> Dict:
+    """The newest kernel benchmark whose code commit is an ancestor of (or is) ``code_commit``."""
+    candidates = [g for g in gens if _is_ancestor(g["code_commit"], code_commit)]
+    if not candidates:
+        raise ValueError(f"no one-GPU kernel benchmark precedes commit {code_commit}")
+    return max(candidates, key=lambda g: g["time_utc"])
+
+
+def _load(name: str) -> Dict:
+    with open(os.path.join(RESULTS, name)) as fh:
+        return json.load(fh)
+
+
+def _commit(d: Dict) -> str:
+    return str(d["meta"].get("commit", "")).split("+")[0]
+
+
+def ring_cases(profile, gens, reference_ms) -> List[Dict]:
+    cases = []
+    files = sorted(f for f in os.listdir(RESULTS) if f.startswith("ring_nvidia-h200_") and f.endswith(".json"))
+    for name in files:
+        d = _load(name)
+        cfg = d["config"]
+        gen = generation_of(_commit(d), gens)
+        scale = gen["fwdbwd_128k_ms"] / reference_ms
+        link = cfg.get("slow_link_gbps")
+        for run in d["runs"]:
+            W, S = run["world_size"], run["seq_len"]
+            # Emulated nodes of inner_size GPUs over the slow link; otherwise one node of NVLink.
+            latency = cfg.get("slow_link_latency_us", 0.0)
+            cluster = (Cluster(W, cfg["inner_size"], inter_gbps=link, inter_latency_us=latency) if link
+                       else Cluster(W, W))
+            work = Workload(S, run["index"]["density_mean"])
+            for variant, section in run["variants"].items():
+                measured = section.get("fwdbwd_ms")
+                if not measured:
+                    continue
+                if variant in ("sparse_striped", "sparse_zigzag"):
+                    p = predict_mtraining(RING_SHAPE, work, cluster, profile, kernel_scale=scale)
+                elif variant == "sparse_striped_hier":
+                    p = predict_mtraining(RING_SHAPE, work, cluster, profile, inner=cfg["inner_size"],
+                                          kernel_scale=scale)
+                elif variant in ("dense_zigzag", "torch_native_cp"):
+                    p = predict_dense_p2p(RING_SHAPE, work, cluster, profile, grad_bytes_per_value=4)
+                else:
+                    continue
+                note = ("zigzag predicted as the balanced (striped) ring" if variant == "sparse_zigzag" else "")
+                cases.append({"kind": "ring", "source": name, "variant": variant, "gpus": W, "seq_len": S,
+                              "slow_link_gbps": link,
+                              "kernel_generation": gen["code_commit"] if "sparse" in variant else "cuDNN",
+                              "kernel_scale": scale if "sparse" in variant else 1.0,
+                              "measured_ms": measured, "predicted_ms": p.attention_ms,
+                              "predicted_exposed_comm_ms": p.exposed_comm_ms, "note": note})
+    return cases
+
+
+def approx_cases(profile, gens, reference_ms) -> List[Dict]:
+    d = _load("approx_ring_nvidia-h200_4gpu.json")
+    ring = d["ring"]
+    W = ring["world_size"]
+    shape = RING_SHAPE
+    predicted = approximator_ms(shape, Workload(ring["seq_len"], ring["index_density"]), W, Cluster(W, W), profile)
+    return [{"kind": "approximator", "source": "approx_ring_nvidia-h200_4gpu.json", "variant": "approximator",
+             "gpus": W, "seq_len": ring["seq_len"], "kernel_generation": _commit(d), "kernel_scale": 1.0,
+             "measured_ms": ring["approximator_ms"], "predicted_ms": predicted,
+             "note": "same approximator code as the one-GPU calibration run (3c7bae3)"}]
+
+
+# Why the dense index through MTraining's own kernels is reported apart: a configuration the planner does
+# not offer, whose work (every causal block as slash blocks, no column tiles) is unlike the 2.5-10% indexes
+# the kernel fits and the generation factors were measured on (a quarter of that work is column tiles,
+# which cost up to 2.8x a slash tile in the early kernels: benchmarks/NOTES.md, session 6).
+OUTSIDE_MODEL = ("dense index through the sparse kernels: all slash blocks, no columns, unlike the 2.5-10% "
+                 "indexes the kernel fits and the kernel-generation factors come from")
+
+E2E_LOGS = {  # result file -> {run name: its log (telemetry)}
+    "e2e_nvidia-h200_1gpu.json": {"mtraining": "e2e_mtraining_nvidia-h200_1gpu.log"},
+    "e2e_nvidia-h200_2gpu.json": {"mtraining": "e2e_mtraining_nvidia-h200_2gpu.log"},
+    "e2e_nvidia-h200_2gpu_cudnn.json": {"mtraining": "e2e_mtraining_nvidia-h200_2gpu_cudnn.log"},
+    "e2e_nvidia-h200_4gpu.json": {"mtraining": "e2e_mtraining_nvidia-h200_4gpu.log"},
+    "e2e_nvidia-h200_4gpu_cudnn.json": {"mtraining": "e2e_mtraining_nvidia-h200_4gpu_cudnn.log"},
+    "e2e_nvidia-h100-80gb-hbm3_2gpu.json": {"mtraining": "e2e_mtraining_nvidia-h100_2gpu.log"},
+}
+
+
+def e2e_cases(profiles, gens, reference_ms) -> List[Dict]:
+    cases = []
+    for name, logs in E2E_LOGS.items():
+        d = _load(name)
+        profile = profiles["nvidia-h100" if "h100" in name else "nvidia-h200"]
+        W, S, m = d["world_size"], d["seq_length"], d["model"]
+        shape = ModelShape(hidden=m["hidden"], heads=m["heads"], kv_groups=m["kv_groups"], head_dim=m["head_dim"],
+                           layers=m["num_layers"], ffn=m["ffn"], vocab=m["vocab"])
+        cluster = Cluster(W, W)
+        gen = generation_of(_commit(d), gens)
+        # The H100 profile's kernels are those of its own calibration run (1d0b6f2's), like these runs'.
+        scale = 1.0 if "h100" in name else gen["fwdbwd_128k_ms"] / reference_ms
+        for run in d["runs"]:
+            measured = run.get("mean_iteration_ms")
+            if not measured or run["name"] == "mtraining_b128":
+                continue
+            base = {"kind": "e2e", "source": name, "variant": run["name"], "gpus": W, "seq_len": S,
+                    "measured_ms": measured, "kernel_scale": 1.0, "note": ""}
+            if run["name"] == "mtraining":
+                tel = telemetry(os.path.join(RESULTS, "logs", logs["mtraining"]))
+                p = predict_mtraining(shape, Workload(S, tel["density"]), cluster, profile, kernel_scale=scale)
+                base.update(kernel_generation=gen["code_commit"], kernel_scale=scale, density=tel["density"])
+            elif "--mtraining-layout" in run["flags"]:  # cuDNN: SDPA on one GPU, the zigzag ring over CP
+                p = predict_dense_p2p(shape, Workload(S, 1.0), cluster, profile, grad_bytes_per_value=4)
+                base.update(kernel_generation="cuDNN")
+                if W == 1 and "h200" in name:
+                    base.update(role="calibration", note="defines the rest of the layer: not a prediction")
+            else:  # the dense index through MTraining's own kernels (results before session 7)
+                p = predict_mtraining(shape, Workload(S, 1.0), cluster, profile, kernel_scale=scale)
+                base.update(kernel_generation=gen["code_commit"], kernel_scale=scale, density=1.0,
+                            outside_model=OUTSIDE_MODEL)
+            base["predicted_ms"] = p.step_ms
+            cases.append(base)
+    return cases
+
+
+def validate() -> Dict:
+    profiles = {n: load_profile(n) for n in ("nvidia-h200", "nvidia-h100")}
+    h200 = profiles["nvidia-h200"]
+    gens = kernel_generations()
+    reference_ms = h200.kernel_generation["kernel_128k_fwdbwd_ms"]
+    cases = (ring_cases(h200, gens, reference_ms) + approx_cases(h200, gens, reference_ms)
+             + e2e_cases(profiles, gens, reference_ms))
+    for c in cases:
+        c["error"] = c["predicted_ms"] / c["measured_ms"] - 1
+        c.setdefault("role", "prediction")
+    def stats(selected):
+        errors = [abs(c["error"]) for c in selected]
+        worst = max(selected, key=lambda c: abs(c["error"]))
+        return {"predictions": len(errors), "median_abs_error": statistics.median(errors),
+                "worst_abs_error": max(errors), "worst_case": f"{worst['source']} {worst['variant']}",
+                "met": statistics.median(errors) <= 0.10 and max(errors) <= 0.20}
+
+    predicted = [c for c in cases if c["role"] == "prediction"]
+    in_model = [c for c in predicted if not c.get("outside_model")]
+    return {
+        "benchmark": "plan_validation",
+        "profiles": {n: {"sources": p.sources, "kernel_generation": p.kernel_generation} for n, p in profiles.items()},
+        "kernel_generations": gens,
+        "targets": {"median_abs_error": 0.10, "worst_abs_error": 0.20},
+        "summary": {"planned_configurations": stats(in_model), "every_measurement": stats(predicted)},
+        "cases": cases,
+        "method": __doc__.split("\n\n", 2)[2].strip(),
+    }
+
+
+def table(result: Dict) -> str:
+    lines = ["| result | variant | GPUs | S | link | kernels | measured ms | predicted ms | error |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in result["cases"]:
+        link = f"{c['slow_link_gbps']:g} GB/s" if c.get("slow_link_gbps") else "NVLink"
+        role = " (calibration)" if c["role"] == "calibration" else (" (*)" if c.get("outside_model") else "")
+        lines.append(f"| {c['source'].replace('.json', '')} | {c['variant']}{role} | {c['gpus']} | "
+                     f"{c['seq_len'] // 1024}K | "
+                     f"{link} | {c.get('kernel_generation', '')} | {c['measured_ms']:.1f} | {c['predicted_ms']:.1f} | "
+                     f"{100 * c['error']:+.1f}% |")
+    lines.append("")
+    for label, key in (("Configurations the planner predicts", "planned_configurations"),
+                       ("Every measurement, with the dense index through the sparse kernels (*)", "every_measurement")):
+        s = result["summary"][key]
+        lines.append(f"{label}: {s['predictions']} predictions, median |error| {100 * s['median_abs_error']:.1f}%, "
+                     f"worst {100 * s['worst_abs_error']:.1f}% ({s['worst_case'].replace('.json', '')}).")
+    return "\n".join(lines)
+
+
+def scaling_tables(profile_name: str = "nvidia-h100", density: float = 0.05) -> str:
+    """docs/scaling.md's tables: Qwen2.5-3B, 8-64 GPUs in nodes of 8 over 400 Gb/s InfiniBand."""
+    from megatron_mtraining.plan import plan
+
+    profile = load_profile(profile_name)
+    shape = ModelShape()
+    out = []
+    for S in (524288, 1048576):
+        rows = [plan(shape, Workload(S, density), Cluster(W, 8, inter_gbps=50.0, inter_latency_us=5.0), profile)
+                for W in (8, 16, 32, 64)]
+        out.append(f"\n**{S // 1024}K tokens**, density {density:g}, {profile.name}, nodes of 8, 50 GB/s and 5 us "
+                   "per GPU between nodes; tokens/s of the whole step (36 layers)\n")
+        out.append("| GPUs | tokens / GPU | recompute | MTraining flat | best hierarchical | TE p2p | TE a2a+p2p | "
+                   "best MTraining / best dense | memory GiB (none / full recompute) |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            W = r["cluster"]["gpus"]
+            preds = {p["name"]: p for p in r["predictions"]}
+            hier = [p for p in r["predictions"] if p["name"].startswith("mtraining_hier")]
+            best_hier = min(hier, key=lambda p: p["step_ms"])
+            rec, mem = r["recommendation"], r["memory"]
+
+            def tps(p):
+                return f"{p['tokens_per_s'] / 1e3:.1f}K" if p else "-"
+            fits = "" if rec["fits"] else ", does not fit"
+            out.append(f"| {W} | {S // W // 1024}K | {rec['recompute']}{fits} | {tps(preds['mtraining_flat'])} | "
+                       f"{tps(best_hier)} (inner {best_hier['inner']}) | {tps(preds.get('dense_te_p2p'))} | "
+                       f"{tps(preds.get('dense_te_a2a_p2p'))} | {rec['speedup_over_best_dense']:.2f}x | "
+                       f"{mem['no_recompute_gib']:.0f} / {mem['full_recompute_gib']:.0f} |")
+        out.append("\nPer layer and GPU, ms (forward + backward; the recompute's extra forward not included):\n")
+        out.append("| GPUs | configuration | attention | of which fixed costs | of which exposed comm | approximator | "
+                   "rest of layer | limited by |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            W = r["cluster"]["gpus"]
+            preds = {p["name"]: p for p in r["predictions"]}
+            best = preds[r["recommendation"]["configuration"]]
+            chosen = [preds["mtraining_flat"]] + ([best] if best["name"] != "mtraining_flat" else []) + \
+                [min((p for p in r["predictions"] if p["method"] == "dense"), key=lambda p: p["step_ms"])]
+            for p in chosen:
+                out.append(f"| {W} | {p['name']} | {p['attention_ms']:.1f} | {p['fixed_cost_ms']:.1f} | "
+                           f"{p['exposed_comm_ms']:.1f} | {p['approximator_ms']:.2f} | {p['rest_of_layer_ms']:.1f} | "
+                           f"{p['limit']} |")
+    return "\n".join(out)
+
+
+def pending_slow_links(profile_name: str = "nvidia-h200") -> str:
+    """Predictions for the slow-link runs issue 32 asks for (12.5 and 50 GB/s: 100 and 400 Gb/s
+    InfiniBand), 4 GPUs in emulated nodes of 2, 512K, current kernels: to check once measured."""
+    profile = load_profile(profile_name)
+    lines = ["| emulated link | flat ms | hierarchical (inner 2) ms | flat exposed comm | hierarchical exposed comm |",
+             "|---|---|---|---|---|"]
+    for gbps in (1.0, 2.0, 12.5, 50.0):
+        cluster = Cluster(4, 2, inter_gbps=gbps, inter_latency_us=0.0)
+        flat = predict_mtraining(RING_SHAPE, Workload(524288, 0.05), cluster, profile)
+        hier = predict_mtraining(RING_SHAPE, Workload(524288, 0.05), cluster, profile, inner=2)
+        lines.append(f"| {gbps:g} GB/s | {flat.attention_ms:.1f} | {hier.attention_ms:.1f} | "
+                     f"{flat.exposed_comm_ms:.1f} | "
+                     f"{hier.exposed_comm_ms:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(RESULTS, "plan_validation.json"))
+    p.add_argument("--scaling", action="store_true", help="also print the tables of docs/scaling.md")
+    args = p.parse_args(argv)
+    result = validate()
+    with open(args.out, "w") as fh:
+        json.dump(result, fh, indent=1, default=float)
+        fh.write("\n")
+    print(table(result))
+    print(f"wrote {args.out}")
+    if args.scaling:
+        print(scaling_tables())
+        print()
+        print(pending_slow_links())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,506 @@
+"""The step-time model: one training step of a decoder with context-parallel attention.
+
+What a step costs, per GPU (``docs/scaling.md`` explains it with its validation):
+
+* attention, per ring step and rank: the kernel's cost ``per_call + per_item * items +
+  per_tile * tiles`` (``profiles.KernelCost``, fitted on one GPU), where items are the rank's
+  (query block, head) units and tiles the active B x B blocks of that step: the striped layout
+  gives every (rank, step) an equal share of the active pairs, so a step holds 1 / W^2 of them
+  while every step still walks all of the rank's items: the per-item and per-call costs do not
+  shrink with more GPUs, which is what ends strong scaling;
+* the ring: the schedule of ``ring/schedule.py`` (flat, or hierarchical with an inner ring of
+  ``inner`` ranks and an outer ring over the groups) simulated rank by rank: a transfer starts
+  when both ends have posted it and the link it crosses (NVLink inside a node, the inter-node
+  link otherwise) is free, and a rank waits where the schedule waits; exposed communication is
+  what the simulated time adds to the compute;
+* the approximator (local work linear in tokens, plus a few latency-bound collectives), and the
+  rest of the layer (projection and MLP GEMMs at a calibrated rate, elementwise work per token);
+* the dense baselines are Transformer Engine's context parallelism: ``p2p`` (a load-balanced
+  ring of cuDNN calls, each step a causal half of the chunk pair) and ``a2a+p2p`` (an all-to-all
+  over the heads inside a node, a p2p ring across nodes).
+
+All times are milliseconds. Nothing here imports torch: the planner is a leaf of the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from .profiles import Profile
+
+BF16, FP32 = 2, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """The decoder's shape (defaults: Qwen2.5-3B)."""
+
+    hidden: int = 2048
+    heads: int = 16
+    kv_groups: int = 2
+    head_dim: int = 128
+    layers: int = 36
+    ffn: int = 11008
+    vocab: int = 151936
+
+    def __post_init__(self):
+        for name in ("hidden", "heads", "kv_groups", "head_dim", "layers", "ffn", "vocab"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model shape: {name} must be a positive integer, got {value!r}")
+        if self.heads % self.kv_groups:
+            raise ValueError(f"model shape: heads ({self.heads}) must be a multiple of kv_groups ({self.kv_groups})")
+
+    def layer_gemm_flops_per_token(self) -> float:
+        """Forward + backward (x3) FLOPs of one layer's projections and SwiGLU MLP, per token."""
+        h, d = self.hidden, self.head_dim
+        qkv = h * (self.heads + 2 * self.kv_groups) * d
+        proj = self.heads * d * h
+        mlp = 3 * h * self.ffn
+        return 6.0 * (qkv + proj + mlp)
+
+    def head_flops_per_token(self) -> float:
+        return 6.0 * self.hidden * self.vocab
+
+    def parameters(self) -> float:
+        h, d = self.hidden, self.head_dim
+        layer = h * (self.heads + 2 * self.kv_groups) * d + self.heads * d * h + 3 * h * self.ffn + 2 * h
+        return self.layers * layer + 2 * self.vocab * h + h  # untied embedding and output layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """GPUs in nodes of ``gpus_per_node``; NVLink inside a node, one inter-node link per GPU.
+
+    Bandwidths are what one GPU's transfer achieves, GB/s (400 Gb/s InfiniBand: 50); None takes
+    the profile's NVLink figures."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    inter_gbps: float = 50.0
+    inter_latency_us: float = 5.0
+    intra_gbps: Optional[float] = None
+    intra_latency_us: Optional[float] = None
+
+    def __post_init__(self):
+        if not isinstance(self.gpus, int) or self.gpus < 1:
+            raise ValueError(f"cluster: gpus must be a positive integer, got {self.gpus!r}")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"cluster: gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(f"cluster: {self.gpus} GPUs do not fill nodes of {self.gpus_per_node} "
+                             "(the GPU count must be a multiple of the GPUs per node)")
+        for name in ("inter_gbps", "intra_gbps"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"cluster: {name} must be > 0 GB/s, got {value!r}")
+        for name in ("inter_latency_us", "intra_latency_us"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"cluster: {name} must be >= 0, got {value!r}")
+
+    def same_node(self, a: int, b: int) -> bool:
+        return a // self.gpus_per_node == b // self.gpus_per_node
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    density: float = 0.05       # active pairs / causal pairs of the sparse index
+    micro_batch: int = 1        # sequences per micro-batch
+
+    def __post_init__(self):
+        if not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise ValueError(f"workload: seq_len must be a positive integer, got {self.seq_len!r}")
+        if not 0 < self.density <= 1:
+            raise ValueError(f"workload: density must be in (0, 1], got {self.density!r}")
+        if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
+            raise ValueError(f"workload: micro_batch must be a positive integer, got {self.micro_batch!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The ring, simulated rank by rank
+# ----------------------------------------------------------------------------------------------
+
+Link = Callable[[int, int], Tuple[float, float]]  # (src, dst) -> (GB/s, latency ms)
+
+
+def _programs(outer: int, inner: int):
+    """The forward and backward programs of ``ring/schedule.py`` as op lists, the same on every rank.
+
+    Ops: ("post", id, ring, kind), ("wait", id), ("compute", step), ("add",)."""
+    fwd: List[tuple] = []
+    for so in range(outer):
+        if so + 1 < outer:
+            fwd.append(("post", ("okv", so), "outer", "kv"))
+        for si in range(inner):
+            step = so * inner + si
+            if si + 1 < inner:
+                fwd.append(("post", ("ikv", step), "inner", "kv"))
+            fwd.append(("compute", step))
+            if si + 1 < inner:
+                fwd.append(("wait", ("ikv", step)))
+            if so + 1 < outer and si + 1 == inner:
+                fwd.append(("wait", ("okv", so)))
+    bwd: List[tuple] = []
+    for so in range(outer):
+        if so + 1 < outer:
+            bwd.append(("post", ("okv", so), "outer", "kv"))
+        for si in range(inner):
+            step = so * inner + si
+            if si + 1 < inner:
+                bwd.append(("post", ("ikv", step), "inner", "kv"))
+            bwd.append(("compute", step))
+            if si > 0:
+                bwd.append(("wait", ("ig", step - 1)))
+                bwd.append(("add",))
+            bwd.append(("post", ("ig", step), "inner", "grad"))
+            if si + 1 < inner:
+                bwd.append(("wait", ("ikv", step)))
+            if si + 1 == inner:
+                bwd.append(("wait", ("ig", step)))
+                if so > 0:
+                    bwd.append(("wait", ("og", so - 1)))
+                    bwd.append(("add",))
+                bwd.append(("post", ("og", so), "outer", "grad"))
+                if so + 1 < outer:
+                    bwd.append(("wait", ("okv", so)))
+    bwd.append(("wait", ("og", outer - 1)))
+    return fwd, bwd
+
+
+def simulate_ring(world: int, inner: int, compute_ms: Sequence[float], nbytes: Dict[str, float], link: Link,
+                  add_ms: float = 0.0, backward: bool = False) -> float:
+    """Milliseconds until the last rank finishes one pass (forward or backward) of the ring.
+
+    ``compute_ms[step]`` is every rank's compute at that step; ``nbytes`` the bytes of a "kv" and a
+    "grad" message. A transfer starts once sender and receiver have both posted it and the
+    receiving end of its link is free (messages on one link queue in posting order)."""
+    if world % inner:
+        raise ValueError(f"inner ring size {inner} does not divide {world} ranks")
+    outer = world // inner
+    fwd, bwd = _programs(outer, inner)
+    program = bwd if backward else fwd
+
+    def prev(rank: int, ring: str) -> int:
+        node, i = divmod(rank, inner)
+        if ring == "inner":
+            return node * inner + (i - 1) % inner
+        return ((node - 1) % outer) * inner + i
+
+    ring_size = {"inner": inner, "outer": outer}
+    t = [0.0] * world
+    posted: Dict = {}
+    arrival: Dict = {}
+    link_free: Dict = {}
+    for op in program:
+        kind = op[0]
+        if kind == "compute":
+            step_ms = compute_ms[op[1]]
+            t = [x + step_ms for x in t]
+        elif kind == "add":
+            t = [x + add_ms for x in t]
+        elif kind == "post":
+            _, xid, ring, payload = op
+            posted[xid] = list(t)
+            arrival[xid] = [0.0] * world
+            for r in range(world):
+                if ring_size[ring] == 1:  # a one-rank ring hands the tensor to itself
+                    arrival[xid][r] = t[r]
+                    continue
+                src = prev(r, ring)
+                gbps, latency_ms = link(src, r)
+                start = max(posted[xid][src], t[r], link_free.get((r, ring), 0.0))
+                end = start + latency_ms + nbytes[payload] / (gbps * 1e9) * 1e3
+                link_free[(r, ring)] = end
+                arrival[xid][r] = end
+        elif kind == "wait":
+            t = [max(x, a) for x, a in zip(t, arrival[op[1]])]
+    return max(t)
+
+
+# ----------------------------------------------------------------------------------------------
+# One configuration
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Prediction:
+    """One configuration's predicted step; per-layer figures are one attention layer on one GPU."""
+
+    name: str
+    method: str                   # "mtraining" or "dense"
+    inner: Optional[int]          # hierarchical ring: ranks per inner ring (None: flat)
+    fwd_step_ms: float            # attention compute per ring step
+    bwd_step_ms: float
+    attention_fwd_ms: float       # per layer, with the ring's exposed communication
+    attention_bwd_ms: float
+    attention_compute_ms: float   # per layer, the kernels alone
+    exposed_comm_ms: float        # per layer
+    fixed_cost_ms: float          # per layer: the per-call and per-item parts of the kernels
+    approximator_ms: float        # per layer
+    rest_of_layer_ms: float       # per layer
+    head_ms: float                # embedding, output layer and loss, per step
+    step_ms: float
+    tokens_per_s: float
+    limit: str = ""
+    note: str = ""
+
+    @property
+    def attention_ms(self) -> float:
+        return self.attention_fwd_ms + self.attention_bwd_ms
+
+    def as_dict(self) -> Dict:
+        d = dataclasses.asdict(self)
+        d["attention_ms"] = self.attention_ms
+        return d
+
+
+def _link_fn(cluster: Cluster, profile: Profile) -> Link:
+    intra_gbps = cluster.intra_gbps or profile.intra_gbps
+    intra_lat = (profile.intra_latency_us if cluster.intra_latency_us is None else cluster.intra_latency_us) / 1e3
+    inter_lat = cluster.inter_latency_us / 1e3
+
+    def link(src: int, dst: int) -> Tuple[float, float]:
+        if cluster.same_node(src, dst):
+            return intra_gbps, intra_lat
+        return cluster.inter_gbps, inter_lat
+    return link
+
+
+def rest_of_layer_ms(shape: ModelShape, tokens: float, profile: Profile) -> Tuple[float, float]:
+    """(one layer's non-attention fwd+bwd, the output layer and loss) for ``tokens`` on one GPU."""
+    gemm = shape.layer_gemm_flops_per_token() * tokens / (profile.gemm_tflops * 1e12) * 1e3
+    elementwise = profile.elementwise_ns_per_token_layer * 1e-6 * tokens * (shape.hidden / 2048.0)
+    head = shape.head_flops_per_token() * tokens / (profile.gemm_tflops * 1e12) * 1e3
+    return gemm + elementwise, head
+
+
+def _small_collective_ms(world: int, cluster: Cluster, profile: Profile) -> float:
+    """Latency of one small all-reduce (tree: 2 log2 W hops), inter-node hops at the link's latency."""
+    if world == 1:
+        return 0.0
+    hops = 2 * math.ceil(math.log2(world))
+    intra = profile.intra_latency_us if cluster.intra_latency_us is None else cluster.intra_latency_us
+    latency = cluster.inter_latency_us if world > cluster.gpus_per_node else intra
+    return hops * latency / 1e3
+
+
+def approximator_ms(shape: ModelShape, work: Workload, world: int, cluster: Cluster, profile: Profile) -> float:
+    local = profile.approx_ms_per_token_head * work.seq_len / world * shape.heads * work.micro_batch
+    return local + profile.approx_collectives * _small_collective_ms(world, cluster, profile)
+
+
+def _limit(parts: Dict[str, float]) -> str:
+    return max(parts, key=parts.get)
+
+
+def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile,
+                      inner: Optional[int] = None, kernel_scale: float = 1.0) -> Prediction:
+    """MTraining's striped sparse ring, flat (``inner`` None or W) or hierarchical.
+
+    ``kernel_scale`` multiplies the sparse kernel times (validation uses it for results taken with
+    older kernels, from that generation's own one-GPU kernel benchmark; planning leaves it at 1)."""
+    W = cluster.gpus
+    inner = W if inner is None else int(inner)
+    if inner < 1 or W % inner:
+        raise ValueError(f"inner ring size {inner} must divide the GPU count {W}")
+    if work.seq_len % (W * profile.block_size):
+        raise ValueError(f"sequence length {work.seq_len} is not a multiple of GPUs x block size "
+                         f"({W} x {profile.block_size}): the striped layout needs whole blocks per rank")
+    B, H, d, b = profile.block_size, shape.heads, shape.head_dim, work.micro_batch
+    n_local = work.seq_len // W
+    items = b * H * n_local / B
+    tiles_total = work.density * work.seq_len * (work.seq_len + 1) / 2 * H * b / B ** 2
+    tiles_step = tiles_total / W ** 2
+    fwd_step = profile.sparse_fwd.ms(items, tiles_step, d) * kernel_scale
+    bwd_step = profile.sparse_bwd.ms(items, tiles_step, d) * kernel_scale
+    kv_bytes = 2 * n_local * shape.kv_groups * d * BF16 * b
+    grad_bytes = 2 * n_local * shape.kv_groups * d * FP32 * b  # dK/dV travel in fp32
+    # The backward adds the arriving partial dK/dV to its own (fp32, read 2 write 1) and zeroes its own.
+    add_ms = 3 * grad_bytes / (profile.hbm_gbps * 1e9) * 1e3
+    zero_ms = grad_bytes / (profile.hbm_gbps * 1e9) * 1e3
+    bwd_step += zero_ms
+    link = _link_fn(cluster, profile)
+    nbytes = {"kv": kv_bytes, "grad": grad_bytes}
+    fwd = simulate_ring(W, inner, [fwd_step] * W, nbytes, link)
+    bwd = simulate_ring(W, inner, [bwd_step] * W, nbytes, link, add_ms=add_ms, backward=True)
+    compute = W * (fwd_step + bwd_step)
+    adds = (W - 1) * add_ms if W > 1 else 0.0
+    exposed = max(0.0, fwd + bwd - compute - adds)
+    fixed = W * (zero_ms + kernel_scale * (profile.sparse_fwd.per_call + profile.sparse_bwd.per_call
+                                           + (profile.sparse_fwd.per_item + profile.sparse_bwd.per_item) * items))
+    approx = approximator_ms(shape, work, W, cluster, profile)
+    rest, head = rest_of_layer_ms(shape, n_local * b, profile)
+    layer = fwd + bwd + approx + rest
+    step = shape.layers * layer + head + profile.step_fixed_ms
+    name = "mtraining_flat" if inner == W else f"mtraining_hier_{inner}"
+    limit = _limit({"attention kernels (work)": compute - fixed, "per-step fixed costs": fixed + adds,
+                    "exposed communication": exposed, "rest of the layer": rest, "approximator": approx})
+    return Prediction(name, "mtraining", None if inner == W else inner, fwd_step, bwd_step, fwd, bwd, compute,
+                      exposed, fixed, approx, rest, head, step, work.seq_len * b / step * 1e3, limit)
+
+
+def _dense_step(profile: Profile, calls: int, tiles: float, d: int) -> Tuple[float, float]:
+    fwd = calls * profile.dense_fwd.per_call + profile.dense_fwd.ms(0, tiles, d) - profile.dense_fwd.per_call
+    bwd = calls * profile.dense_bwd.per_call + profile.dense_bwd.ms(0, tiles, d) - profile.dense_bwd.per_call
+    return fwd, bwd
+
+
+def predict_dense_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile,
+                      grad_bytes_per_value: int = BF16) -> Prediction:
+    """Transformer Engine's ``p2p`` context parallelism: a flat ring of cuDNN calls on the load-balanced
+    (zigzag) layout, every step a causal half of its chunk pair. (``grad_bytes_per_value`` 4 models
+    this package's own dense zigzag ring, which sends dK/dV in fp32.)"""
+    W, B, H, d, b = cluster.gpus, profile.block_size, shape.heads, shape.head_dim, work.micro_batch
+    if work.seq_len % (2 * W):
+        raise ValueError(f"sequence length {work.seq_len} must split into 2 x {W} zigzag chunks")
+    n_local = work.seq_len // W
+    tiles_step = work.seq_len * (work.seq_len + 1) / 2 * H * b / B ** 2 / W ** 2
+    fwd_step, bwd_step = _dense_step(profile, 2, tiles_step, d)  # two cuDNN calls per step (half chunks)
+    kv_bytes = 2 * n_local * shape.kv_groups * d * BF16 * b
+    grad_bytes = 2 * n_local * shape.kv_groups * d * grad_bytes_per_value * b
+    add_ms = 3 * grad_bytes / (profile.hbm_gbps * 1e9) * 1e3
+    link = _link_fn(cluster, profile)
+    nbytes = {"kv": kv_bytes, "grad": grad_bytes}
+    fwd = simulate_ring(W, W, [fwd_step] * W, nbytes, link)
+    bwd = simulate_ring(W, W, [bwd_step] * W, nbytes, link, add_ms=add_ms, backward=True)
+    compute = W * (fwd_step + bwd_step)
+    exposed = max(0.0, fwd + bwd - compute - (W - 1) * add_ms)
+    fixed = W * 2 * (profile.dense_fwd.per_call + profile.dense_bwd.per_call)
+    rest, head = rest_of_layer_ms(shape, n_local * b, profile)
+    layer = fwd + bwd + rest
+    step = shape.layers * layer + head + profile.step_fixed_ms
+    limit = _limit({"attention kernels (work)": compute - fixed, "per-step fixed costs": fixed,
+                    "exposed communication": exposed, "rest of the layer": rest})
+    return Prediction("dense_te_p2p", "dense", None, fwd_step, bwd_step, fwd, bwd, compute, exposed, fixed, 0.0,
+                      rest, head, step, work.seq_len * b / step * 1e3, limit)
+
+
+def predict_dense_a2a_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile) -> Prediction:
+    """Transformer Engine's ``a2a+p2p``: an all-to-all over the heads among the a = min(GPUs per node,
+    GPUs) ranks of a node (each then holds a x the tokens and 1/a of the heads), a p2p ring across
+    the nodes. K/V heads are replicated up to a when there are fewer (GQA); the all-to-alls are
+    not overlapped with compute."""
+    W, B, H, d, b = cluster.gpus, profile.block_size, shape.heads, shape.head_dim, work.micro_batch
+    a = min(cluster.gpus_per_node, W)
+    if H % a:
+        raise ValueError(f"a2a+p2p needs the heads ({H}) divisible by the all-to-all size {a}")
+    nodes = W // a
+    kv_heads = max(shape.kv_groups, a)
+    n_local = work.seq_len // W
+    # Per ring step (over nodes): a*n_local queries and keys, H/a heads, a causal half.
+    tiles_step = work.seq_len * (work.seq_len + 1) / 2 * H * b / B ** 2 / W / nodes
+    fwd_step, bwd_step = _dense_step(profile, 2, tiles_step, d)
+    kv_bytes = 2 * a * n_local * (kv_heads // a) * d * BF16 * b
+    grad_bytes = kv_bytes
+    add_ms = 3 * grad_bytes / (profile.hbm_gbps * 1e9) * 1e3
+    intra_gbps = cluster.intra_gbps or profile.intra_gbps
+    intra_lat = (profile.intra_latency_us if cluster.intra_latency_us is None else cluster.intra_latency_us) / 1e3
+    share = (a - 1) / a
+
+    def a2a_ms(values_per_token: float) -> float:
+        if a == 1:
+            return 0.0
+        return (a - 1) * intra_lat + n_local * b * values_per_token * d * BF16 * share / (intra_gbps * 1e9) * 1e3
+
+    a2a_fwd = a2a_ms(H + 2 * kv_heads) + a2a_ms(H)           # q, k, v in; out back
+    a2a_bwd = a2a_ms(2 * H) + a2a_ms(H + 2 * kv_heads)       # dout (and out) in; dq, dk, dv back
+
+    def node_link(src: int, dst: int) -> Tuple[float, float]:
+        return cluster.inter_gbps, cluster.inter_latency_us / 1e3
+
+    nbytes = {"kv": kv_bytes, "grad": grad_bytes}
+    fwd = simulate_ring(nodes, nodes, [fwd_step] * nodes, nbytes, node_link) + a2a_fwd
+    bwd = simulate_ring(nodes, nodes, [bwd_step] * nodes, nbytes, node_link, add_ms=add_ms, backward=True) + a2a_bwd
+    compute = nodes * (fwd_step + bwd_step)
+    exposed = max(0.0, fwd + bwd - compute - (nodes - 1) * add_ms)
+    fixed = nodes * 2 * (profile.dense_fwd.per_call + profile.dense_bwd.per_call)
+    rest, head = rest_of_layer_ms(shape, n_local * b, profile)
+    layer = fwd + bwd + rest
+    step = shape.layers * layer + head + profile.step_fixed_ms
+    limit = _limit({"attention kernels (work)": compute - fixed, "per-step fixed costs": fixed,
+                    "exposed communication": exposed, "rest of the layer": rest})
+    note = f"all-to-all over {a} GPUs, ring over {nodes} nodes" + (
+        f"; K/V heads replicated {shape.kv_groups} -> {kv_heads}" if kv_heads > shape.kv_groups else "")
+    return Prediction("dense_te_a2a_p2p", "dense", a if nodes > 1 else None, fwd_step, bwd_step, fwd, bwd, compute,
+                      exposed, fixed, 0.0, rest, head, step, work.seq_len * b / step * 1e3, limit, note)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------------
+
+
+def memory_estimate(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile,
+                    data_parallel: int = 1) -> Dict:
+    """GiB per GPU without recompute and with full recompute (Megatron's ``--recompute-granularity
+    full --recompute-method uniform``), bf16 weights, fp32 gradients, Adam in the distributed
+    optimizer sharded over data x context parallel ranks. Activations per token per layer are the
+    tensors a layer saves for its backward (inputs of the norms, projections and MLP, q/k/v before
+    and after RoPE, the attention output and its log-sum-exp); the output layer's logits are
+    counted at 6 bytes per vocabulary entry (bf16 logits and an fp32 loss buffer)."""
+    GiB = 2 ** 30
+    h, d, L = shape.hidden, shape.head_dim, shape.layers
+    tokens = work.seq_len // cluster.gpus * work.micro_batch
+    params = shape.parameters()
+    states = params * (BF16 + FP32) + params * 12 / (cluster.gpus * data_parallel)
+    per_token_layer = BF16 * (4 * h + (shape.heads + 2 * shape.kv_groups) * d + (shape.heads + shape.kv_groups) * d
+                              + shape.heads * d + 3 * shape.ffn) + FP32 * shape.heads
+    logits = tokens * shape.vocab * 6
+    attention_buffers = tokens * d * (2 * shape.heads * FP32 + 4 * shape.kv_groups * FP32 + 4 * shape.kv_groups * BF16)
+    none = states + L * tokens * per_token_layer + logits + attention_buffers
+    full = states + L * tokens * h * BF16 + tokens * per_token_layer + logits + attention_buffers
+    capacity = profile.memory_gib * 0.9  # headroom for the allocator's fragmentation and NCCL buffers
+    return {"params": params, "tokens_per_gpu": tokens, "model_states_gib": states / GiB,
+            "activations_per_layer_gib": tokens * per_token_layer / GiB, "logits_gib": logits / GiB,
+            "no_recompute_gib": none / GiB, "full_recompute_gib": full / GiB, "capacity_gib": profile.memory_gib,
+            "recompute_needed": none / GiB > capacity, "fits_with_recompute": full / GiB <= capacity}
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan: every configuration, and the recommendation
+# ----------------------------------------------------------------------------------------------
+
+
+def inner_sizes(gpus: int) -> List[int]:
+    """Every hierarchical inner ring size: divisors of the GPU count strictly between 1 and it."""
+    return [i for i in range(2, gpus) if gpus % i == 0]
+
+
+def plan(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile) -> Dict:
+    """Every configuration's prediction, the memory estimate and the recommended configuration."""
+    predictions = [predict_mtraining(shape, work, cluster, profile)]
+    predictions += [predict_mtraining(shape, work, cluster, profile, inner=i) for i in inner_sizes(cluster.gpus)]
+    skipped = {}
+    for fn in (predict_dense_p2p, predict_dense_a2a_p2p):
+        try:
+            predictions.append(fn(shape, work, cluster, profile))
+        except ValueError as exc:
+            skipped[fn.__name__.replace("predict_", "")] = str(exc)
+    memory = memory_estimate(shape, work, cluster, profile)
+    if memory["recompute_needed"]:
+        # Full recompute runs every layer's forward again inside the backward: the attention forward
+        # (with its ring) and the forward third of the rest of the layer.
+        for p in predictions:
+            p.step_ms += shape.layers * (p.attention_fwd_ms + p.rest_of_layer_ms / 3)
+            p.tokens_per_s = work.seq_len * work.micro_batch / p.step_ms * 1e3
+            p.note = "; ".join(x for x in (p.note, "with full recompute") if x)
+    sparse = [p for p in predictions if p.method == "mtraining"]
+    dense = [p for p in predictions if p.method == "dense"]
+    best = min(sparse, key=lambda p: p.step_ms)
+    best_dense = min(dense, key=lambda p: p.step_ms) if dense else None
+    recommendation = {
+        "configuration": best.name, "inner_ring_size": best.inner, "step_ms": best.step_ms,
+        "tokens_per_s": best.tokens_per_s, "limited_by": best.limit,
+        "speedup_over_best_dense": best_dense.step_ms / best.step_ms if best_dense else None,
+        "best_dense": best_dense.name if best_dense else None,
+        "recompute": "full" if memory["recompute_needed"] else "none",
+        "fits": memory["fits_with_recompute"],
+    }
+    return {"shape": dataclasses.asdict(shape), "workload": dataclasses.asdict(work),
+            "cluster": dataclasses.asdict(cluster), "profile": profile.name,
+            "predictions": [p.as_dict() for p in predictions], "skipped": skipped, "memory": memory,
+            "recommendation": recommendation}

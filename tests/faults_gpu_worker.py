@@ -1,0 +1,187 @@
+"""One fault-injection case on GPUs with NCCL, one process per GPU (``scripts/gpu_faults.sh``):
+
+    torchrun --nproc_per_node N tests/faults_gpu_worker.py CASE OUTDIR
+
+Each rank writes ``OUTDIR/rank<R>.json`` when it starts the case (``{"status": "started"}``) and
+again when it ends: ``ok``, or ``error`` with the exception type, message and seconds since the
+start; the faulty rank records ``fault injected (die|stall)``. A rank that NCCL's watchdog tears
+down (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) writes no end record: the script reports it from the
+process's exit and the wall time. A dying rank exits with code 0 and a stalled one returns after
+the timeout + 30 s, so that torchrun neither tears the other ranks down nor waits forever.
+
+Cases (rank 1 is the faulty one; ``FAULT_PG_TIMEOUT_S``, default 30, is the process group's
+timeout, i.e. the NCCL watchdog's bound):
+
+* ``disagree_index``: the ranks' indices differ in contents (deferred agreement: NaN output,
+  then ``RingAgreementError`` in the backward, without any host synchronisation added);
+* ``disagree_length_eager``: ``MTRAINING_RING_AGREEMENT=eager``, rank 1 has a longer sequence:
+  ``RingAgreementError`` on every rank before any transfer;
+* ``local_failure_eager``: rank 1's own check fails (eager): its ValueError, the others'
+  ``RingAgreementError``;
+* ``die_before_forward`` / ``die_between_forward_and_backward``: rank 1 exits;
+* ``stall_between_forward_and_backward``: rank 1 sleeps;
+* ``stall_blocking_wait``: as above with ``TORCH_NCCL_BLOCKING_WAIT=1`` and
+  ``MTRAINING_RING_TIMEOUT_S=10`` (set by the script): ``RingCommunicationError`` naming the step;
+* ``cost``: no fault; the agreement's own time per call against one ring forward+backward at
+  ``COST_SEQ_LEN`` (default 512K) tokens, for the "at most 1% of the ring" budget.
+"""
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import megatron_mtraining as mm  # noqa: E402
+from megatron_mtraining.approx import fixed_index  # noqa: E402
+from megatron_mtraining.ring import agreement  # noqa: E402
+from megatron_mtraining.ring.attention import call_items  # noqa: E402
+
+NOTES = {}  # observations recorded before an expected error
+START = 0.0  # time.monotonic() at the start of the case
+
+FAULTY = 1
+B = 64
+# FAULT_CPU=1 runs the cases' logic on CPU processes with gloo (a dry run of this worker; the
+# semantics under test are NCCL's, so the script never sets it).
+CPU = os.environ.get("FAULT_CPU") == "1"
+DEVICE = "cpu" if CPU else "cuda"
+DTYPE = torch.float32 if CPU else torch.bfloat16
+SEQ_LEN = int(os.environ.get("FAULT_SEQ_LEN", 2048 if CPU else 16384))
+
+
+def write(outdir, rank, record):
+    path = os.path.join(outdir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)
+
+
+def inputs(rank, world, seq_len, hq=8, hkv=2, d=128, grad=True):
+    g = torch.Generator(device=DEVICE).manual_seed(seq_len)
+    q, k, v = (torch.randn(1, h, seq_len, d, device=DEVICE, generator=g, dtype=DTYPE) for h in (hq, hkv, hkv))
+    return [mm.shard_sequence(x, 2, "striped", world, rank, B).contiguous().requires_grad_(grad) for x in (q, k, v)]
+
+
+def index(seq_len, hq=8, fewer_columns=False):
+    cfg = mm.MTrainingConfig(max_vertical=256, max_slash=16, min_vertical=16)
+    idx = fixed_index(1, hq, seq_len, cfg, device=DEVICE)
+    if fewer_columns:  # same capacity, one valid column fewer per head: still a valid index
+        idx = mm.VSIndex(idx.slash, idx.n_slash, idx.vertical, idx.n_vertical - 1, idx.block_size)
+    return idx
+
+
+def fault(outdir, rank, how):
+    """Record the injected fault, then die (exit code 0, so that torchrun does not tear the other
+    ranks down: their own handling is under test) or stall past the process group's timeout."""
+    write(outdir, rank, {"status": f"fault injected ({how})", "seconds": round(time.monotonic() - START, 3)})
+    if how == "stall":
+        time.sleep(float(os.environ.get("FAULT_PG_TIMEOUT_S", 30)) + 30)
+    os._exit(0)
+
+
+def synchronize():
+    if not CPU:
+        torch.cuda.synchronize()
+
+
+def run_case(case, rank, world, outdir):
+    n = SEQ_LEN
+    if case == "disagree_index":
+        q, k, v = inputs(rank, world, n)
+        out = mm.sparse_ring_attention(q, k, v, index(n, fewer_columns=rank == FAULTY))
+        NOTES["nan_output"] = bool(torch.isnan(out).all())  # (this test's own synchronisation)
+        out.float().sum().backward()  # the verdict is complete by now: raised here
+        mm.sparse_ring_attention(q, k, v, index(n))
+        return {}
+    if case == "disagree_length_eager":
+        q, k, v = inputs(rank, world, 2 * n if rank == FAULTY else n)
+        mm.sparse_ring_attention(q, k, v, index(2 * n if rank == FAULTY else n))
+        return {}
+    if case == "local_failure_eager":
+        q, k, v = inputs(rank, world, n)
+        mm.sparse_ring_attention(q, k, v, index(n), inner_size=3 if rank == FAULTY else None)
+        return {}
+    q, k, v = inputs(rank, world, n)
+    mm.sparse_ring_attention(q, k, v, index(n)).float().sum().backward()  # one good call
+    synchronize()
+    how = "die" if case.startswith("die") else "stall"
+    if rank == FAULTY and case.endswith("before_forward"):
+        fault(outdir, rank, how)
+    out = mm.sparse_ring_attention(q, k, v, index(n))
+    if rank == FAULTY:
+        fault(outdir, rank, how)
+    out.float().sum().backward()
+    synchronize()  # where a stalled transfer shows on the host without blocking wait
+    return {}
+
+
+def cost(rank, world):
+    seq_len = int(os.environ.get("COST_SEQ_LEN", SEQ_LEN if CPU else 524288))
+    q, k, v = inputs(rank, world, seq_len, hq=16, hkv=4)
+    idx = index(seq_len, hq=16)
+    items = call_items("sparse_ring_attention", q, k, v, "striped", world, 0.088, idx, None)
+    group = dist.group.WORLD
+
+    def timed(fn, reps):
+        for _ in range(2):
+            fn()
+        synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        synchronize()
+        return (time.perf_counter() - start) / reps
+
+    def ring():
+        mm.sparse_ring_attention(q, k, v, idx).sum().backward()
+
+    def agree_only():
+        items = call_items("sparse_ring_attention", q, k, v, "striped", world, 0.088, idx, None)
+        agreement.agree(group, "cost", items, None, q.device)
+
+    ring_s = timed(ring, 3)
+    agree_s = timed(agree_only, 50)
+    agreement._DEFERRED.clear()
+    return {"seq_len": seq_len, "ring_fwd_bwd_ms": ring_s * 1e3, "agreement_us": agree_s * 1e6,
+            "agreement_share_of_ring": agree_s / ring_s, "mode": agreement.mode(q.device, group),
+            "items": len(items)}
+
+
+def main():
+    case, outdir = sys.argv[1], sys.argv[2]
+    os.makedirs(outdir, exist_ok=True)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(seconds=float(os.environ.get("FAULT_PG_TIMEOUT_S", 30)))
+    if CPU:
+        dist.init_process_group("gloo", timeout=timeout)
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("nccl", timeout=timeout, device_id=torch.device("cuda", torch.cuda.current_device()))
+    global START
+    write(outdir, rank, {"status": "started", "wall_start": time.time()})
+    START = start = time.monotonic()
+    try:
+        extra = cost(rank, world) if case == "cost" else run_case(case, rank, world, outdir)
+        record = {"status": "ok", **extra}
+    except Exception as err:
+        record = {"status": "error", "type": type(err).__name__, "message": str(err)[:2000], **NOTES}
+    record["seconds"] = round(time.monotonic() - start, 3)
+    record["wall_start"] = time.time() - record["seconds"]
+    write(outdir, rank, record)
+    print(f"[rank {rank}] {case}: {record['status']} {record.get('type', '')} {record['seconds']} s", flush=True)
+    if record["status"] == "ok" or case in ("disagree_length_eager", "local_failure_eager", "disagree_index"):
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    os._exit(0)  # after a transport failure, the NCCL teardown may wait on the dead peer
+
+
+if __name__ == "__main__":
+    main()

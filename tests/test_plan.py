@@ -1,0 +1,345 @@
+"""The step-time model and planner (megatron_mtraining/plan): its invariants, the CLI end to end, the
+derivation of the committed profiles from the committed results, the validation file, and clear
+errors on bad inputs."""
+
+import ast
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_mtraining.plan import (Cluster, ModelShape, Workload, load_profile, memory_estimate, plan,
+                                     predict_dense_a2a_p2p, predict_dense_p2p, predict_mtraining, simulate_ring)
+from megatron_mtraining.plan.cli import main as cli_main
+from megatron_mtraining.plan.cli import read_telemetry
+from megatron_mtraining.plan.profiles import PROFILE_DIR
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+H100 = load_profile("nvidia-h100")
+H200 = load_profile("h200")
+QWEN = ModelShape()
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=REPO)
+
+
+# ----------------------------------------------------------------------------------------------
+# Invariants
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inner", [None, 8])
+@pytest.mark.parametrize("gpus,seq_len", [(16, 524288), (64, 1048576)])
+def test_more_bandwidth_is_never_slower(gpus, seq_len, inner):
+    work = Workload(seq_len, 0.05)
+    previous = math.inf
+    for gbps in (1.0, 12.5, 50.0, 400.0, 4000.0):
+        step = predict_mtraining(QWEN, work, Cluster(gpus, 8, inter_gbps=gbps), H100, inner=inner).step_ms
+        assert step <= previous + 1e-9, (gbps, step, previous)
+        previous = step
+    previous = math.inf
+    for gbps in (20.0, 80.0, 300.0):
+        step = predict_mtraining(QWEN, work, Cluster(gpus, 8, intra_gbps=gbps), H100, inner=inner).step_ms
+        assert step <= previous + 1e-9
+        previous = step
+    dense = [predict_dense_p2p(QWEN, work, Cluster(gpus, 8, inter_gbps=g), H100).step_ms for g in (1.0, 50.0, 400.0)]
+    assert dense == sorted(dense, reverse=True)
+
+
+def test_more_latency_is_never_faster():
+    work = Workload(524288, 0.05)
+    steps = [predict_mtraining(QWEN, work, Cluster(32, 8, inter_latency_us=lat), H100).step_ms
+             for lat in (0, 5, 50, 500)]
+    assert steps == sorted(steps) and steps[-1] > steps[0]
+
+
+def test_dense_compute_scales_with_causal_pairs():
+    cluster = Cluster(8, 8)
+    a = predict_dense_p2p(QWEN, Workload(262144, 1.0), cluster, H200)
+    b = predict_dense_p2p(QWEN, Workload(1048576, 1.0), cluster, H200)
+    pairs = (1048576 * 1048577) / (262144 * 262145)
+    def work(p):
+        return p.attention_compute_ms - p.fixed_cost_ms
+    assert work(b) / work(a) == pytest.approx(pairs)
+    # The same work per GPU: doubling GPUs halves the dense compute (a2a+p2p does the same pairs).
+    c = predict_dense_p2p(QWEN, Workload(1048576, 1.0), Cluster(16, 8), H200)
+    assert c.attention_compute_ms - c.fixed_cost_ms == pytest.approx((b.attention_compute_ms - b.fixed_cost_ms) / 2)
+    d = predict_dense_a2a_p2p(QWEN, Workload(1048576, 1.0), Cluster(16, 8), H200)
+    assert d.attention_compute_ms - d.fixed_cost_ms == pytest.approx(c.attention_compute_ms - c.fixed_cost_ms)
+
+
+def test_sparse_work_scales_with_density_and_fixed_costs_do_not():
+    cluster = Cluster(32, 8)
+    low = predict_mtraining(QWEN, Workload(524288, 0.025), cluster, H100)
+    high = predict_mtraining(QWEN, Workload(524288, 0.1), cluster, H100)
+    assert low.fixed_cost_ms == high.fixed_cost_ms > 0
+    def work(p):
+        return p.attention_compute_ms - p.fixed_cost_ms
+    assert work(high) == pytest.approx(4 * work(low))
+
+
+def test_one_gpu_is_the_kernel_alone():
+    work = Workload(131072, 0.05)
+    p = predict_mtraining(QWEN, work, Cluster(1, 8), H200)
+    items, tiles = 16 * 131072 / 64, 0.05 * 131072 * 131073 / 2 * 16 / 64 ** 2
+    grads_zeroed = 2 * 131072 * 2 * 128 * 4 / (H200.hbm_gbps * 1e9) * 1e3
+    assert p.exposed_comm_ms == pytest.approx(0, abs=1e-9)
+    kernels = H200.sparse_fwd.ms(items, tiles) + H200.sparse_bwd.ms(items, tiles)
+    assert p.attention_ms == pytest.approx(kernels + grads_zeroed)
+    # ...which is what kernel.py measured at 128K (36.79 ms fwd+bwd) within the fit's error.
+    assert p.attention_ms == pytest.approx(36.79, rel=0.06)
+
+
+def test_ring_simulation_limits():
+    link_fast = lambda s, d: (1e9, 0.0)  # noqa: E731
+    assert simulate_ring(8, 8, [2.0] * 8, {"kv": 1e6, "grad": 2e6}, link_fast) == pytest.approx(16.0)
+    # Without compute, the forward is W-1 transfers in a row; the backward's last step adds one more hop.
+    link = lambda s, d: (1.0, 0.0)  # noqa: E731  1 GB/s: 1 ms per MB
+    assert simulate_ring(4, 4, [0.0] * 4, {"kv": 1e6, "grad": 1e6}, link) == pytest.approx(3.0)
+    # Hierarchical on a uniform link: the outer transfer overlaps the inner loop.
+    flat = simulate_ring(8, 8, [1.0] * 8, {"kv": 1e6, "grad": 1e6}, link)
+    hier = simulate_ring(8, 2, [1.0] * 8, {"kv": 1e6, "grad": 1e6}, link)
+    assert flat == pytest.approx(8.0) and hier == pytest.approx(8.0)
+    with pytest.raises(ValueError, match="does not divide"):
+        simulate_ring(8, 3, [1.0] * 8, {"kv": 1.0, "grad": 1.0}, link)
+
+
+def test_hierarchical_beats_flat_over_a_slow_link_as_measured():
+    """The slow-link runs' ranking (4 GPUs, nodes of 2, 1 GB/s: flat 1960 ms, hierarchical 880 ms)."""
+    work = Workload(524288, 0.05)
+    cluster = Cluster(4, 2, inter_gbps=1.0, inter_latency_us=0.0)
+    flat = predict_mtraining(ModelShape(layers=1, vocab=8192), work, cluster, H200)
+    hier = predict_mtraining(ModelShape(layers=1, vocab=8192), work, cluster, H200, inner=2)
+    assert hier.attention_ms < flat.attention_ms / 1.8
+    assert flat.limit == "exposed communication"
+
+
+def test_memory_estimate_is_monotone():
+    cluster = Cluster(16, 8)
+    previous = None
+    for seq_len in (131072, 262144, 524288, 1048576):
+        m = memory_estimate(QWEN, Workload(seq_len), cluster, H100)
+        assert m["full_recompute_gib"] < m["no_recompute_gib"]
+        if previous:
+            assert m["no_recompute_gib"] > previous["no_recompute_gib"]
+            assert m["full_recompute_gib"] > previous["full_recompute_gib"]
+        previous = m
+    fewer = memory_estimate(QWEN, Workload(524288), Cluster(8, 8), H100)
+    more = memory_estimate(QWEN, Workload(524288), Cluster(32, 8), H100)
+    assert more["no_recompute_gib"] < fewer["no_recompute_gib"]
+
+
+def test_memory_estimate_agrees_with_the_e2e_runs():
+    """The e2e model (4 layers, vocabulary 8192) trained 128K tokens per GPU without recompute on
+    80 GB H100s; a 36-layer Qwen2.5-3B at 128K per GPU cannot."""
+    e2e = ModelShape(layers=4, vocab=8192)
+    assert not memory_estimate(e2e, Workload(262144), Cluster(2, 8), H100)["recompute_needed"]
+    assert memory_estimate(QWEN, Workload(262144), Cluster(2, 8), H100)["recompute_needed"]
+
+
+def test_plan_lists_every_configuration_and_recommends_the_fastest():
+    result = plan(QWEN, Workload(524288, 0.05), Cluster(32, 8), H100)
+    names = [p["name"] for p in result["predictions"]]
+    hierarchical = [f"mtraining_hier_{i}" for i in (2, 4, 8, 16)]
+    assert names == ["mtraining_flat"] + hierarchical + ["dense_te_p2p", "dense_te_a2a_p2p"]
+    sparse = [p for p in result["predictions"] if p["method"] == "mtraining"]
+    best = min(sparse, key=lambda p: p["step_ms"])
+    rec = result["recommendation"]
+    assert rec["configuration"] == best["name"] and rec["speedup_over_best_dense"] > 1
+    for p in result["predictions"]:
+        assert p["tokens_per_s"] == pytest.approx(524288 / p["step_ms"] * 1e3)
+    assert rec["recompute"] == ("full" if result["memory"]["recompute_needed"] else "none")
+
+
+# ----------------------------------------------------------------------------------------------
+# The CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def test_cli_table_and_json_end_to_end(capsys):
+    out = subprocess.run([sys.executable, "-m", "megatron_mtraining.plan", "--gpus", "16", "--seq-length", "524288"],
+                         capture_output=True, text=True, env=_env(), timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "recommended: mtraining_" in out.stdout and "dense_te_p2p" in out.stdout and "memory per GPU" in out.stdout
+    assert cli_main(["--gpus", "16", "--seq-length", "524288", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["cluster"]["gpus"] == 16 and result["profile"] == "nvidia-h100"
+    assert {"predictions", "memory", "recommendation"} <= set(result)
+
+
+def test_cli_help_names_the_inputs(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--num-attention-heads", "--num-query-groups", "--kv-channels", "--ffn-hidden-size", "--telemetry",
+                 "--gpus-per-node", "--inter-gbps", "--inter-latency-us", "--gpu-type", "--seq-length"):
+        assert flag in text
+
+
+def test_cli_takes_megatron_flags_and_telemetry(capsys):
+    log = os.path.join(RESULTS, "logs", "e2e_mtraining_nvidia-h200_4gpu_cudnn.log")
+    argv = ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16", "--group-query-attention",
+            "--num-query-groups", "2", "--ffn-hidden-size", "11008", "--seq-length", "524288", "--padded-vocab-size",
+            "8192", "--context-parallel-size", "4", "--swiglu", "--gpu-type", "h200", "--telemetry", log, "--json"]
+    assert cli_main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["workload"]["density"] == pytest.approx(0.029)
+    assert result["shape"] == {"hidden": 2048, "heads": 16, "kv_groups": 2, "head_dim": 128, "layers": 4,
+                               "ffn": 11008, "vocab": 8192}
+    assert result["ignored_args"] == ["--group-query-attention", "--swiglu"]
+    # The run this log came from: 982.5 ms per iteration.
+    flat = next(p for p in result["predictions"] if p["name"] == "mtraining_flat")
+    assert flat["step_ms"] == pytest.approx(982.5, rel=0.10)
+
+
+def test_read_telemetry_json(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([{"density": 0.2}, {"density": 0.031, "iteration": 8}]))
+    assert read_telemetry(str(path)) == {"density": 0.031}
+    path.write_text(json.dumps({"iteration": 3}))
+    with pytest.raises(ValueError, match="no 'density'"):
+        read_telemetry(str(path))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", "12", "--seq-length", "524288"], "multiple of the GPUs per node"),
+    (["--gpus", "8", "--seq-length", "524288", "--gpu-type", "a100"], "unknown GPU profile 'a100'"),
+    (["--gpus", "8", "--seq-length", "524288", "--density", "1.5"], "density must be in"),
+    (["--gpus", "8", "--seq-length", "524288", "--density", "0.1", "--telemetry", "x.log"], "not both"),
+    (["--seq-length", "524288"], "--gpus N"),
+    (["--gpus", "8", "--seq-length", "100000"], "not a multiple of GPUs x block size"),
+    (["--gpus", "8", "--seq-length", "524288", "--num-attention-heads", "16", "--num-query-groups", "3"],
+     "multiple of kv_groups"),
+    (["--gpus", "8", "--seq-length", "524288", "--telemetry", "/nonexistent.log"], "does not exist"),
+    (["--gpus", "8", "--seq-length", "524288", "--inter-gbps", "0"], "inter_gbps must be > 0"),
+    (["--gpus", "0", "--seq-length", "524288"], "gpus must be a positive integer"),
+])
+def test_cli_bad_inputs_say_what_is_wrong(argv, message, capsys):
+    assert cli_main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_inner_ring_must_divide_the_gpus():
+    with pytest.raises(ValueError, match="must divide the GPU count"):
+        predict_mtraining(QWEN, Workload(524288), Cluster(16, 8), H100, inner=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# Calibration and validation on the committed results
+# ----------------------------------------------------------------------------------------------
+
+
+def test_committed_profiles_are_the_derivation_of_the_committed_results(tmp_path):
+    import calibrate
+
+    derived = calibrate.derive_all(RESULTS)
+    for name, profile in derived.items():
+        calibrate.write_profile(profile, str(tmp_path / f"{name}.json"))
+        with open(tmp_path / f"{name}.json") as fh, open(os.path.join(PROFILE_DIR, f"{name}.json")) as committed:
+            stale = f"{name}: rerun calibrate.py --from-results benchmarks/results"
+            assert json.load(fh) == json.load(committed), stale
+        for source in profile["sources"]:
+            if source.startswith("benchmarks/results/"):
+                assert os.path.isfile(os.path.join(REPO, source.split(" ")[0])), source
+    h200 = derived["nvidia-h200"]["sparse"]["fit_max_abs_rel_error"]
+    assert max(h200.values()) < 0.07  # one-GPU kernel points from 64K to 512K, 1.2-10% density
+
+
+def test_fit_drops_negative_coefficients():
+    import calibrate
+
+    points = [{"items": 1.0, "tiles": t, "y": 2.0 * t} for t in (1.0, 2.0, 4.0)]
+    fit = calibrate.fit_cost(points, "y")
+    assert fit["cost"]["per_tile"] == pytest.approx(2.0) and fit["max_abs_rel_error"] < 1e-9
+    assert all(v >= 0 for v in fit["cost"].values())
+    with pytest.raises(ValueError, match="cannot determine"):
+        calibrate.fit_cost(points[:1], "y")
+
+
+def test_profile_from_a_measurement():
+    """calibrate.py --gpu's fits and profile, on a synthetic measurement (the GPU run itself is smoke-
+    tested in test_calibrate_gpu_mode_smoke)."""
+    import calibrate
+
+    sparse = [{"items": i, "tiles": t, "fwd": 0.1 + 1e-5 * i + 5e-6 * t, "bwd": 0.3 + 4e-5 * i + 1.5e-5 * t}
+              for i, t in ((1e4, 4e5), (2e4, 1.6e6), (2e4, 8e5), (8e4, 2.6e7))]
+    dense = [{"items": 0.0, "tiles": t, "fwd": 3.7e-6 * t, "bwd": 9.7e-6 * t} for t in (1e6, 4e6, 6e7)]
+    m = {"meta": {"device": "NVIDIA H200", "commit": "abc"}, "block_size": 64, "sparse": sparse, "dense": dense,
+         "approximator": {"seq_len": 131072, "heads": 16, "ms": 2.0},
+         "rest_of_layer": {"gemm_tflops": 600.0, "elementwise_ns_per_token_layer": 300.0},
+         "p2p": {"intra_gbps": 150.0, "intra_latency_us": 12.0}, "memory_gib": 139.8}
+    profile = calibrate.profile_from_measurement(m, "nvidia-h200")
+    assert profile["sparse"]["fwd"]["per_item"] == pytest.approx(1e-5, rel=1e-6)
+    assert profile["sparse"]["bwd"]["per_call"] == pytest.approx(0.3, rel=1e-6)
+    assert profile["p2p"] == {"intra_gbps": 150.0, "intra_latency_us": 12.0}
+    from megatron_mtraining.plan.profiles import Profile
+    assert Profile.from_dict(profile).memory_gib == 139.8
+
+
+def test_validation_file_is_current_and_meets_the_targets_on_planned_configurations():
+    import plan_validation
+
+    result = plan_validation.validate()
+    with open(os.path.join(RESULTS, "plan_validation.json")) as fh:
+        committed = json.load(fh)
+    def predicted(cases):
+        return [round(c["predicted_ms"], 3) for c in cases]
+    assert predicted(result["cases"]) == predicted(committed["cases"]), "rerun benchmarks/plan_validation.py"
+    planned = result["summary"]["planned_configurations"]
+    assert planned["median_abs_error"] <= 0.10 and planned["worst_abs_error"] <= 0.20 and planned["met"]
+    kinds = {c["kind"] for c in result["cases"]}
+    assert kinds == {"ring", "approximator", "e2e"}
+    assert {c["gpus"] for c in result["cases"]} == {1, 2, 4}
+    assert any(c.get("slow_link_gbps") for c in result["cases"])
+
+
+def _imports(path: str, module: str):
+    """Absolute names of the modules a file imports (relative imports resolved from ``module``)."""
+    tree = ast.parse(open(path).read())
+    package = module.split(".")[:-1] if not path.endswith("__init__.py") else module.split(".")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            name = ".".join(base + ([node.module] if node.module else []))
+            yield name
+            yield from (f"{name}.{a.name}" for a in node.names)
+
+
+def test_plan_is_a_leaf():
+    """Nothing else in the package imports the planner; the planner imports no torch and nothing of
+    the package outside itself (it runs on any machine, from profiles alone)."""
+    package = os.path.join(REPO, "megatron_mtraining")
+    for root, _, files in os.walk(package):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(root, f)
+            module = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+            names = list(_imports(path, module))
+            if module.startswith("megatron_mtraining.plan"):
+                assert not any(n.split(".")[0] == "torch" for n in names), path
+                outside = [n for n in names
+                           if n.startswith("megatron_mtraining") and not n.startswith("megatron_mtraining.plan")]
+                assert not outside, (path, outside)
+            else:
+                assert not any(n.startswith("megatron_mtraining.plan") for n in names), path
+
+
+@pytest.mark.slow
+def test_calibrate_gpu_mode_smoke(tmp_path):
+    out = tmp_path / "profile.json"
+    run = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "calibrate.py"), "--gpu", "--smoke", "--out",
+                          str(out)], capture_output=True, text=True, env=_env(), timeout=600, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    profile = load_profile(str(out))
+    assert profile.sparse_bwd.per_tile >= 0 and profile.block_size == 64
