@@ -37,8 +37,8 @@ from common import (describe_index, device_slug, fixed_vs_index, json_ready, ker
 
 from megatron_mtraining import reference_attention, sparse_attention  # noqa: E402
 from megatron_mtraining.kernels import resolve_backend, single_device_plan, step_backward  # noqa: E402
-from megatron_mtraining.kernels.step import (BACKWARD_KERNEL_ENV, FORWARD_KERNEL_ENV, KERNEL_CHOICES,  # noqa: E402
-                                             backward_kernel, forward_kernel)
+from megatron_mtraining.kernels.dispatch import (BACKWARD_KERNEL_ENV, FORWARD_KERNEL_ENV, KERNEL_CHOICES,  # noqa: E402
+                                                 backward_kernel, forward_kernel)
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -49,8 +49,7 @@ KERNEL_GROUPS = (("_vs_attn_fwd_kernel", "fwd"), ("_vs_attn_fwd_sm90_kernel", "f
                  ("_vs_attn_fwd_pingpong_kernel", "fwd"),
                  ("_dkdv_col_kernel", "dkdv_col"), ("_dkdv_col_sm90_kernel", "dkdv_col"),
                  ("_dkdv_kernel", "dkdv_block"), ("_dkdv_sm90_kernel", "dkdv_block"),
-                 ("_dkdv_pingpong_kernel", "dkdv_block"), ("_dq_kernel", "dq"),
-                 ("_dq_sm90_kernel", "dq"), ("_dq_pingpong_kernel", "dq"))
+                 ("_dq_kernel", "dq"), ("_dq_sm90_kernel", "dq"))
 
 
 @dataclasses.dataclass
@@ -72,7 +71,7 @@ class Config:
     skip: Sequence[str] = ()
     smoke: bool = False
     launch: str = ""  # "fwd:WxS,bwd:WxS" num_warps x num_stages overrides ("" = the defaults)
-    forward_kernel: str = "auto"  # kernels/step.py KERNEL_CHOICES: the GPU forward (auto: Hopper's on sm_90)
+    forward_kernel: str = "auto"  # kernels/dispatch.py KERNEL_CHOICES: the GPU forward (auto: Hopper's on sm_90)
     backward_kernel: str = "auto"  # the same for the backward's dK/dV (key blocks and columns)
 
 
@@ -183,7 +182,7 @@ def bench_ours(cfg: Config, index, seq_len: int, arg_sets, device: torch.device)
     def attn(q, k, v):
         return sparse_attention(q, k, v, index, scale, backend)
 
-    if backend == "triton":  # which kernels ran (step.py: Hopper's on sm_90 unless forced)
+    if backend == "triton":  # which kernels ran (dispatch.py: Hopper's on sm_90 unless forced)
         q, k, v, dout = arg_sets[0]
         plan = single_device_plan(index, seq_len)
         attempt(section, "forward_kernel", lambda: forward_kernel(q, k, v, plan, q))
@@ -473,7 +472,7 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# Letters after a launch setting that set kernel options (triton_fwd.tile_config's keys):
+# Letters after a launch setting that set kernel options (triton_common.tile_config's keys):
 # m: the causal mask on every slash tile of the forward and dQ (not only the diagonal block's);
 # c: 4x the column-gradient programs (shorter ones). (Running a GQA group's query heads as
 # adjacent programs was also tried: no gain, removed; docs/performance.md.)
@@ -503,22 +502,22 @@ def parse_launch(text: str) -> Dict[str, dict]:
 def sweep(cfg: Config, candidates: str, device: torch.device) -> Dict:
     """Our fwd and fwd+bwd times per launch setting: each fwd candidate with the default bwd,
     then each bwd candidate with the default fwd (the two families are independent kernels)."""
-    from megatron_mtraining.kernels import triton_fwd
+    from megatron_mtraining.kernels import triton_common
     rows = []
     ours_only = dataclasses.replace(cfg, skip=tuple(cfg.skip) + ("breakdown",))
     for seq_len in cfg.seq_lens:
         index, arg_sets = index_and_inputs(cfg, seq_len, device)  # the same inputs for every setting
         for family in ("fwd", "bwd"):
             for setting in filter(None, candidates.split(",")):
-                triton_fwd.LAUNCH_OVERRIDES.clear()
-                triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(f"{family}:{setting}"))
+                triton_common.LAUNCH_OVERRIDES.clear()
+                triton_common.LAUNCH_OVERRIDES.update(parse_launch(f"{family}:{setting}"))
                 ours = bench_ours(ours_only, index, seq_len, arg_sets, device)
                 rows.append({"family": family, "launch": setting, "seq_len": seq_len,
                              "fwd_ms": ours.get("fwd_ms"), "fwdbwd_ms": ours.get("fwdbwd_ms"),
                              "errors": ours.get("errors")})
                 print(f"{family} {setting:>5} S={seq_len}: fwd {fmt(ours.get('fwd_ms'))} ms, "
                       f"fwd+bwd {fmt(ours.get('fwdbwd_ms'))} ms", flush=True)
-    triton_fwd.LAUNCH_OVERRIDES.clear()
+    triton_common.LAUNCH_OVERRIDES.clear()
     return {"benchmark": "kernel_sweep", "meta": run_metadata(device), "config": dataclasses.asdict(cfg),
             "rows": rows}
 
@@ -549,8 +548,8 @@ def main(argv=None) -> int:
     os.environ[FORWARD_KERNEL_ENV] = cfg.forward_kernel
     os.environ[BACKWARD_KERNEL_ENV] = cfg.backward_kernel
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
-    from megatron_mtraining.kernels import triton_fwd
-    triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(cfg.launch))
+    from megatron_mtraining.kernels import triton_common
+    triton_common.LAUNCH_OVERRIDES.update(parse_launch(cfg.launch))
     if args.sweep:
         if cfg.launch:
             raise SystemExit("kernel.py: --sweep tries each setting against the other family's defaults; "

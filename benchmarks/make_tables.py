@@ -134,7 +134,7 @@ def render_kernel(results: List[Result]) -> str:
     ran = sorted((f or "triton", b or "triton") for f, b in kernels)
     if ran and ran != [("triton", "triton")]:
         text.append("Our kernels: " + "; ".join(f"forward {f}, backward {b}"
-                                                for f, b in ran) + " (`kernels/step.py` chooses"
+                                                for f, b in ran) + " (`kernels/dispatch.py` chooses"
                     + ("; the Hopper backward runs dQ and key-block dK/dV only at B = 128, Triton's at B = 64"
                        if any(b == "hopper" for _, b in ran) else "") + ").")
         text.append("")

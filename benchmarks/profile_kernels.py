@@ -24,14 +24,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernel import Config, forward_and_backward, index_and_inputs, parse_launch  # noqa: E402
 
 from megatron_mtraining import sparse_attention  # noqa: E402
-from megatron_mtraining.kernels import column_words, triton_bwd, triton_delta, triton_fwd  # noqa: E402
+from megatron_mtraining.kernels import column_words, triton_bwd, triton_common, triton_delta, triton_fwd  # noqa: E402
 
 
 def compiled_variants():
     """(kernel name, registers, spills, shared bytes) of every compiled variant of our kernels."""
-    from megatron_mtraining.kernels import hopper_bwd, hopper_fwd, hopper_pingpong  # Gluon: on the GPU only
+    from megatron_mtraining.kernels import hopper_bwd, hopper_fwd  # Gluon: on the GPU only
 
-    for module in (triton_fwd, triton_bwd, triton_delta, column_words, hopper_fwd, hopper_bwd, hopper_pingpong):
+    for module in (triton_fwd, triton_bwd, triton_delta, column_words, hopper_fwd, hopper_bwd):
         for name in dir(module):
             fn = getattr(module, name)
             caches = getattr(fn, "device_caches", None)
@@ -47,14 +47,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=65536)
     parser.add_argument("--launch", default="", help="as benchmarks/kernel.py --launch, e.g. fwd:4x2,bwd:4x2")
-    parser.add_argument("--block-size", type=int, default=64, help="index block size (128: the ping-pong kernels)")
-    # The kernels that run: MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL (kernels/step.py)
-    # choose between the Hopper and the Triton ones, as in training; MTRAINING_BACKWARD_SCHEDULE
-    # between B = 128's lockstep and ping-pong backward.
+    parser.add_argument("--block-size", type=int, default=64, help="index block size (128: the ping-pong forward)")
+    # The kernels that run: MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL (kernels/dispatch.py)
+    # choose between the Hopper and the Triton ones, as in training.
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernels.py needs a CUDA device")
-    triton_fwd.LAUNCH_OVERRIDES.update(parse_launch(args.launch))
+    triton_common.LAUNCH_OVERRIDES.update(parse_launch(args.launch))
     cfg = Config(seq_lens=[args.seq_len], block_size=args.block_size)
     device = torch.device("cuda")
     index, arg_sets = index_and_inputs(cfg, args.seq_len, device)

@@ -284,7 +284,7 @@ def local_inputs(cfg: Config, seq_len: int, device: torch.device) -> Dict[str, t
 
 
 def bench_dense_zigzag(cfg: Config, x: Dict, device: torch.device, cu_seqlens=None) -> Dict:
-    from megatron_mtraining.kernels import dense as dense_kernels
+    from megatron_mtraining.kernels.dispatch import dense_impl
 
     def attn():
         return dense_ring_attention(x["q"], x["k"], x["v"], layout="zigzag", impl=cfg.dense_impl,
@@ -294,7 +294,7 @@ def bench_dense_zigzag(cfg: Config, x: Dict, device: torch.device, cu_seqlens=No
     # "auto" resolves to cuDNN and falls back to flash for good once cuDNN raised: say what ran.
     # With documents the dense ring runs our block-skipping kernels on the all-blocks index.
     local["impl"] = "sparse kernels, all blocks, documents" if cu_seqlens is not None else \
-        dense_kernels._resolve(cfg.dense_impl, x["q"])
+        dense_impl(cfg.dense_impl, x["q"])
     return local
 
 

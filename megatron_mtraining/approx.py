@@ -64,7 +64,7 @@ import torch.distributed as dist
 from .config import MTrainingConfig
 from .documents import check_cu_seqlens
 from .index import VSIndex
-from .kernels.step import resolve_backend
+from .kernels.dispatch import resolve_backend
 from .layout import check_layout, local_positions
 from .ring import agreement
 

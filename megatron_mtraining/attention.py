@@ -10,7 +10,8 @@ import torch
 from .documents import as_documents
 from .index import VSIndex, value_checks
 from .kernels.plan import single_device_plan
-from .kernels.step import backward_delta, resolve_backend, single_step_backward, step_forward
+from .kernels.dispatch import resolve_backend
+from .kernels.step import backward_delta, single_step_backward, step_forward
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -9,9 +9,6 @@
 #   bwd_ab  kernel.py at 128K, no dense baselines, the backward on the Hopper kernels and then on
 #           Triton's (the forward Hopper's in both), index blocks of BLOCK_SIZE (default 64):
 #           kernelrerun_{hopper,triton}bwd_b<BLOCK_SIZE>_<device>.json
-#   pp_ab   B = 128 at 128K: the ping-pong backward's GPU tests, then kernel.py with the lockstep and
-#           the ping-pong dQ and key-block kernels (MTRAINING_BACKWARD_SCHEDULE) in one call:
-#           kernelrerun_bwd{lockstep,pingpong}_b128_<device>.json
 #   packed  benchmarks/packed.py at 128K: packed_<device>.json
 #   report  issue 17's other figures, B = 64 and the default kernels, cuDNN beside (no Flex): 512K at 5%,
 #           128K at 2.5% and at 10%: kernel_report_{512k,d025,d10}_<device>.json (tabled, never the
@@ -52,14 +49,6 @@ fi
 if stage bwd_ab; then
   for kernel in hopper triton; do
     ab_leg "${kernel}bwd_b${BLOCK_SIZE:-64}" 150 --backward-kernel $kernel
-  done
-fi
-if stage pp_ab; then
-  timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_hopper_kernels.py -k pingpong_backward \
-      > "$OUT/tests_bwd_pingpong.log" 2>&1
-  echo "pingpong backward tests rc=$?"; tail -3 "$OUT/tests_bwd_pingpong.log"
-  for schedule in lockstep pingpong; do
-    MTRAINING_BACKWARD_SCHEDULE=$schedule BLOCK_SIZE=128 ab_leg "bwd${schedule}_b128" 120
   done
 fi
 if stage report; then

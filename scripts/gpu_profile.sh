@@ -3,8 +3,8 @@
 # Nsight Compute on one forward+backward of the canonical problem (benchmarks/profile_kernels.py,
 # PROFILE_LEN tokens, default 64K): speed of light, occupancy, warp stalls, memory, per kernel.
 # Logs and reports under $OUT (KEEP_REPORT=1 keeps the .ncu-rep); PROFILE_LAUNCH as kernel.py
-# --launch; PROFILE_BLOCK the index block size (default 64; 128 runs the B = 128 kernels, and
-# MTRAINING_BACKWARD_SCHEDULE=pingpong their ping-pong backward); TESTS="" skips the tests;
+# --launch; PROFILE_BLOCK the index block size (default 64; 128 runs the B = 128 kernels);
+# TESTS="" skips the tests;
 # TESTS_TIMEOUT, PROFILE_TIMEOUT.
 # shellcheck source=SCRIPTDIR/gpu_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
@@ -18,7 +18,7 @@ fi
 SECTIONS=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
           --section SchedulerStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis)
 timeout "${PROFILE_TIMEOUT:-240}" ncu --clock-control none --profile-from-start off "${SECTIONS[@]}" \
-    -k 'regex:_(vs_attn_fwd|vs_attn_fwd_sm90|vs_attn_fwd_pingpong|dq|dq_sm90|dq_pingpong|dkdv|dkdv_sm90|dkdv_pingpong|dkdv_col|dkdv_col_sm90|delta|column_words)_kernel' \
+    -k 'regex:_(vs_attn_fwd|vs_attn_fwd_sm90|vs_attn_fwd_pingpong|dq|dq_sm90|dkdv|dkdv_sm90|dkdv_col|dkdv_col_sm90|delta|column_words)_kernel' \
     --export "$OUT/profile" --force-overwrite \
     "$PY" benchmarks/profile_kernels.py --seq-len "${PROFILE_LEN:-65536}" --launch "${PROFILE_LAUNCH:-}" \
     --block-size "${PROFILE_BLOCK:-64}" \

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from common import ptxas_report  # noqa: E402
-from megatron_mtraining.kernels import hopper_bwd, hopper_common, hopper_fwd, hopper_pingpong  # noqa: E402
+from megatron_mtraining.kernels import hopper_bwd, hopper_common, hopper_fwd  # noqa: E402
 
 
 def _strides(*tensors: str) -> list:
@@ -48,7 +48,7 @@ KERNELS = {
         changes=[{}, {"ACCUMULATE": True}, {"DOCS": True}, {"HAS_COLS": False}, {"INT64": True}, {"BLOCK": 128},
                  {"HEAD_DIM": 64}, {"dtype": "fp16"}, {"DOCS": True, "ACCUMULATE": True, "INT64": True}]),
     "fwd_pp": dict(
-        fn=hopper_pingpong._vs_attn_fwd_pingpong_kernel,
+        fn=hopper_fwd._vs_attn_fwd_pingpong_kernel,
         args={"Q": None, "K": None, "V": None, "Out": "Out", "Lse": "*fp32", "QBlk": "*i32", "KBlk": "*i32",
               "KVCnt": "*i32", "KVIdx": "*i32", "ColLimit": "*i32", "Cols": "*i32", "ColPos": "*i64",
               "Words": "*i64", "Diag": "*i8", "DocStart": "*i32", "DocLast": "*i32", "ColStart": "*i32",
@@ -56,37 +56,11 @@ KERNELS = {
               **{s: "i32" for s in ("HQ", "GROUP", "NQB", "MAX_S", "MAX_V", "N_WORDS")},
               **{c: "constexpr" for c in ("BLOCK", "HEAD_DIM", "STAGES", "CHUNK", "ACCUMULATE", "INT64", "DOCS",
                                           "HAS_COLS", "SMEM_LAYOUT")}},
-        base=dict(BLOCK=128, HEAD_DIM=128, STAGES=hopper_pingpong.STAGES, CHUNK=hopper_pingpong.CHUNK,
+        base=dict(BLOCK=128, HEAD_DIM=128, STAGES=hopper_fwd.PINGPONG_STAGES, CHUNK=hopper_fwd.CHUNK,
                   ACCUMULATE=False, INT64=False, DOCS=False, HAS_COLS=True),  # B = 128 only
         options={"maxnreg": 168},
         changes=[{}, {"ACCUMULATE": True}, {"DOCS": True}, {"HAS_COLS": False}, {"INT64": True}, {"HEAD_DIM": 64},
                  {"dtype": "fp16"}, {"DOCS": True, "ACCUMULATE": True, "INT64": True}]),
-    "dq_pp": dict(
-        fn=hopper_pingpong._dq_pingpong_kernel,
-        args={"Q": None, "K": None, "V": None, "DO": None, "Lse": "*fp32", "Delta": "*fp32", "DQ": "DQ",
-              "QBlk": "*i32", "KBlk": "*i32", "KVCnt": "*i32", "KVIdx": "*i32", "ColLimit": "*i32", "Cols": "*i32",
-              "ColPos": "*i64", "Words": "*i64", "Diag": "*i8", "DocStart": "*i32", "DocLast": "*i32",
-              "ColStart": "*i32", **{s: "i32" for s in _strides("q", "k", "v", "o", "l", "g")}, "qk_scale": "fp32",
-              "sm_scale": "fp32", **{s: "i32" for s in ("HQ", "GROUP", "NQB", "MAX_S", "MAX_V", "N_WORDS")},
-              **{c: "constexpr" for c in ("BLOCK", "HEAD_DIM", "STAGES", "CHUNK", "ACCUMULATE", "INT64", "DOCS",
-                                          "HAS_COLS", "SMEM_LAYOUT")}},
-        base=dict(BLOCK=128, HEAD_DIM=128, STAGES=hopper_pingpong.DQ_STAGES, CHUNK=hopper_pingpong.CHUNK,
-                  ACCUMULATE=False, INT64=False, DOCS=False, HAS_COLS=True),  # B = 128 only
-        options={"maxnreg": 168},
-        changes=[{}, {"ACCUMULATE": True}, {"DOCS": True}, {"HAS_COLS": False}, {"INT64": True}, {"HEAD_DIM": 64},
-                 {"dtype": "fp16"}, {"DOCS": True, "ACCUMULATE": True}]),
-    "dkdv_pp": dict(
-        fn=hopper_pingpong._dkdv_pingpong_kernel,
-        args={"Q": None, "K": None, "V": None, "DO": None, "Lse": "*fp32", "Delta": "*fp32", "DK": "*fp32",
-              "DV": "*fp32", "QBlk": "*i32", "KBlk": "*i32", "QCnt": "*i32", "QIdx": "*i32", "DocStart": "*i32",
-              "DocLast": "*i32", **{s: "i32" for s in _strides("q", "k", "v", "o", "l", "g")}, "qk_scale": "fp32",
-              "sm_scale": "fp32", **{s: "i32" for s in ("HQ", "HKV", "GROUP", "NKB", "MAX_S")},
-              **{c: "constexpr" for c in ("BLOCK", "HEAD_DIM", "HEADS", "STAGES", "CHUNK", "INT64", "DOCS",
-                                          "SMEM_LAYOUT")}},
-        base=dict(BLOCK=128, HEAD_DIM=128, HEADS=8, STAGES=hopper_pingpong.DKDV_STAGES,
-                  CHUNK=hopper_pingpong.CHUNK, INT64=False, DOCS=False),  # B = 128 only
-        options={"maxnreg": 168},
-        changes=[{}, {"DOCS": True}, {"INT64": True}, {"HEAD_DIM": 64}, {"dtype": "fp16"}, {"HEADS": 1}]),
     "dkdv_col": dict(
         fn=hopper_bwd._dkdv_col_sm90_kernel,
         args={"Q": None, "K": None, "V": None, "DO": None, "Lse": "*fp32", "Delta": "*fp32", "DKP": "*fp32",

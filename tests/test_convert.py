@@ -250,7 +250,7 @@ def test_column_words_mark_exactly_the_live_columns(name, nb, q_ids, k_ids):
     indices with and without the diagonal offset; the Triton kernel (interpreter) gives the same."""
     from megatron_mtraining.kernels.column_words import column_words_reference, column_words_triton
     from megatron_mtraining.kernels.plan import build_step_plan
-    from megatron_mtraining.kernels.triton_fwd import interpreting
+    from megatron_mtraining.kernels.common import interpreting
 
     seed = zlib.crc32(name.encode())
     no_diagonal = VSIndex.from_lists([[[1, 3], [2]]], [[[5, 20, 21, 40, 47], [1, 35, 36]]], block_size=B)

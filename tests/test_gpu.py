@@ -110,7 +110,7 @@ def test_element_offsets_beyond_2_31(layout, n, big):
     """A forward step (written, then merged into) and a backward step with every tensor a view
     whose element offsets pass 2^31 give the same bits as on compact copies (up to 30 GB)."""
     from megatron_mtraining.kernels import single_device_plan, step_backward, step_forward
-    from megatron_mtraining.kernels.triton_fwd import int64_offsets
+    from megatron_mtraining.kernels.common import int64_offsets
 
     b, hq, hkv, d, B = 2, 4, 2, 64, 64
     scale = d ** -0.5

@@ -1,6 +1,6 @@
 """The Hopper kernels (kernels/hopper_fwd.py, hopper_bwd.py; Gluon, sm_90) against the reference and
-the Triton kernels, and the choice between them (kernels/step.py ``forward_kernel``,
-``backward_kernel``).
+the Triton kernels, and the choice between them (kernels/dispatch.py ``forward_kernel``,
+``backward_kernel``; the whole table on the CPU: test_dispatch.py).
 
 CPU: the kernels cross-compile for sm_90a in every configuration the dispatcher sends them, without
 serialised wgmma; the choice and its errors. GPU (sm_90 only): the forward's out and lse against
@@ -23,8 +23,9 @@ import torch
 from megatron_mtraining import VSIndex, reference_attention, sparse_attention
 from megatron_mtraining.documents import as_documents
 from megatron_mtraining.kernels import build_step_plan, single_device_plan, step_forward
-from megatron_mtraining.kernels.step import (BACKWARD_KERNEL_ENV, FORWARD_KERNEL_ENV, backward_kernel, forward_kernel,
-                                             hopper_device_reason)
+from megatron_mtraining.kernels.dispatch import (BACKWARD_KERNEL_ENV, FORWARD_KERNEL_ENV, backward_kernel,
+                                                 backward_parts, forward_kernel, hopper_device_reason,
+                                                 hopper_forward_rows, hopper_unsupported_reason)
 from oracle import rel_err
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,36 +46,23 @@ def test_cross_compiles_for_sm90a_without_serialised_wgmma(tmp_path):
                           cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     configs = json.loads(out.read_text())["configs"]
-    assert sorted({e["kernel"] for e in configs.values()}) == ["dkdv", "dkdv_col", "dkdv_pp", "dq", "dq_pp", "fwd",
-                                                                "fwd_pp"]
-    assert len(configs) == 51
+    assert sorted({e["kernel"] for e in configs.values()}) == ["dkdv", "dkdv_col", "dq", "fwd", "fwd_pp"]
+    assert len(configs) == 37
     for name, e in configs.items():
         assert "error" not in e, (name, e.get("error"))
         assert e["ptxas_ok"] and not e["wgmma_serialized"], (name, e)
         assert e["cp_async_16"], (name, e)  # every copy a 16-byte piece
         d = e["config"]["HEAD_DIM"]
-        if e["kernel"].endswith("_pp"):
-            # Two consumer warpgroups and a producer warpgroup; the forward's Q and ring of three
-            # 128-key tiles (224 KB at d 128), dQ's Q, dO and four 64-key tiles, the key-block
-            # kernel's K, V and four Q/dO tiles (192 KB), in the 227 KB an sm_90 block may have.
+        if e["kernel"] == "fwd_pp":
+            # Two consumer warpgroups and a producer warpgroup; Q and a ring of three 128-key tiles
+            # (224 KB at d 128), in the 227 KB an sm_90 block may have.
             assert e["num_warps"] == 12, (name, e)
             assert e["shared_bytes"] <= (227 if d == 128 else 113) * 1024, (name, e)
-            if e["kernel"] == "fwd_pp":
-                # Per consumer S (d/16) and PV (128/16), each in two places (tile 0 and the loop;
-                # the loop and the last tile). A value kept across the loop spills (one store and
-                # one load per program).
-                assert e["wgmma"] == 4 * (d // 16 + 8), (name, e)
-                spill_limit = 64
-            elif e["kernel"] == "dq_pp":
-                # Per consumer S and dP (d/16 each) and dQ (64/16), in the loop only.
-                assert e["wgmma"] == 2 * (2 * (d // 16) + 4), (name, e)
-                spill_limit = 64
-            else:
-                # Per consumer S^T and dP^T (d/16 each), dV and dK (64/16 each), in the loop only.
-                # dK and dV alone take 128 of the consumers' 240 registers: list scalars spill, as
-                # in the lockstep kernel; more with int64 offsets (tensors past 2^31 elements).
-                assert e["wgmma"] == 2 * (2 * (d // 16) + 8), (name, e)
-                spill_limit = 640 if e["config"]["INT64"] else 192
+            # Per consumer S (d/16) and PV (128/16), each in two places (tile 0 and the loop; the
+            # loop and the last tile). A value kept across the loop spills (one store and one load
+            # per program).
+            assert e["wgmma"] == 4 * (d // 16 + 8), (name, e)
+            spill_limit = 64
         else:
             rows = e["config"].get("KEYS", e["config"].get("ROWS", 64))
             assert e["num_warps"] == rows // 16, (name, e)  # a warpgroup per 64 rows
@@ -122,20 +110,16 @@ def test_kernel_choice_on_cpu_is_triton_and_hopper_is_refused(monkeypatch):
 
 
 def test_unsupported_reasons():
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from megatron_mtraining.kernels.hopper_common import unsupported_reason
-
-    plan = _cpu_plan()
     ok = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
-    assert unsupported_reason(plan, dict(q=ok, k=ok, v=ok, out=ok)) == ""
-    assert unsupported_reason(plan, dict(q=ok, k=ok, v=ok, out=ok.float())) == ""  # the ring's fp32 accumulator
-    assert "dtype" in unsupported_reason(plan, dict(q=ok.float(), k=ok, v=ok, out=ok))
+    assert hopper_unsupported_reason(64, dict(q=ok, k=ok, v=ok, out=ok)) == ""
+    assert hopper_unsupported_reason(64, dict(q=ok, k=ok, v=ok, out=ok.float())) == ""  # the ring's fp32 accumulator
+    assert "dtype" in hopper_unsupported_reason(64, dict(q=ok.float(), k=ok, v=ok, out=ok))
     odd = torch.zeros(1, 2, 256, 96, dtype=torch.bfloat16)
-    assert "head_dim 96" in unsupported_reason(plan, dict(q=odd, k=odd, v=odd, out=odd))
-    assert "block size 32" in unsupported_reason(_cpu_plan(B=32), dict(q=ok, k=ok, v=ok, out=ok))
+    assert "head_dim 96" in hopper_unsupported_reason(64, dict(q=odd, k=odd, v=odd, out=odd))
+    assert "block size 32" in hopper_unsupported_reason(32, dict(q=ok, k=ok, v=ok, out=ok))
     # Rows that do not start on 16 bytes: a token stride of 132 elements (264 bytes).
     shifted = torch.zeros(1, 2, 256, 132, dtype=torch.bfloat16)[..., :128]
-    assert "do's rows are not 16-byte" in unsupported_reason(plan, dict(q=ok, k=ok, v=ok, do=shifted))
+    assert "do's rows are not 16-byte" in hopper_unsupported_reason(64, dict(q=ok, k=ok, v=ok, do=shifted))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -150,6 +134,8 @@ def _forward(kernel, q, k, v, plan, out=None, lse=None, accumulate=False, **opti
     if out is None:
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:3], device=q.device)
+    if kernel == "hopper":
+        options.setdefault("rows", hopper_forward_rows(plan.block_size))
     fn = vs_attention_fwd_hopper if kernel == "hopper" else vs_attention_fwd_triton
     fn(q, k, v, plan, out, lse, q.shape[-1] ** -0.5, accumulate, **options)
     return out, lse
@@ -218,8 +204,8 @@ def test_matches_reference_and_triton(n, B, d, hq, hkv, dtype, kind):
 @pytest.mark.gpu
 @needs_hopper
 def test_pingpong_forward_at_128_token_blocks(n, d, hq, hkv, dtype, kind, docs):
-    """B = 128's Hopper forward (hopper_pingpong.py: two ping-ponging warpgroups over 128-key
-    tiles) against the reference and the Triton forward (``_check``), the 64-row Hopper forward,
+    """B = 128's Hopper forward (hopper_fwd.py's ping-pong kernel: two ping-ponging warpgroups over
+    128-key tiles) against the reference and the Triton forward (``_check``), the 64-row Hopper forward,
     itself run again (the same bits), and, for the ring's merge mode, itself merged twice."""
     B = 128
     g = torch.Generator().manual_seed(n + d + docs)
@@ -326,7 +312,7 @@ def test_sparse_attention_takes_the_hopper_forward(monkeypatch):
 
     calls = []
     real = hopper_fwd.vs_attention_fwd_hopper
-    monkeypatch.setattr(hopper_fwd, "vs_attention_fwd_hopper", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(hopper_fwd, "vs_attention_fwd_hopper", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     n, d, hq, hkv = 2048, 128, 8, 2
     g = torch.Generator().manual_seed(5)
     base = [torch.randn(1, h, n, d, generator=g).to("cuda", torch.bfloat16) for h in (hq, hkv, hkv)]
@@ -359,15 +345,15 @@ def test_forcing_hopper_on_an_uncovered_call_is_an_error(monkeypatch):
 def _backward(kernels, q, k, v, do, plan, accumulate_dq=True):
     """The backward on ``kernels`` ("hopper" or "triton"): (dq, dk, dv) in fp32 (dq in q's dtype,
     written rather than added, with ``accumulate_dq=False``: the single-step path)."""
-    from megatron_mtraining.kernels.triton_bwd import vs_attention_bwd_triton
+    from megatron_mtraining.kernels.step import vs_attention_backward
 
     out, lse = _forward("triton", q, k, v, plan)
     delta = (do.float() * out.float()).sum(-1)
     dq = torch.zeros(q.shape, device=q.device) if accumulate_dq else torch.empty_like(q)
     dk = torch.zeros(k.shape, device=q.device)
     dv = torch.zeros(k.shape, device=q.device)
-    vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, q.shape[-1] ** -0.5,
-                            accumulate_dq=accumulate_dq, kernels=kernels)
+    vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, q.shape[-1] ** -0.5,
+                          backward_parts(kernels, plan.block_size), accumulate_dq=accumulate_dq)
     return dq.float(), dk, dv
 
 
@@ -469,66 +455,16 @@ def test_backward_megatron_strided_views_give_the_same_bits():
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("n, d, hq, hkv, kind, docs, accumulate_dq", [
-    (1024, 128, 4, 2, "random", True, True),
-    (2048, 128, 8, 2, "random", False, False),  # one step: dq written in bf16
-    (2048, 128, 4, 2, "many_columns", False, True),
-    (1024, 64, 4, 2, "no_columns", False, True),
-    (1024, 128, 4, 2, "dense", False, True),
-    (1024, 128, 4, 4, "no_diagonal", False, True),  # GQA 1
-    (128, 128, 4, 2, "random", False, True),  # a single block
-    (1024, 128, 8, 1, "many_columns", False, True),  # GQA 8: one full pass
-    (1024, 128, 16, 1, "random", True, True),  # GQA 16: the key-block kernel's heads in two passes
-    (1024, 64, 12, 1, "random", False, True),  # GQA 12: the second pass half empty
-], ids=lambda x: str(x))
-@pytest.mark.gpu
-@needs_hopper
-def test_pingpong_backward_matches_the_lockstep_one(monkeypatch, n, d, hq, hkv, kind, docs, accumulate_dq):
-    """MTRAINING_BACKWARD_SCHEDULE=pingpong (hopper_pingpong.py's dQ and key-block dK/dV, B = 128):
-    the backward against Triton's, the reference's and the same again (``_check_backward``), against
-    the lockstep Hopper kernels'; and Megatron's views give the same bits."""
-    from megatron_mtraining.kernels.hopper_bwd import SCHEDULE_ENV
-
-    B = 128
-    g = torch.Generator().manual_seed(n + d + hq + 1)
-    q, k, v, do = (torch.randn(2, h, n, d, generator=g).to("cuda", torch.bfloat16) for h in (hq, hkv, hkv, hq))
-    index = _index(kind, 2, hq, n, B, g).to("cuda")
-    cu = torch.tensor([0, 100, 101, 700, n], dtype=torch.int32, device="cuda") if docs else None
-    plan = single_device_plan(index, n, documents=as_documents(cu, n, B, q.device))
-    lockstep = _backward("hopper", q, k, v, do, plan, accumulate_dq)
-    monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
-    _check_backward(q, k, v, do, index, plan, cu_seqlens=cu, accumulate_dq=accumulate_dq)
-    for name, a, e in zip(("dq", "dk", "dv"), _backward("hopper", q, k, v, do, plan, accumulate_dq), lockstep):
-        assert rel_err(a, e) < 1e-3, name
-    views = [x.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3) for x in (q, k, v, do)]  # [s, b, h, d]
-    compact = _backward("hopper", q, k, v, do, plan)
-    for name, a, e in zip(("dq", "dk", "dv"), _backward("hopper", *views, plan), compact):
-        assert torch.equal(a, e), name
-
-
-def test_backward_schedule_is_validated(monkeypatch):
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from megatron_mtraining.kernels.hopper_bwd import SCHEDULE_ENV, backward_schedule
-
-    monkeypatch.delenv(SCHEDULE_ENV, raising=False)
-    assert backward_schedule() == "lockstep"
-    monkeypatch.setenv(SCHEDULE_ENV, "pingpong")
-    assert backward_schedule() == "pingpong"
-    monkeypatch.setenv(SCHEDULE_ENV, "ping-pong")
-    with pytest.raises(ValueError, match="MTRAINING_BACKWARD_SCHEDULE='ping-pong': must be one of lockstep, pingpong"):
-        backward_schedule()
-
-
 def test_the_choice_is_logged_once(monkeypatch, caplog):
     import logging
 
-    from megatron_mtraining.kernels import step
+    from megatron_mtraining.kernels import dispatch
 
     monkeypatch.delenv(FORWARD_KERNEL_ENV, raising=False)
-    monkeypatch.setattr(step, "_ANNOUNCED", set())
+    monkeypatch.setattr(dispatch, "_ANNOUNCED", set())
     q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
     plan = _cpu_plan()
-    with caplog.at_level(logging.INFO, logger="megatron_mtraining.kernels.step"):
+    with caplog.at_level(logging.INFO, logger="megatron_mtraining.kernels.dispatch"):
         for _ in range(3):
             forward_kernel(q, q, q, plan, q)
     said = [r.getMessage() for r in caplog.records]

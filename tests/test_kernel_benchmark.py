@@ -32,8 +32,8 @@ def test_parse_launch():
 
     import torch
 
-    from megatron_mtraining.kernels import triton_fwd
-    assert {key for key, _ in kernel.LAUNCH_OPTIONS.values()} <= set(triton_fwd.tile_config(64, torch.bfloat16))
+    from megatron_mtraining.kernels import triton_common
+    assert {key for key, _ in kernel.LAUNCH_OPTIONS.values()} <= set(triton_common.tile_config(64, torch.bfloat16))
     assert kernel.parse_launch("bwd:4x2c")["bwd"]["COLUMN_PROGRAMS"] == 4096
 
 
@@ -46,17 +46,17 @@ def test_bad_launch_settings_are_rejected(text):
 def test_launch_overrides_reach_the_tile_config():
     import torch
 
-    from megatron_mtraining.kernels import triton_fwd
-    default = triton_fwd.tile_config(64, torch.bfloat16, "bwd")
-    default_fwd = triton_fwd.tile_config(64, torch.bfloat16, "fwd")
+    from megatron_mtraining.kernels import triton_common
+    default = triton_common.tile_config(64, torch.bfloat16, "bwd")
+    default_fwd = triton_common.tile_config(64, torch.bfloat16, "fwd")
     assert (default["num_warps"], default["num_stages"]) != (8, 3)  # else the override below shows nothing
     try:
-        triton_fwd.LAUNCH_OVERRIDES.update(kernel.parse_launch("bwd:8x3"))
-        assert triton_fwd.tile_config(64, torch.bfloat16, "bwd") == {**default, "num_warps": 8, "num_stages": 3}
-        assert triton_fwd.tile_config(64, torch.bfloat16, "fwd") == default_fwd  # the other family keeps its own
+        triton_common.LAUNCH_OVERRIDES.update(kernel.parse_launch("bwd:8x3"))
+        assert triton_common.tile_config(64, torch.bfloat16, "bwd") == {**default, "num_warps": 8, "num_stages": 3}
+        assert triton_common.tile_config(64, torch.bfloat16, "fwd") == default_fwd  # the other family keeps its own
     finally:
-        triton_fwd.LAUNCH_OVERRIDES.clear()
-    assert triton_fwd.tile_config(64, torch.bfloat16, "bwd") == default
+        triton_common.LAUNCH_OVERRIDES.clear()
+    assert triton_common.tile_config(64, torch.bfloat16, "bwd") == default
 
 
 def test_smoke_sweep_times_every_setting_of_both_families(tmp_path):
@@ -89,22 +89,22 @@ def test_forward_launch_keywords_are_kernel_arguments(letters):
     key the forward passes, with any launch option set, must be one of the kernel's arguments."""
     import torch
 
-    from megatron_mtraining.kernels import triton_fwd
+    from megatron_mtraining.kernels import triton_common, triton_fwd
     try:
-        triton_fwd.LAUNCH_OVERRIDES.update(kernel.parse_launch(f"fwd:4x2{letters}"))
+        triton_common.LAUNCH_OVERRIDES.update(kernel.parse_launch(f"fwd:4x2{letters}"))
         for dtype in (torch.bfloat16, torch.float32):
             cfg = triton_fwd.forward_launch_config(64, dtype)
             assert set(cfg) - {"num_warps", "num_stages"} <= set(triton_fwd._vs_attn_fwd_kernel.arg_names)
     finally:
-        triton_fwd.LAUNCH_OVERRIDES.clear()
+        triton_common.LAUNCH_OVERRIDES.clear()
 
 
 def test_column_tiles_wider_than_a_word_are_refused(monkeypatch):
     """A column tile reads one 64-bit column word: a launch override past 64 columns is an error."""
     import torch
 
-    from megatron_mtraining.kernels import triton_fwd
+    from megatron_mtraining.kernels import triton_common
 
-    monkeypatch.setitem(triton_fwd.LAUNCH_OVERRIDES, "fwd", {"BLOCK_COL": 128})
+    monkeypatch.setitem(triton_common.LAUNCH_OVERRIDES, "fwd", {"BLOCK_COL": 128})
     with pytest.raises(ValueError, match="must divide 64"):
-        triton_fwd.tile_config(128, torch.bfloat16)
+        triton_common.tile_config(128, torch.bfloat16)

@@ -180,10 +180,10 @@ def test_invalid_index_values_rejected_on_cpu():
 @pytest.mark.parametrize("tile", [16, 32])
 def test_triton_tiles_smaller_than_the_block(monkeypatch, tile):
     """Index blocks larger than the kernel tiles (as fp32 with block 128 runs on the GPU)."""
-    from megatron_mtraining.kernels import triton_fwd
-    monkeypatch.setattr(triton_fwd, "tile_config", lambda block, dtype, family="fwd": dict(
-        BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=16, num_warps=4, num_stages=1, MASK_EVERY_TILE=False,
-        COLUMN_PROGRAMS=1024))
+    from megatron_mtraining.kernels import triton_common
+    tiles = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=16, num_warps=4, num_stages=1)
+    monkeypatch.setattr(triton_common, "LAUNCH_OVERRIDES", {"fwd": tiles, "bwd": tiles})
+    assert triton_common.tile_config(64, torch.float32, "bwd")["BLOCK_M"] == tile
     q, k, v = inputs(1, 4, 2, 192, 32, seed=tile)
     index = VSIndex.random(1, 4, 192, 64, max_slash=3, max_vertical=40,
                            generator=torch.Generator().manual_seed(tile))
@@ -195,10 +195,10 @@ def test_triton_launch_options(monkeypatch, group, option):
     """The kernels' launch options compute the same attention and gradients, batch > 1 included:
     MASK_EVERY_TILE (the causal mask on every slash tile instead of the diagonal block's only)
     and COLUMN_PROGRAMS (here as many column-gradient splits as query blocks)."""
-    from megatron_mtraining.kernels import triton_fwd
+    from megatron_mtraining.kernels import triton_common
     value = 10 ** 6 if option == "COLUMN_PROGRAMS" else True  # one split per query block
-    monkeypatch.setattr(triton_fwd, "LAUNCH_OVERRIDES", {f: {option: value} for f in ("fwd", "bwd")})
-    assert triton_fwd.tile_config(64, torch.bfloat16, "bwd")[option] == value
+    monkeypatch.setattr(triton_common, "LAUNCH_OVERRIDES", {f: {option: value} for f in ("fwd", "bwd")})
+    assert triton_common.tile_config(64, torch.bfloat16, "bwd")[option] == value
     q, k, v = inputs(2, 4, 4 // group, 128, 32, seed=group)
     index = VSIndex.random(2, 4, 128, 16, max_slash=4, max_vertical=24,
                            generator=torch.Generator().manual_seed(group))
@@ -209,7 +209,7 @@ def test_triton_backend_takes_tensors_beyond_32_bit_offsets():
     """The kernels' offsets are int64 wherever they can pass 2^31: nothing is refused for its size
     (tests/test_gpu.py runs the kernels on such tensors)."""
     from megatron_mtraining.attention import check_qkv
-    from megatron_mtraining.kernels import triton_fwd
+    from megatron_mtraining.kernels import common
 
     def meta(shape, dims=(0, 1, 2, 3)):  # shapes and strides without memory
         return torch.empty(shape, device="meta", dtype=torch.bfloat16).permute(*dims)
@@ -219,18 +219,19 @@ def test_triton_backend_takes_tensors_beyond_32_bit_offsets():
     megatron = [meta((2 ** 19, 4, h, 128), (1, 2, 0, 3)) for h in (16, 2, 2)]
     check_qkv(*megatron, backend="triton")
     # The kernels switch to int64 offsets exactly for tensors spanning 2^31 elements or more.
-    assert triton_fwd.int64_offsets(megatron[0]) and triton_fwd.int64_offsets(meta((3, 16, 2 ** 19, 128)))
-    assert not triton_fwd.int64_offsets(*megatron[1:], meta((2, 16, 2 ** 19, 128)))  # last offset 2^31 - 1
-    assert triton_fwd.max_element_offset(megatron[0]) == megatron[0].numel() - 1
+    assert common.int64_offsets(megatron[0]) and common.int64_offsets(meta((3, 16, 2 ** 19, 128)))
+    assert not common.int64_offsets(*megatron[1:], meta((2, 16, 2 ** 19, 128)))  # last offset 2^31 - 1
+    assert common.max_element_offset(megatron[0]) == megatron[0].numel() - 1
 
 
 @pytest.mark.parametrize("int64", [False, True])
 def test_triton_on_views_of_megatron_layout(monkeypatch, int64):
     """q, k, v as [b, heads, s, d] views of Megatron's [s, b, heads, d], through the kernels' int32
     and int64 offsets (INT64, as for tensors spanning 2^31 elements: tests/test_gpu.py has those)."""
-    from megatron_mtraining.kernels import triton_fwd
+    from megatron_mtraining.kernels import step, triton_fwd
     calls = []
-    monkeypatch.setattr(triton_fwd, "int64_offsets", lambda *tensors: calls.append(tensors) or int64)
+    for caller in (triton_fwd, step):  # the forward's launcher, the backward's host side
+        monkeypatch.setattr(caller, "int64_offsets", lambda *tensors: calls.append(tensors) or int64)
     g = torch.Generator().manual_seed(11)
     leaves = [torch.randn(64, 2, h, 32, generator=g).to(DEVICE).requires_grad_() for h in (4, 2, 2)]
     q, k, v = (x.permute(1, 2, 0, 3) for x in leaves)

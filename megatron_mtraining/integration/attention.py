@@ -43,6 +43,7 @@ from ..attention import sparse_attention
 from ..config import MTrainingConfig
 from ..index import VSIndex
 from ..kernels.dense import expand_kv
+from ..kernels.dispatch import use_dense_kernels
 from ..ring import dense_ring_attention, instrument, sparse_ring_attention
 from . import consistency, packing, telemetry
 from .indexer import MTrainingAttentionSubmodules
@@ -336,12 +337,8 @@ class MTrainingAttention(MegatronModule):
         ``[b, heads, s_local, hn]``, as the forward holds it."""
         cfg = self.mtraining_config
         short = cfg.dense_max_seq_length > 0 and q.shape[2] * _group_size(group) <= cfg.dense_max_seq_length
-        if not (self.dense or cfg.index == "dense" or short) or cfg.deterministic:
-            return False
-        if group is None:
-            return True
-        fused_dtype = not q.is_cuda or q.dtype in (torch.float16, torch.bfloat16)
-        return cfg.layout == "zigzag" and fused_dtype  # the CPU's PyTorch steps: tests and demos
+        return use_dense_kernels(self.dense or cfg.index == "dense" or short, cfg.deterministic, group is not None,
+                                 cfg.layout, q)
 
     def _attend_dense(self, q: Tensor, k: Tensor, v: Tensor, group) -> Tensor:
         """Exact causal attention with the dense kernels; [b, heads, s, hn] in and out."""

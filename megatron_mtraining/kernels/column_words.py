@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fwd import _wide, int64_offsets
+from .common import int64_offsets
+from .triton_common import wide
 
 WORD_BITS = 64
 
@@ -64,7 +65,7 @@ def _column_words_kernel(ColPos, QBlk, Bitmap, FirstDoc, LastDoc, Words, Diag, M
                          BLOCK: tl.constexpr, WORDS_PER_ITER: tl.constexpr, QUERY_BLOCKS: tl.constexpr,
                          INT64: tl.constexpr, DOCS: tl.constexpr):
     pid_q = tl.program_id(0)
-    bh = _wide(tl.program_id(1), INT64)  # times the rows' lengths
+    bh = wide(tl.program_id(1), INT64)  # times the rows' lengths
     bit = tl.arange(0, 64)
     one = tl.full([WORDS_PER_ITER, 64], 1, tl.int64)
     diag = tl.zeros([QUERY_BLOCKS], tl.int32)
@@ -115,10 +116,3 @@ def column_words_triton(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_
         BLOCK=block_size, WORDS_PER_ITER=min(16, triton.next_power_of_2(n_words)), QUERY_BLOCKS=query_blocks,
         INT64=int64_offsets(col_pos, slash_bitmap, words), DOCS=documents is not None, num_warps=4)
     return words, diag
-
-
-def column_words(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_bitmap: torch.Tensor, block_size: int,
-                 documents=None):
-    """(words, diag) through Triton on a GPU, in PyTorch elsewhere (CPU tests, the interpreter)."""
-    fn = column_words_triton if col_pos.is_cuda else column_words_reference
-    return fn(col_pos, q_block_ids.to(torch.int32), slash_bitmap, block_size, documents)

@@ -15,7 +15,8 @@ Implementations:
   "flash"  torch.ops.aten._scaled_dot_product_flash_attention(_backward)   CUDA, fp16/bf16
   "torch"  explicit fp32 PyTorch math, any device/dtype (the CPU path and the oracle)
   "auto"   cuDNN on CUDA for fp16/bf16, falling back to flash if cuDNN is missing or raises;
-           "torch" otherwise.
+           "torch" otherwise (``dispatch.dense_impl`` decides; ``dispatch.dense_impls_available``
+           lists what a device has).
 Nothing here reads device memory on the host, so no path synchronises with the GPU.
 """
 
@@ -25,23 +26,9 @@ import logging
 
 import torch
 
+from .dispatch import dense_impl, note_cudnn_failure
+
 logger = logging.getLogger("megatron_mtraining")
-
-IMPLS = ("auto", "cudnn", "flash", "torch")
-_FUSED_DTYPES = (torch.float16, torch.bfloat16)
-_cudnn_failed = False  # set once cuDNN raised: "auto" then stops retrying it
-
-
-def available_impls(device) -> list[str]:
-    """Implementations that can run on ``device`` (the fused ones need fp16/bf16 inputs)."""
-    device = torch.device(device)
-    impls = ["torch"]
-    if device.type == "cuda" and torch.cuda.is_available():
-        if torch.backends.cuda.is_flash_attention_available():
-            impls.insert(0, "flash")
-        if torch.backends.cudnn.is_available() and not _cudnn_failed:
-            impls.insert(0, "cudnn")
-    return impls
 
 
 def _check(q, k, v, causal):
@@ -67,25 +54,15 @@ def _reduce_kv(dx, group):
     return dx.view(b, hq // group, group, n, d).sum(2)
 
 
-def _resolve(impl, q):
-    assert impl in IMPLS, f"impl must be one of {IMPLS}, got {impl!r}"
-    if impl != "auto":
-        return impl
-    if q.is_cuda and q.dtype in _FUSED_DTYPES:
-        return "flash" if _cudnn_failed or not torch.backends.cudnn.is_available() else "cudnn"
-    return "torch"
-
-
 def _with_fallback(impl, cudnn_fn, flash_fn, torch_fn, auto):
     """Run the chosen implementation; under "auto" a cuDNN error falls back to flash (once, then always)."""
-    global _cudnn_failed
     if impl == "cudnn":
         try:
             return cudnn_fn()
         except RuntimeError as exc:
             if not auto:
                 raise
-            _cudnn_failed = True
+            note_cudnn_failure()
             logger.warning("megatron_mtraining: cuDNN attention failed (%s); using flash attention", exc)
             return flash_fn()
     return flash_fn() if impl == "flash" else torch_fn()
@@ -198,7 +175,7 @@ def _flash_backward(do, q, k, v, out, lse, causal, scale):
 def dense_attention_forward(q, k, v, causal: bool, softmax_scale: float, impl: str = "auto"):
     """Dense attention -> (out in q's dtype [b, hq, nq, d], lse fp32 [b, hq, nq])."""
     _check(q, k, v, causal)
-    chosen = _resolve(impl, q)
+    chosen = dense_impl(impl, q)
     if chosen != "torch":
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, lse = _with_fallback(
@@ -217,7 +194,7 @@ def dense_attention_backward(do, q, k, v, out, lse, causal: bool, softmax_scale:
     """
     _check(q, k, v, causal)
     assert out.shape == q.shape[:3] + v.shape[3:] and lse.shape == q.shape[:3]
-    chosen = _resolve(impl, q)
+    chosen = dense_impl(impl, q)
     if chosen != "torch":
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _with_fallback(

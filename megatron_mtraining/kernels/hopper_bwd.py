@@ -3,7 +3,7 @@ kernels with the same grids' split of the work, the same partial outputs and the
 reduction, so the backward stays deterministic.
 
   * ``_dq_sm90_kernel``   dQ of one query block's rows over its slash tiles and columns (the key
-    tiles stream through two shared-memory slots, as in the forward: ``hopper_keys.py``).
+    tiles stream through two shared-memory slots, as in the forward: ``hopper_common.py``'s key stream).
   * ``_dkdv_sm90_kernel`` dK, dV of one key block over the transposed slash lists of every query
     head of its GQA group (Q/dO tiles stream through two slots; each key row has one writer).
   * ``_dkdv_col_sm90_kernel`` dK, dV of 64 gathered columns over a range of query blocks: fp32
@@ -21,18 +21,15 @@ block of 128, two warpgroups sharing every streamed tile (half the bytes per pai
 H200, B = 128: dQ 11.1 ms, key blocks 10.3, columns 4.1 against Triton's 11.9, 17.6 and 9.9
 (fwd+bwd 36.5 against 49.8 ms). At B = 64 the same kernels with one warpgroup per program were no
 faster than Triton's (dQ 10.0 against 9.9, key blocks 10.4-10.9 against 9.9-10.1), so B = 64 runs
-Triton's dQ and key-block kernels (``triton_bwd.HOPPER_SLASH_BLOCK``) and this module's columns
+Triton's dQ and key-block kernels (``dispatch.backward_parts``) and this module's columns
 (4.5 against 5.7 ms).
 
-``MTRAINING_BACKWARD_SCHEDULE=pingpong`` runs dQ and the key-block dK/dV at B = 128 on
-``hopper_pingpong.py``'s schedule instead (a producer warpgroup, the two consumer warpgroups taking
-turns on the tensor cores, as the B = 128 forward): GPU-tested, but 23% slower than the lockstep
-kernels on an H200 (``docs/performance.md``), hence opt-in.
+(The ping-pong schedule of the B = 128 forward, a producer warpgroup and two consumer warpgroups
+taking turns on the tensor cores, was tried for dQ and the key-block dK/dV: 23% slower than these
+lockstep kernels on an H200 (``docs/performance.md``), and removed.)
 """
 
 from __future__ import annotations
-
-import os
 
 import triton
 from triton.experimental import gluon
@@ -41,14 +38,15 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, warpgroup_mma, warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from .hopper_common import TILE, _wide, copy_layout, mma_layout, register_operand_layout, shared_layout
-from .hopper_keys import _issue_tile, _mask_scores, _query_positions, _query_program, _tile_rows, _tile_scalars
+from .common import column_arguments, document_arguments
+from .hopper_common import (TILE, copy_layout, issue_tile, mask_scores, mma_layout, query_positions, query_program,
+                            register_operand_layout, shared_layout, tile_rows, tile_scalars, wide)
 
 
 @gluon.jit
 def _query_base(X, b, h, stride_b, stride_h, INT64: gl.constexpr):
     """Query head ``h`` of batch ``b`` in Q or dO."""
-    return X + _wide(b, INT64) * stride_b + _wide(h, INT64) * stride_h
+    return X + wide(b, INT64) * stride_b + wide(h, INT64) * stride_h
 
 
 @gluon.jit
@@ -58,7 +56,7 @@ def _issue_query_tile(u, n_q, first_row, q_base, do_base, stride_qn, stride_on, 
     ``q_base``/``do_base``) into slot ``u % 2`` and close one cp.async group (an empty one past the
     range)."""
     if u < n_q:
-        rows = _wide(first_row + gl.arange(0, TILE, layout=gl.SliceLayout(1, c_layout)), INT64)[:, None]
+        rows = wide(first_row + gl.arange(0, TILE, layout=gl.SliceLayout(1, c_layout)), INT64)[:, None]
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))[None, :]
         async_copy.async_copy_global_to_shared(q_smem.index(u % 2), q_base + rows * stride_qn + offs_d)
         async_copy.async_copy_global_to_shared(do_smem.index(u % 2), do_base + rows * stride_on + offs_d)
@@ -126,10 +124,10 @@ def _dkdv_col_sm90_kernel(
     pid_c = gl.program_id(0)
     pid_bh = gl.program_id(1)
     pid_s = gl.program_id(2)
-    b = _wide(pid_bh // HQ, INT64)
-    h = _wide(pid_bh % HQ, INT64)
+    b = wide(pid_bh // HQ, INT64)
+    h = wide(pid_bh % HQ, INT64)
     kvh = h // GROUP
-    bh = _wide(pid_bh, INT64)  # times the plan's row lengths
+    bh = wide(pid_bh, INT64)  # times the plan's row lengths
     n_cols = gl.load(ColCnt + pid_bh)
 
     kc_smem = gl.allocate_shared_memory(K.dtype.element_ty, [TILE, HEAD_DIM], SMEM_LAYOUT)
@@ -141,7 +139,7 @@ def _dkdv_col_sm90_kernel(
     # The tile's columns: gathered once (empty slots read row 0 and are never live; their partials
     # are zeroed at the store).
     slots_c = pid_c * TILE + gl.arange(0, TILE, layout=rows_c)
-    col = _wide(gl.load(Cols + bh * MAX_V + slots_c, mask=slots_c < n_cols, other=0), INT64)[:, None]
+    col = wide(gl.load(Cols + bh * MAX_V + slots_c, mask=slots_c < n_cols, other=0), INT64)[:, None]
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))[None, :]
     async_copy.async_copy_global_to_shared(kc_smem, K + b * stride_kb + kvh * stride_kh + col * stride_kn + offs_d)
     async_copy.async_copy_global_to_shared(vc_smem, V + b * stride_vb + kvh * stride_vh + col * stride_vn + offs_d)
@@ -249,7 +247,7 @@ def _locate_query_tile(u, n_pass, ends, tiles, heads, g0, b, kvh, k_local, QCnt,
     g = gl.sum((ends <= u).to(gl.int32), axis=0)  # the head whose tiles hold u
     start = gl.sum(gl.where(heads == g, ends - tiles, 0), axis=0)
     h = kvh * GROUP + g0 + g
-    plan_row = (_wide(b * HQ + h, INT64)) * NKB + k_local
+    plan_row = (wide(b * HQ + h, INT64)) * NKB + k_local
     e = u - start
     i = gl.load(QIdx + plan_row * MAX_S + e // (BLOCK // TILE), mask=u < n_pass, other=0)
     return h, i, e % (BLOCK // TILE)
@@ -299,18 +297,18 @@ def _dkdv_sm90_kernel(
     # programs per SM; 128 KB at 128 keys, one.
     q_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, TILE, HEAD_DIM], SMEM_LAYOUT)
     do_smem = gl.allocate_shared_memory(DO.dtype.element_ty, [2, TILE, HEAD_DIM], SMEM_LAYOUT)
-    k_rows = _wide(pid_n * KEYS + gl.arange(0, KEYS, layout=rows_c), INT64)[:, None]
+    k_rows = wide(pid_n * KEYS + gl.arange(0, KEYS, layout=rows_c), INT64)[:, None]
     async_copy.async_copy_global_to_shared(
-        k_smem, K + _wide(b, INT64) * stride_kb + _wide(kvh, INT64) * stride_kh + k_rows * stride_kn + offs_d)
+        k_smem, K + wide(b, INT64) * stride_kb + wide(kvh, INT64) * stride_kh + k_rows * stride_kn + offs_d)
     async_copy.async_copy_global_to_shared(
-        v_smem, V + _wide(b, INT64) * stride_vb + _wide(kvh, INT64) * stride_vh + k_rows * stride_vn + offs_d)
+        v_smem, V + wide(b, INT64) * stride_vb + wide(kvh, INT64) * stride_vh + k_rows * stride_vn + offs_d)
 
     dk = warpgroup_mma_init(gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=g_layout))
     dv = warpgroup_mma_init(gl.zeros([KEYS, HEAD_DIM], gl.float32, layout=g_layout))
     heads = gl.arange(0, HEADS, layout=heads_layout)
     # The group's heads in passes of HEADS: one pipeline per pass over the heads' lists in turn.
     for g0 in range(0, GROUP, HEADS):
-        head_rows = (_wide(b * HQ + kvh * GROUP + g0 + heads, INT64)) * NKB + k_local
+        head_rows = (wide(b * HQ + kvh * GROUP + g0 + heads, INT64)) * NKB + k_local
         tiles = gl.load(QCnt + head_rows, mask=g0 + heads < GROUP, other=0) * (BLOCK // TILE)
         ends = gl.associative_scan(tiles, 0, _add)
         n_pass = gl.sum(tiles, axis=0)
@@ -324,7 +322,7 @@ def _dkdv_sm90_kernel(
         h_next, i_next, sub_next = _locate_query_tile(1, n_pass, ends, tiles, heads, g0, b, kvh, k_local, QCnt,
                                                       QIdx, HQ, GROUP, NKB, MAX_S, BLOCK, INT64)
         for u in range(0, n_pass):
-            stat = _wide(b, INT64) * stride_lb + _wide(h, INT64) * stride_lh + row + q_offs
+            stat = wide(b, INT64) * stride_lb + wide(h, INT64) * stride_lh + row + q_offs
             lse = gl.load(Lse + stat)
             di = gl.load(Delta + stat)
             lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -372,8 +370,8 @@ def _dkdv_sm90_kernel(
     dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
 
     # This program is the only writer of its key rows (slash sets are closed under transposition).
-    out_rows = _wide(pid_n * KEYS + gl.arange(0, KEYS, layout=rows_c), INT64)[:, None]
-    g_offs = _wide(b, INT64) * stride_gb + _wide(kvh, INT64) * stride_gh + out_rows * stride_gn + offs_d
+    out_rows = wide(pid_n * KEYS + gl.arange(0, KEYS, layout=rows_c), INT64)[:, None]
+    g_offs = wide(b, INT64) * stride_gb + wide(kvh, INT64) * stride_gh + out_rows * stride_gn + offs_d
     gl.store(DK + g_offs, gl.load(DK + g_offs) + gl.convert_layout(dk * sm_scale, c_layout))
     gl.store(DV + g_offs, gl.load(DV + g_offs) + gl.convert_layout(dv, c_layout))
 
@@ -407,7 +405,7 @@ def _dq_sm90_kernel(
 
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
-    b, h, kvh, q_blk, list_row, col_row, word_row, n_slash, n_cols, diag, c_begin, n_tiles = _query_program(
+    b, h, kvh, q_blk, list_row, col_row, word_row, n_slash, n_cols, diag, c_begin, n_tiles = query_program(
         pid_m, pid_bh, QBlk, KVCnt, ColLimit, Diag, ColStart, HQ, GROUP, NQB, MAX_S, MAX_V, N_WORDS, BLOCK, ROWS,
         INT64, DOCS, HAS_COLS)
     k_base = K + b * stride_kb + kvh * stride_kh
@@ -419,37 +417,37 @@ def _dq_sm90_kernel(
     do_smem = gl.allocate_shared_memory(DO.dtype.element_ty, [ROWS, HEAD_DIM], SMEM_LAYOUT)
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [2, TILE, HEAD_DIM], SMEM_LAYOUT)
     v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [2, TILE, HEAD_DIM], SMEM_LAYOUT)
-    rows = _wide(pid_m * ROWS + gl.arange(0, ROWS, layout=rows_c), INT64)[:, None]
+    rows = wide(pid_m * ROWS + gl.arange(0, ROWS, layout=rows_c), INT64)[:, None]
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, c_layout))[None, :]
     async_copy.async_copy_global_to_shared(q_smem, Q + b * stride_qb + h * stride_qh + rows * stride_qn + offs_d)
     async_copy.async_copy_global_to_shared(do_smem, DO + b * stride_ob + h * stride_oh + rows * stride_on + offs_d)
-    kv_rows = _tile_rows(0, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK, INT64, rows_c)
-    _issue_tile(0, n_tiles, kv_rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM, 2,
-                c_layout)  # with Q and dO: group 0
-    kv_rows = _tile_rows(1, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK, INT64, rows_c)
+    kv_rows = tile_rows(0, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK, INT64, rows_c)
+    issue_tile(0, n_tiles, kv_rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM, 2,
+               c_layout)  # with Q and dO: group 0
+    kv_rows = tile_rows(1, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK, INT64, rows_c)
 
-    q_first, q_pos, q_doc, doc_mask_below = _query_positions(pid_m, q_blk, DocStart, DocLast, BLOCK, ROWS, DOCS,
-                                                             rows_s)
+    q_first, q_pos, q_doc, doc_mask_below = query_positions(pid_m, q_blk, DocStart, DocLast, BLOCK, ROWS, DOCS,
+                                                            rows_s)
     stat = b * stride_lb + h * stride_lh + pid_m * ROWS + gl.arange(0, ROWS, layout=rows_s)
     lse = gl.load(Lse + stat)
     di = gl.load(Delta + stat)
     # A row without any key (lse = -inf) has p = 0 everywhere: exp2(s - inf).
     lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     dq = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=g_layout))
-    k_first, word = _tile_scalars(0, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c_begin, BLOCK,
-                                  HAS_COLS)
+    k_first, word = tile_scalars(0, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row, c_begin, BLOCK,
+                                 HAS_COLS)
     for t in range(0, n_tiles):
-        next_first, next_word = _tile_scalars(t + 1, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row,
-                                              c_begin, BLOCK, HAS_COLS)
+        next_first, next_word = tile_scalars(t + 1, n_tiles, n_slash, KVIdx, KBlk, Words, list_row, word_row,
+                                             c_begin, BLOCK, HAS_COLS)
         # Tile t-1's dQ product has retired (every warp, after the barrier) and tile t has landed:
         # tile t+1 takes the slot tile t-1 used.
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         async_copy.wait_group(0)
         gl.thread_barrier()
-        _issue_tile(t + 1, n_tiles, kv_rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM, 2,
-                    c_layout)
-        kv_rows = _tile_rows(t + 2, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK, INT64,
-                             rows_c)
+        issue_tile(t + 1, n_tiles, kv_rows, k_base, v_base, stride_kn, stride_vn, k_smem, v_smem, HEAD_DIM, 2,
+                   c_layout)
+        kv_rows = tile_rows(t + 2, n_tiles, n_slash, KVIdx, Cols, list_row, col_row, c_begin, n_cols, BLOCK, INT64,
+                            rows_c)
         fence_async_shared()
         slot = t % 2
         s = warpgroup_mma(q_smem, k_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, s_layout),
@@ -457,8 +455,8 @@ def _dq_sm90_kernel(
         dp = warpgroup_mma(do_smem, v_smem.index(slot).permute((1, 0)), gl.zeros([ROWS, TILE], gl.float32, s_layout),
                            use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        s = _mask_scores(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag, ColPos, col_row,
-                         c_begin, n_cols, BLOCK, DOCS, HAS_COLS, cols_s)
+        s = mask_scores(s, t, k_first, word, n_slash, q_first, q_pos, q_doc, doc_mask_below, diag, ColPos, col_row,
+                        c_begin, n_cols, BLOCK, DOCS, HAS_COLS, cols_s)
         p = gl.exp2(s * qk_scale - lse2[:, None])
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
         ds = p * (dp - di[:, None])
@@ -501,11 +499,6 @@ def block_gradients_hopper(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc
     keys = plan.block_size
     if keys != 128:
         raise ValueError(f"block_gradients_hopper: index blocks of 128 only (got {keys}; B = 64 runs Triton's)")
-    if backward_schedule() == "pingpong":
-        from .hopper_pingpong import block_gradients_pingpong
-
-        return block_gradients_pingpong(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs, int64,
-                                        strides, qk_scale, softmax_scale)
     _dkdv_sm90_kernel[(nk // keys, b * hkv)](
         q, k, v, do, lse, delta, dk, dv,
         plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks, doc_start, doc_last,
@@ -516,36 +509,16 @@ def block_gradients_hopper(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc
     )
 
 
-SCHEDULE_ENV = "MTRAINING_BACKWARD_SCHEDULE"
-SCHEDULES = ("lockstep", "pingpong")
-
-
-def backward_schedule() -> str:
-    """The schedule of the B = 128 dQ and key-block kernels, from MTRAINING_BACKWARD_SCHEDULE:
-    "lockstep" (this module's kernels, the default) or "pingpong" (``hopper_pingpong.py``)."""
-    value = os.environ.get(SCHEDULE_ENV, "lockstep")
-    if value not in SCHEDULES:
-        raise ValueError(f"{SCHEDULE_ENV}={value!r}: must be one of {', '.join(SCHEDULES)}")
-    return value
-
-
 def query_gradients_hopper(q, k, v, do, lse, delta, dq, plan, accumulate: bool, int64: bool, strides, qk_scale: float,
                            softmax_scale: float) -> None:
     """``_dq_kernel``'s work (dQ of a query tile over its slash blocks and columns; added into fp32
     ``dq``, or with ``accumulate=False`` written in ``dq``'s dtype) with one program per (64 query
     rows, batch x query head); at B = 128 a program holds a whole query block, a warpgroup per 64 rows
     sharing every K/V tile."""
-    from .triton_fwd import column_arguments, document_arguments
-
     b, hq, nq, d = q.shape
     rows = plan.block_size
     if rows != 128:
         raise ValueError(f"query_gradients_hopper: index blocks of 128 only (got {rows}; B = 64 runs Triton's)")
-    if backward_schedule() == "pingpong":
-        from .hopper_pingpong import query_gradients_pingpong
-
-        return query_gradients_pingpong(q, k, v, do, lse, delta, dq, plan, accumulate, int64, strides, qk_scale,
-                                        softmax_scale)
     cols, col_pos, words, diag, n_words = column_arguments(plan)
     doc_start, doc_last, col_start, docs = document_arguments(plan)
     _dq_sm90_kernel[(nq // rows, b * hq)](

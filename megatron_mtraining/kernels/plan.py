@@ -36,7 +36,8 @@ import torch
 from .. import _ext
 from ..documents import Documents
 from ..index import VSIndex
-from .column_words import column_words
+from .column_words import column_words_reference, column_words_triton
+from .dispatch import column_words_kernel, conversion_impl
 
 
 def _inverse_map(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -100,15 +101,12 @@ def convert_step_reference(slash, n_slash, vertical, n_vertical, q_block_ids, k_
 
 def convert_step(slash, n_slash, vertical, n_vertical, q_block_ids, k_block_ids, num_blocks: int,
                  block_size: int, impl: str = "auto", key_block_floor: Optional[torch.Tensor] = None):
-    """Per-step conversion through the compiled extension when it has this device, else PyTorch."""
-    if impl not in ("auto", "ext", "torch"):
-        raise ValueError(f"convert_step: impl must be 'auto', 'ext' or 'torch', got {impl!r}")
+    """Per-step conversion through the compiled extension when it has this device, else PyTorch
+    (``dispatch.conversion_impl``)."""
+    chosen = conversion_impl(impl, slash.device)
     args = (slash, n_slash, vertical, n_vertical, q_block_ids.to(torch.int32), k_block_ids.to(torch.int32))
-    if impl != "torch" and _ext.supports(slash.device):
+    if chosen == "ext":
         return tuple(_ext.module().convert_step(*args, int(num_blocks), int(block_size), key_block_floor))
-    if impl == "ext":
-        raise RuntimeError(f"convert_step: the compiled extension is not available for {slash.device} "
-                           f"({_ext.status()})")
     return convert_step_reference(*args, num_blocks, block_size, key_block_floor)
 
 
@@ -222,8 +220,10 @@ class StepPlan:
         """(words, diag) of ``column_words.py``: which column slots each query block sees. Made on
         first use (only the Triton kernels need it) and kept for the step's other kernels."""
         if self._column_words is None:
-            self._column_words = column_words(self.col_pos, self.q_block_ids, self.slash_bitmap, self.block_size,
-                                              self.documents)
+            # Through Triton on a GPU, in PyTorch elsewhere (CPU tests, the interpreter).
+            fn = column_words_triton if column_words_kernel(self.col_pos.device) == "triton" else column_words_reference
+            self._column_words = fn(self.col_pos, self.q_block_ids.to(torch.int32), self.slash_bitmap, self.block_size,
+                                    self.documents)
         return self._column_words
 
     @property

@@ -1,112 +1,28 @@
 """One entry point per direction for a (query chunk, key chunk) step, whatever the backend.
 
 Ring attention calls ``step_forward`` / ``step_backward`` once per ring step with that step's
-plan; single-device attention is the one-step case.
+plan; single-device attention is the one-step case. What runs is ``dispatch.py``'s choice (the
+backend, the Triton or the Hopper kernels, their schedule); this module runs it, and holds the
+backward's host side shared by both kernel families (``vs_attention_backward``).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import logging
-import os
-
 import torch
 
+from .common import HOPPER_TILE, LOG2E, column_arguments, document_arguments, int64_offsets, plan_tensors
+from .dispatch import BackwardParts, backward_kernel, backward_parts, forward_kernel, hopper_forward_rows
+from .plan import first_query_blocks, query_block_ends
 from .torch_step import vs_attention_bwd_torch, vs_attention_fwd_torch
-from .triton_fwd import interpreting
-
-logger = logging.getLogger(__name__)
-_ANNOUNCED = set()  # (variable, kernel, reason) already logged: each choice is said once per process
-
-BACKENDS = ("auto", "triton", "torch")
-# On the "triton" backend, where the Hopper kernels (Gluon, sm_90) cover a call they replace the
-# Triton ones: the forward (kernels/hopper_fwd.py) and the backward (kernels/hopper_bwd.py).
-# MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL = triton or hopper force one ("hopper"
-# fails with the reason where it cannot run).
-KERNEL_CHOICES = ("auto", "triton", "hopper")
-FORWARD_KERNEL_ENV = "MTRAINING_FORWARD_KERNEL"
-BACKWARD_KERNEL_ENV = "MTRAINING_BACKWARD_KERNEL"
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """'auto' is Triton on CUDA and PyTorch elsewhere; 'triton' off-GPU needs TRITON_INTERPRET=1."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and not interpreting():
-        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter); "
-                         f"got tensors on {device}")
-    return backend
-
-
-@functools.lru_cache(maxsize=None)
-def hopper_device_reason(device: torch.device) -> str:
-    """Why the Hopper kernels cannot run on ``device`` ('' when they can): they need an sm_90 GPU
-    (H100, H200, GH200, H20) and Triton's Gluon dialect (Triton >= 3.5)."""
-    if device.type != "cuda" or interpreting():
-        return f"not a CUDA device ({device}{', TRITON_INTERPRET=1' if interpreting() else ''})"
-    capability = torch.cuda.get_device_capability(device)
-    if capability != (9, 0):
-        return f"compute capability {capability[0]}.{capability[1]} (sm_90 only)"
-    try:
-        have_gluon = importlib.util.find_spec("triton.experimental.gluon.language.nvidia.hopper") is not None
-    except ModuleNotFoundError:
-        have_gluon = False
-    return "" if have_gluon else "this Triton has no Gluon (triton.experimental.gluon)"
-
-
-def _kernel_choice(env: str, plan, tensors: dict) -> str:
-    """"hopper" or "triton" for one call of the "triton" backend (``env``: the variable that forces one)."""
-    choice = os.environ.get(env, "auto") or "auto"
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"{env} must be one of {KERNEL_CHOICES}, got {choice!r}")
-    if choice == "triton":
-        return "triton"
-    q = next(iter(tensors.values()))
-    reason = hopper_device_reason(q.device)
-    if not reason:
-        from .hopper_common import unsupported_reason
-        reason = unsupported_reason(plan, tensors)
-    if not reason:
-        _announce(env, "hopper", "")
-        return "hopper"
-    if choice == "hopper":
-        raise ValueError(f"{env}=hopper, but the Hopper kernel cannot run this call: {reason}")
-    _announce(env, "triton", reason)
-    return "triton"
-
-
-def _announce(env: str, kernel: str, reason: str) -> None:
-    """Log once which kernel a direction runs (and why not the Hopper one), as a user wants to see
-    at start-up; a later call that chooses differently (another dtype, say) logs again."""
-    key = (env, kernel, reason)
-    if key in _ANNOUNCED:
-        return
-    _ANNOUNCED.add(key)
-    part = "forward" if env == FORWARD_KERNEL_ENV else "backward"
-    if kernel == "hopper":
-        logger.info("MTraining: %s on the Hopper kernel (sm_90, Gluon); %s=triton for the Triton one", part, env)
-    else:
-        logger.info("MTraining: %s on the Triton kernel (the Hopper one does not cover this call: %s)", part, reason)
-
-
-def forward_kernel(q, k, v, plan, out) -> str:
-    """The forward that runs this step on the "triton" backend: "hopper" or "triton"."""
-    return _kernel_choice(FORWARD_KERNEL_ENV, plan, dict(q=q, k=k, v=v, out=out))
-
-
-def backward_kernel(q, k, v, do, plan) -> str:
-    """The backward's kernels for this step on the "triton" backend: "hopper" or "triton"."""
-    return _kernel_choice(BACKWARD_KERNEL_ENV, plan, dict(q=q, k=k, v=v, do=do))
+from .triton_common import tile_config
 
 
 def step_forward(backend: str, q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool) -> None:
     """Write (or merge, with ``accumulate``) this step's attention into ``out`` and fp32 ``lse``."""
     if backend == "triton" and forward_kernel(q, k, v, plan, out) == "hopper":
         from .hopper_fwd import vs_attention_fwd_hopper
-        vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale, accumulate)
+        vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale, accumulate,
+                                rows=hopper_forward_rows(plan.block_size))
     elif backend == "triton":
         from .triton_fwd import vs_attention_fwd_triton
         vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale, accumulate)
@@ -127,9 +43,8 @@ def backward_delta(backend: str, out: torch.Tensor, d_out: torch.Tensor) -> torc
 def step_backward(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float) -> None:
     """Add this step's gradients into fp32 ``dq``, ``dk``, ``dv`` (final ``lse`` and ``delta``)."""
     if backend == "triton":
-        from .triton_bwd import vs_attention_bwd_triton
-        vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale,
-                                kernels=backward_kernel(q, k, v, do, plan))
+        vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale,
+                              backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size))
     else:
         vs_attention_bwd_torch(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
 
@@ -142,11 +57,96 @@ def single_step_backward(backend: str, q, k, v, do, lse, delta, plan, softmax_sc
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     if backend == "triton":
-        from .triton_bwd import vs_attention_bwd_triton
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        vs_attention_bwd_triton(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale, accumulate_dq=False,
-                                kernels=backward_kernel(q, k, v, do, plan))
+        vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale,
+                              backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size),
+                              accumulate_dq=False)
     else:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         step_backward(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _launchers(kernel: str) -> tuple:
+    """The (dQ, key-block dK/dV, column dK/dV) launchers of one kernel family: the same arguments
+    in ``triton_bwd.py`` and ``hopper_bwd.py``."""
+    if kernel == "hopper":
+        from .hopper_bwd import block_gradients_hopper, column_gradients_hopper, query_gradients_hopper  # Gluon
+
+        return query_gradients_hopper, block_gradients_hopper, column_gradients_hopper
+    from .triton_bwd import block_gradients_triton, column_gradients_triton, query_gradients_triton
+
+    return query_gradients_triton, block_gradients_triton, column_gradients_triton
+
+
+def _column_splits(nqb: int, programs_per_split: int, target: int) -> int:
+    """Query-range splits of the column reduction: about ``target`` programs, to fill a large GPU
+    (more splits: shorter programs, more fp32 partials to sum)."""
+    return max(1, min(nqb, -(-target // max(1, programs_per_split))))
+
+
+def vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float, parts: BackwardParts,
+                          accumulate_dq: bool = True) -> None:
+    """Add this plan's gradients into fp32 ``dq`` ``[b,hq,nq,d]`` and ``dk``/``dv`` ``[b,hkv,nk,d]``,
+    each part (dQ, the key blocks' dK/dV, the columns' dK/dV) on the kernels ``parts`` names
+    ("triton": ``triton_bwd.py``, "hopper": ``hopper_bwd.py``, sm_90; ``dispatch.backward_parts``).
+    ``accumulate_dq=False`` (a single step) writes ``dq`` in its own dtype instead of adding.
+    The column gradients go through fp32 partials per query-range split, summed here in a fixed
+    order: the backward is deterministic on either kernels.
+
+    ``lse`` and ``delta`` (fp32 ``[b, hq, nq]``, same strides) belong to the FINAL output.
+    """
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    B = plan.block_size
+    nqb = nq // B
+    max_v = plan.cols.shape[-1]
+    qk_scale = softmax_scale * LOG2E
+    if delta.stride() != lse.stride():
+        delta = delta.contiguous()
+        lse = lse.contiguous()
+    int64 = int64_offsets(q, k, v, do, lse, delta, dq, dk, dv, *plan_tensors(plan))
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
+               lse.stride(0), lse.stride(1))
+    cols, col_pos, words, diag, _ = column_arguments(plan)
+    doc_start, doc_last, _, docs = document_arguments(plan)
+
+    query_gradients = _launchers(parts.query)[0]
+    query_gradients(q, k, v, do, lse, delta, dq, plan, accumulate_dq, int64, strides, qk_scale, softmax_scale)
+    block_gradients = _launchers(parts.blocks)[1]
+    block_gradients(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs, int64, strides, qk_scale,
+                    softmax_scale)
+
+    if max_v == 0:
+        return
+    # The column tiles' width: the Hopper kernel's 64-row tile, or the Triton kernel's BLOCK_COL.
+    block_col = HOPPER_TILE if parts.columns == "hopper" else tile_config(B, q.dtype, "bwd")["BLOCK_COL"]
+    n_tiles = -(-max_v // block_col)
+    max_v_pad = n_tiles * block_col
+    splits = _column_splits(nqb, n_tiles * b * hq, tile_config(B, q.dtype, "bwd")["COLUMN_PROGRAMS"])
+    q_first = first_query_blocks(plan, block_col)
+    q_end = query_block_ends(plan, block_col) if docs else q_first  # read only with DOCS
+    dk_part = torch.empty(splits, b * hq, max_v_pad, d, dtype=torch.float32, device=q.device)
+    dv_part = torch.empty_like(dk_part)
+    head_diag = diag.amax(-1).contiguous()
+    column_gradients = _launchers(parts.columns)[2]
+    column_gradients(q, k, v, do, lse, delta, dk_part, dv_part, plan, cols, col_pos, words, head_diag, q_first, q_end,
+                     doc_start, docs, int64, strides, qk_scale, softmax_scale, splits)
+    # Fixed-order reduction over splits, then one scatter per GQA position: within one
+    # index_add_ every real target row is distinct (padding slots add exact zeros), so the
+    # result does not depend on the order of the adds.
+    dk_cols = dk_part.sum(0)[:, :max_v].view(b, hkv, group, max_v, d)
+    dv_cols = dv_part.sum(0)[:, :max_v].view(b, hkv, group, max_v, d)
+    slot_ok = torch.arange(max_v, device=q.device) < plan.col_count[..., None]
+    target = torch.where(slot_ok, plan.cols.long(), 0).view(b, hkv, group, max_v)
+    row_base = (torch.arange(b * hkv, device=q.device) * nk).view(b, hkv, 1)
+    dk_flat = dk.view(-1, d) if dk.is_contiguous() else None
+    dv_flat = dv.view(-1, d) if dv.is_contiguous() else None
+    if dk_flat is None or dv_flat is None:
+        raise ValueError("vs_attention_backward: dk and dv accumulators must be contiguous")
+    for g in range(group):
+        rows = (row_base + target[:, :, g]).reshape(-1)
+        dk_flat.index_add_(0, rows, dk_cols[:, :, g].reshape(-1, d))
+        dv_flat.index_add_(0, rows, dv_cols[:, :, g].reshape(-1, d))

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fwd import kernel_flags
+from .triton_common import kernel_flags
 
 BLOCKS_PER_PROG = 8  # key blocks per program: enough work per program, few partials per row
 

@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_fwd import _head_offset, _tile_ptrs, _wide, int64_offsets
+from .common import int64_offsets
+from .triton_common import head_offset, tile_ptrs, wide
 
 # Rows per program: two [rows, d] fp32 tiles stay at 8K elements (64 rows at d128), in registers.
 TILE_ELEMENTS = 8192
@@ -27,11 +28,11 @@ def _delta_kernel(O, DO, Delta, n, H,
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     dims = tl.arange(0, D)
     ok = rows < n
-    o = tl.load(_tile_ptrs(O + _head_offset(b, h, so_b, so_h, INT64), rows, so_n, dims, INT64),
+    o = tl.load(tile_ptrs(O + head_offset(b, h, so_b, so_h, INT64), rows, so_n, dims, INT64),
                 mask=ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(_tile_ptrs(DO + _head_offset(b, h, sdo_b, sdo_h, INT64), rows, sdo_n, dims, INT64),
+    do = tl.load(tile_ptrs(DO + head_offset(b, h, sdo_b, sdo_h, INT64), rows, sdo_n, dims, INT64),
                  mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(Delta + _wide(pid_bh, INT64) * n + rows, tl.sum(o * do, axis=1), mask=ok)
+    tl.store(Delta + wide(pid_bh, INT64) * n + rows, tl.sum(o * do, axis=1), mask=ok)
 
 
 def attention_delta_triton(out: torch.Tensor, d_out: torch.Tensor) -> torch.Tensor:

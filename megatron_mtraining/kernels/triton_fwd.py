@@ -14,89 +14,13 @@ per key block: the work is the active pairs, nothing proportional to the sequenc
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-LN2 = math.log(2.0)
-LOG2E = 1.0 / LN2
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def kernel_flags(dtype: torch.dtype) -> dict:
-    """Compile-time flags shared by all kernels for an input dtype."""
-    return dict(
-        # Triton's CPU interpreter multiplies bf16 tiles wrongly: compute in fp32 there.
-        UPCAST=interpreting() and dtype == torch.bfloat16,
-        # fp32 inputs get full-precision products (tf32 would cost ~3e-4 relative error).
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-    )
-
-
-# Launch settings (num_warps, num_stages) per kernel family, "fwd" or "bwd", that replace the
-# defaults below: benchmarks/kernel.py --launch sets them to compare settings; empty otherwise.
-LAUNCH_OVERRIDES: dict = {}
-
-
-def max_element_offset(x: torch.Tensor) -> int:
-    """Offset of the last element from the first: the largest offset a kernel computes into ``x``."""
-    return sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()) if size > 0)
-
-
-def int64_offsets(*tensors: torch.Tensor) -> bool:
-    """The kernels' INT64 flag: whether an element offset into one of these tensors can pass
-    2^31 - 1 (a [b, heads, s, d] view of Megatron's [s, b, heads, d] spans the whole tensor). Only
-    then are offsets computed in int64: that costs the forward ~26% and the backward ~13% at
-    64-token blocks (~2% at 128; H100), and int32 ones provably suffice everywhere else."""
-    return any(max_element_offset(x) >= 2 ** 31 for x in tensors)
-
-
-def plan_tensors(plan) -> tuple:
-    """The plan's tensors that the kernels index per (batch, head) row, for ``int64_offsets``."""
-    return plan.kv_blocks, plan.q_blocks, plan.cols, plan.col_pos, plan.col_limit, plan.col_start, *plan.column_words
-
-
-def document_arguments(plan) -> tuple:
-    """(doc_start, block_last_start, col_start, DOCS) for the kernels' packed-document masks.
-    Without documents the kernels never read the first two (compiled out), but Triton wants
-    storage behind every pointer."""
-    docs = plan.documents
-    if docs is None:
-        return plan.q_block_ids, plan.q_block_ids, plan.col_start, False
-    return docs.doc_start, docs.block_last_start, plan.col_start, True
-
-
-def column_arguments(plan) -> tuple:
-    """(cols, col_pos, words, diag, words per query block) for the kernels' column part. With no
-    column capacity the kernels never read the tensors, but Triton wants storage behind every
-    pointer."""
-    words, diag = plan.column_words
-    n_words = words.shape[-1]
-    if plan.cols.shape[-1] == 0:
-        return plan.col_count, plan.col_count, diag, diag, n_words
-    return plan.cols, plan.col_pos, words, diag, n_words
-
-
-def tile_config(block: int, dtype: torch.dtype, family: str = "fwd") -> dict:
-    """Tile shapes and launch settings. Tiles divide the index block: a 128-block runs as 64-row
-    tiles where 128-row fp32 tiles would not fit in shared memory."""
-    tile = min(block, 64) if dtype == torch.float32 else min(block, 128)
-    cfg = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=min(tile, 64),
-               num_warps=8 if tile >= 128 else 4,
-               num_stages=1 if (tile >= 128 or dtype == torch.float32) else 2,
-               MASK_EVERY_TILE=False,
-               COLUMN_PROGRAMS=1024)  # backward's column-gradient kernel: programs to aim for
-    cfg.update(LAUNCH_OVERRIDES.get(family, {}))
-    if 64 % cfg["BLOCK_COL"]:
-        raise ValueError(f"tile_config: BLOCK_COL {cfg['BLOCK_COL']} must divide 64 (a column tile reads one "
-                         "64-bit column word)")
-    return cfg
+from .common import LOG2E, column_arguments, document_arguments, int64_offsets, plan_tensors
+from .triton_common import (column_begin, column_tile, causal_columns, head_offset, kernel_flags, needs_token_mask,
+                            query_documents, tile_config, tile_ptrs, token_mask, wide)
 
 
 def forward_launch_config(block: int, dtype: torch.dtype) -> dict:
@@ -122,132 +46,17 @@ def _online_softmax_step(s, qk_scale, v, m_i, l_i, acc, DOT_PRECISION: tl.conste
 
 
 @triton.jit
-def _wide(x, INT64: tl.constexpr):
-    """``x`` (an index that multiplies a stride) in int64 when offsets can pass 2^31 (``int64_offsets``)."""
-    if INT64:
-        x = tl.cast(x, tl.int64)  # tl.cast: the interpreter's loop indices are Python ints
-    return x
-
-
-@triton.jit
-def _head_offset(b, h, stride_b, stride_h, INT64: tl.constexpr):
-    """Offset of (batch ``b``, head ``h``)."""
-    return _wide(b, INT64) * stride_b + _wide(h, INT64) * stride_h
-
-
-@triton.jit
-def _tile_ptrs(base, rows, stride, offs_d, INT64: tl.constexpr):
-    """Pointers of the [rows, d] tile of the (batch, head) at ``base``."""
-    return base + _wide(rows, INT64)[:, None] * stride + offs_d[None, :]
-
-
-@triton.jit
-def _word_bits(word, first, COUNT: tl.constexpr):
-    """Bits ``first .. first + COUNT - 1`` of a 64-bit column word, as booleans."""
-    return ((word >> (tl.arange(0, COUNT) + first).to(tl.int64)) & 1) != 0
-
-
-@triton.jit
-def _column_tile(Cols, Words, k_base, v_base, col_row, word_row, c0, n_cols, stride_kn, stride_vn, offs_d,
-                 BLOCK_COL: tl.constexpr, INT64: tl.constexpr, UPCAST: tl.constexpr):
-    """Gather one tile of the plan's columns: K, V and which columns are live for the query block
-    (one word of the step's column words, instead of a gather chain per column)."""
-    tl.static_assert(64 % BLOCK_COL == 0, "a column tile must lie within one 64-bit word")
-    offs_c = c0 + tl.arange(0, BLOCK_COL)
-    # Past the limit: row 0, never live (its p is 0; only a non-finite row 0 would leak, as any
-    # gathered non-live column would).
-    col = tl.load(Cols + col_row + offs_c, mask=offs_c < n_cols, other=0)
-    live = _word_bits(tl.load(Words + word_row + c0 // 64), c0 % 64, BLOCK_COL)
-    k = tl.load(_tile_ptrs(k_base, col, stride_kn, offs_d, INT64))
-    v = tl.load(_tile_ptrs(v_base, col, stride_vn, offs_d, INT64))
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    return k, v, live
-
-
-@triton.jit
-def _causal_columns(x, fill, ColPos, col_row, c0, n_cols, q_pos, q_doc, BLOCK_COL: tl.constexpr,
-                    DOCS: tl.constexpr):
-    """``x`` with ``fill`` where a column is after the query (or, with DOCS, before the query's
-    document ``q_doc``): needed only where a live column shares the query block or the block
-    straddles a document boundary (``column_words``' diag), so the kernels run a separate copy of
-    their column loop there."""
-    offs_c = c0 + tl.arange(0, BLOCK_COL)
-    c_pos = tl.load(ColPos + col_row + offs_c, mask=offs_c < n_cols, other=0)
-    keep = c_pos[None, :] <= q_pos[:, None]
-    if DOCS:
-        keep = keep & (c_pos[None, :] >= q_doc[:, None])
-    return tl.where(keep, x, fill)
-
-
-@triton.jit
-def _token_mask(k_pos, q_pos, q_doc, DOCS: tl.constexpr):
-    """[queries, keys] pairs that are causal (and, with DOCS, in the query's document)."""
-    keep = k_pos[None, :] <= q_pos[:, None]
-    if DOCS:
-        keep = keep & (k_pos[None, :] >= q_doc[:, None])
-    return keep
-
-
-@triton.jit
-def _needs_token_mask(k_blk, q_blk, doc_mask_below, BLOCK: tl.constexpr, DOCS: tl.constexpr):
-    """Whether a key block needs the token-level mask for this query block: the diagonal block,
-    and, with DOCS, key blocks that start before the document of the block's last query."""
-    needs = k_blk == q_blk
-    if DOCS:
-        needs = needs | (k_blk * BLOCK < doc_mask_below)
-    return needs
-
-
-@triton.jit
-def _token_mask_t(k_pos, q_pos, q_doc, DOCS: tl.constexpr):
-    """``_token_mask`` key-major ([keys, queries]), for the backward's key-side kernels."""
-    keep = k_pos[:, None] <= q_pos[None, :]
-    if DOCS:
-        keep = keep & (k_pos[:, None] >= q_doc[None, :])
-    return keep
-
-
-@triton.jit
-def _document_starts(DocStart, q_pos, DOCS: tl.constexpr):
-    """The document start of each query row (DOCS); without documents, a placeholder never read."""
-    if DOCS:
-        return tl.load(DocStart + q_pos)
-    else:
-        return q_pos
-
-
-@triton.jit
-def _query_documents(DocStart, DocLast, q_pos, q_blk, DOCS: tl.constexpr):
-    """(document start per query row, the block's token-mask bound); unused without DOCS."""
-    if DOCS:
-        return tl.load(DocStart + q_pos), tl.load(DocLast + q_blk)
-    else:
-        return q_pos, q_blk
-
-
-@triton.jit
-def _column_begin(ColStart, plan_row, BLOCK_COL: tl.constexpr, DOCS: tl.constexpr):
-    """First column slot a query block walks, on a tile boundary (DOCS: past earlier documents)."""
-    if DOCS:
-        return (tl.load(ColStart + plan_row) // BLOCK_COL) * BLOCK_COL
-    else:
-        return 0
-
-
-@triton.jit
 def _forward_columns(q, q_pos, q_doc, m_i, l_i, acc, qk_scale, Cols, ColPos, Words, k_base, v_base, col_row,
                      word_row, c_begin, n_cols, stride_kn, stride_vn, offs_d, BLOCK_COL: tl.constexpr,
                      INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, CAUSAL: tl.constexpr,
                      DOCS: tl.constexpr):
     """The forward's column part: fold the live columns of slots [c_begin, n_cols) into (m, l, acc)."""
     for c0 in range(c_begin, n_cols, BLOCK_COL):
-        k, v, live = _column_tile(Cols, Words, k_base, v_base, col_row, word_row, c0, n_cols,
-                                  stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST)
+        k, v, live = column_tile(Cols, Words, k_base, v_base, col_row, word_row, c0, n_cols,
+                                 stride_kn, stride_vn, offs_d, BLOCK_COL, INT64, UPCAST)
         s = tl.where(live[None, :], tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), float("-inf"))
         if CAUSAL:
-            s = _causal_columns(s, float("-inf"), ColPos, col_row, c0, n_cols, q_pos, q_doc, BLOCK_COL, DOCS)
+            s = causal_columns(s, float("-inf"), ColPos, col_row, c0, n_cols, q_pos, q_doc, BLOCK_COL, DOCS)
         m_i, l_i, acc = _online_softmax_step(s, qk_scale, v, m_i, l_i, acc, DOT_PRECISION)
     return m_i, l_i, acc
 
@@ -280,19 +89,19 @@ def _vs_attn_fwd_kernel(
     q_blk = tl.load(QBlk + q_local_blk)
     q_pos = q_blk * BLOCK + (pid_m % (BLOCK // BLOCK_M)) * BLOCK_M + offs_m
     rows = pid_m * BLOCK_M + offs_m
-    q_doc, doc_mask_below = _query_documents(DocStart, DocLast, q_pos, q_blk, DOCS)
-    q = tl.load(_tile_ptrs(Q + _head_offset(b, h, stride_qb, stride_qh, INT64), rows, stride_qn, offs_d, INT64))
+    q_doc, doc_mask_below = query_documents(DocStart, DocLast, q_pos, q_blk, DOCS)
+    q = tl.load(tile_ptrs(Q + head_offset(b, h, stride_qb, stride_qh, INT64), rows, stride_qn, offs_d, INT64))
     if UPCAST:
         q = q.to(tl.float32)
-    k_base = K + _head_offset(b, kvh, stride_kb, stride_kh, INT64)
-    v_base = V + _head_offset(b, kvh, stride_vb, stride_vh, INT64)
+    k_base = K + head_offset(b, kvh, stride_kb, stride_kh, INT64)
+    v_base = V + head_offset(b, kvh, stride_vb, stride_vh, INT64)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
 
     # Slash part: whole key blocks. Only the diagonal block can hold keys after a query.
-    bh = _wide(pid_bh, INT64)  # times the plan's row lengths
+    bh = wide(pid_bh, INT64)  # times the plan's row lengths
     plan_row = bh * NQB + q_local_blk
     n_blocks = tl.load(KVCnt + plan_row)
     for t in range(0, n_blocks):
@@ -300,24 +109,24 @@ def _vs_attn_fwd_kernel(
         k_blk = tl.load(KBlk + j)
         for sub in tl.static_range(0, BLOCK, BLOCK_N):
             k_rows = j * BLOCK + sub + offs_n
-            k = tl.load(_tile_ptrs(k_base, k_rows, stride_kn, offs_d, INT64))
-            v = tl.load(_tile_ptrs(v_base, k_rows, stride_vn, offs_d, INT64))
+            k = tl.load(tile_ptrs(k_base, k_rows, stride_kn, offs_d, INT64))
+            v = tl.load(tile_ptrs(v_base, k_rows, stride_vn, offs_d, INT64))
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
             # Earlier key blocks hold no key after a query (nor, past the documents' bound, a key of
             # another document).
-            if MASK_EVERY_TILE or _needs_token_mask(k_blk, q_blk, doc_mask_below, BLOCK, DOCS):
+            if MASK_EVERY_TILE or needs_token_mask(k_blk, q_blk, doc_mask_below, BLOCK, DOCS):
                 k_pos = k_blk * BLOCK + sub + offs_n
-                s = tl.where(_token_mask(k_pos, q_pos, q_doc, DOCS), s, float("-inf"))
+                s = tl.where(token_mask(k_pos, q_pos, q_doc, DOCS), s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(s, qk_scale, v, m_i, l_i, acc, DOT_PRECISION)
 
     # Vertical part: gathered columns not covered by a selected slash block of this query block,
     # up to the last one that is not after all of its queries.
     # Two copies of the loop, so that neither branches inside (diag: never for a valid index).
     n_cols = tl.load(ColLimit + plan_row)
-    c_begin = _column_begin(ColStart, plan_row, BLOCK_COL, DOCS)
+    c_begin = column_begin(ColStart, plan_row, BLOCK_COL, DOCS)
     col_row, word_row = bh * MAX_V, plan_row * N_WORDS
     if tl.load(Diag + plan_row) != 0:
         m_i, l_i, acc = _forward_columns(q, q_pos, q_doc, m_i, l_i, acc, qk_scale, Cols, ColPos, Words, k_base,
@@ -333,8 +142,8 @@ def _vs_attn_fwd_kernel(
     out = acc / l_safe[:, None]
     lse = tl.where(has_key, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
 
-    o_ptrs = _tile_ptrs(Out + _head_offset(b, h, stride_ob, stride_oh, INT64), rows, stride_on, offs_d, INT64)
-    l_ptrs = Lse + _head_offset(b, h, stride_lb, stride_lh, INT64) + rows
+    o_ptrs = tile_ptrs(Out + head_offset(b, h, stride_ob, stride_oh, INT64), rows, stride_on, offs_d, INT64)
+    l_ptrs = Lse + head_offset(b, h, stride_lb, stride_lh, INT64) + rows
     if ACCUMULATE:
         # Merge with the previous steps' partial result through log-sum-exp, in fp32.
         old_lse = tl.load(l_ptrs)

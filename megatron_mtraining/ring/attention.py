@@ -19,7 +19,8 @@ from ..attention import check_attention_inputs, check_qkv
 from ..documents import as_documents, check_documents_across_ranks
 from ..index import VSIndex, value_checks
 from ..kernels.plan import build_step_plan
-from ..kernels.step import backward_delta, resolve_backend, step_backward, step_forward
+from ..kernels.dispatch import resolve_backend
+from ..kernels.step import backward_delta, step_backward, step_forward
 from ..layout import check_layout, local_block_ids
 from . import agreement
 from .agreement import checksum, host_word

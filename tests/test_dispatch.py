@@ -1,0 +1,306 @@
+"""kernels/dispatch.py's decision table, row by row, on the CPU: the device's capabilities (CUDA,
+compute capability, Gluon, the interpreter, cuDNN, the compiled extension) are monkeypatched,
+and the step functions are checked to run what dispatch picks."""
+
+import logging
+import types
+
+import pytest
+import torch
+
+from megatron_mtraining import VSIndex
+from megatron_mtraining.kernels import dispatch, single_device_plan, step
+from megatron_mtraining.kernels.dispatch import BackwardParts
+
+CUDA = torch.device("cuda")  # only a name here: nothing is allocated on it
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No kernel variable set, nothing announced, the device answer recomputed."""
+    for env in (dispatch.FORWARD_KERNEL_ENV, dispatch.BACKWARD_KERNEL_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setattr(dispatch, "_ANNOUNCED", set())
+    cached = dispatch.hopper_device_reason  # the sm90 fixture replaces it until after this teardown
+    cached.cache_clear()
+    yield monkeypatch
+    cached.cache_clear()
+
+
+@pytest.fixture
+def sm90(fresh):
+    """Every device is an sm_90 GPU with Gluon (the coverage of the call still decides)."""
+    fresh.setattr(dispatch, "hopper_device_reason", lambda device: "")
+    return fresh
+
+
+def _plan(block_size):
+    return types.SimpleNamespace(block_size=block_size)
+
+
+def _qkv(dtype=torch.bfloat16, d=128):
+    x = torch.zeros(1, 2, 256, d, dtype=dtype)
+    return x, x, x
+
+
+# ------------------------------------------------------------------------------------------ backend
+
+
+@pytest.mark.parametrize("device, interpreted, asked, want", [
+    (CUDA, False, "auto", "triton"),
+    (CPU, False, "auto", "torch"),
+    (CPU, True, "auto", "torch"),  # the interpreter never makes "auto" Triton
+    (CPU, True, "triton", "triton"),
+    (CUDA, False, "torch", "torch"),
+    (CPU, False, "torch", "torch"),
+])
+def test_backend(monkeypatch, device, interpreted, asked, want):
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
+    assert dispatch.resolve_backend(asked, device) == want
+
+
+def test_backend_errors(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        dispatch.resolve_backend("triton", CPU)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        dispatch.resolve_backend("cuda", CUDA)
+
+
+# ---------------------------------------------------------------------------- can the Hopper kernels run
+
+
+@pytest.mark.parametrize("device, interpreted, capability, gluon, want", [
+    (CPU, False, (9, 0), True, "not a CUDA device (cpu)"),
+    (CUDA, True, (9, 0), True, "not a CUDA device (cuda, TRITON_INTERPRET=1)"),
+    (CUDA, False, (8, 0), True, "compute capability 8.0 (sm_90 only)"),
+    (CUDA, False, (10, 0), True, "compute capability 10.0 (sm_90 only)"),
+    (CUDA, False, (9, 0), False, "this Triton has no Gluon (triton.experimental.gluon)"),
+    (CUDA, False, (9, 0), True, ""),
+])
+def test_hopper_device(fresh, device, interpreted, capability, gluon, want):
+    fresh.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
+    fresh.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    fresh.setattr(dispatch, "_has_gluon", lambda: gluon)
+    assert dispatch.hopper_device_reason(device) == want
+
+
+def test_hopper_coverage():
+    q, k, v = _qkv()
+    assert dispatch.hopper_unsupported_reason(64, dict(q=q, k=k, v=v)) == ""
+    assert dispatch.hopper_unsupported_reason(128, dict(q=q.half(), k=k.half(), v=v.half())) == ""
+    assert dispatch.hopper_unsupported_reason(256, dict(q=q)) == ""
+    assert dispatch.hopper_unsupported_reason(64, dict(q=q.float())) == "dtype torch.float32 (bf16 or fp16 only)"
+    assert dispatch.hopper_unsupported_reason(64, dict(q=_qkv(d=64)[0])) == ""
+    assert dispatch.hopper_unsupported_reason(64, dict(q=_qkv(d=96)[0])) == "head_dim 96 (64 or 128 only)"
+    assert dispatch.hopper_unsupported_reason(32, dict(q=q)) == "block size 32 (a multiple of 64 only)"
+    shifted = torch.zeros(1, 2, 256, 132, dtype=torch.bfloat16)[..., :128]  # 264-byte rows
+    assert "k's rows are not 16-byte aligned" in dispatch.hopper_unsupported_reason(64, dict(q=q, k=shifted))
+
+
+# ------------------------------------------------------------------ the sparse kernels on "triton"
+
+
+@pytest.mark.parametrize("env, dtype, d, B, want", [
+    ("", torch.bfloat16, 128, 64, "hopper"),
+    ("auto", torch.float16, 64, 128, "hopper"),
+    ("triton", torch.bfloat16, 128, 64, "triton"),  # forced
+    ("", torch.float32, 128, 64, "triton"),  # not covered: Triton's
+    ("", torch.bfloat16, 96, 64, "triton"),
+    ("", torch.bfloat16, 128, 16, "triton"),
+    ("hopper", torch.bfloat16, 128, 128, "hopper"),
+])
+def test_kernel_on_sm90(sm90, env, dtype, d, B, want):
+    for var in (dispatch.FORWARD_KERNEL_ENV, dispatch.BACKWARD_KERNEL_ENV):
+        sm90.setenv(var, env)
+    q, k, v = _qkv(dtype, d)
+    assert dispatch.forward_kernel(q, k, v, _plan(B), q) == want
+    assert dispatch.backward_kernel(q, k, v, q, _plan(B)) == want
+
+
+def test_kernel_off_sm90_is_triton_and_forcing_hopper_says_why(fresh):
+    fresh.setenv("TRITON_INTERPRET", "0")
+    fresh.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    q, k, v = (x.to(torch.bfloat16) for x in _qkv())
+    cuda_like = types.SimpleNamespace(device=CUDA, dtype=q.dtype, shape=q.shape)
+    tensors = dict(q=cuda_like, k=k, v=v)
+    assert dispatch._kernel_choice(dispatch.FORWARD_KERNEL_ENV, 64, tensors) == "triton"
+    fresh.setenv(dispatch.BACKWARD_KERNEL_ENV, "hopper")
+    with pytest.raises(ValueError, match=r"MTRAINING_BACKWARD_KERNEL=hopper, but the Hopper kernel cannot run this "
+                                         r"call: compute capability 8\.0 \(sm_90 only\)"):
+        dispatch._kernel_choice(dispatch.BACKWARD_KERNEL_ENV, 64, tensors)
+
+
+def test_forcing_hopper_on_an_uncovered_call_names_the_reason(sm90):
+    sm90.setenv(dispatch.FORWARD_KERNEL_ENV, "hopper")
+    q, k, v = _qkv(torch.float32)
+    with pytest.raises(ValueError, match=r"MTRAINING_FORWARD_KERNEL=hopper, .*dtype torch.float32"):
+        dispatch.forward_kernel(q, k, v, _plan(64), q)
+
+
+def test_a_bad_kernel_variable_is_refused(fresh):
+    fresh.setenv(dispatch.FORWARD_KERNEL_ENV, "cudnn")
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"MTRAINING_FORWARD_KERNEL must be one of \('auto', 'triton', 'hopper'\)"):
+        dispatch.forward_kernel(q, k, v, _plan(64), q)
+
+
+def test_each_choice_is_logged_once(sm90, caplog):
+    q, k, v = _qkv()
+    with caplog.at_level(logging.INFO, logger="megatron_mtraining.kernels.dispatch"):
+        for _ in range(3):
+            dispatch.forward_kernel(q, k, v, _plan(64), q)
+        dispatch.forward_kernel(q.float(), k, v, _plan(64), q)  # another choice: said once more
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert said[0].startswith("MTraining: forward on the Hopper kernel")
+    assert said[1] == ("MTraining: forward on the Triton kernel (the Hopper one does not cover this call: dtype "
+                       "torch.float32 (bf16 or fp16 only))")
+
+
+@pytest.mark.parametrize("B, rows", [(64, 64), (128, 128), (256, 64)])
+def test_hopper_forward_schedule(B, rows):
+    assert dispatch.hopper_forward_rows(B) == rows
+
+
+@pytest.mark.parametrize("kernel, B, parts", [
+    ("triton", 64, ("triton", "triton", "triton")),
+    ("triton", 128, ("triton", "triton", "triton")),
+    ("hopper", 64, ("triton", "triton", "hopper")),
+    ("hopper", 128, ("hopper", "hopper", "hopper")),
+    ("hopper", 256, ("triton", "triton", "hopper")),
+])
+def test_backward_parts(kernel, B, parts):
+    assert dispatch.backward_parts(kernel, B) == BackwardParts(*parts)
+
+
+def test_backward_parts_refuses_an_unknown_kernel():
+    with pytest.raises(ValueError, match="kernel must be 'triton' or 'hopper'"):
+        dispatch.backward_parts("cudnn", 64)
+
+
+# --------------------------------------------------------- the step functions run what dispatch picks
+
+
+def _step_inputs(B):
+    n, d = 256, 64
+    index = VSIndex.random(1, 2, n, B, max_slash=2, max_vertical=8, generator=torch.Generator().manual_seed(B))
+    q, k, v, do = (torch.randn(1, 2, n, d) for _ in range(4))
+    lse = delta = torch.zeros(1, 2, n)
+    return q, k, v, do, lse, delta, single_device_plan(index, n)
+
+
+@pytest.mark.parametrize("kernel, B", [("hopper", 64), ("hopper", 128), ("triton", 128)])
+def test_step_backward_launches_each_part_where_dispatch_says(monkeypatch, kernel, B):
+    q, k, v, do, lse, delta, plan = _step_inputs(B)
+    calls = []
+
+    def launchers(family):
+        return tuple((lambda *a, _p=part, _f=family: calls.append((_p, _f))) for part in ("query", "blocks", "columns"))
+
+    monkeypatch.setattr(step, "backward_kernel", lambda *a: kernel)
+    monkeypatch.setattr(step, "_launchers", launchers)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    step.step_backward("triton", q, k, v, do, lse, delta, plan, dq, dk, dv, 0.125)
+    want = dispatch.backward_parts(kernel, B)
+    assert calls == [("query", want.query), ("blocks", want.blocks), ("columns", want.columns)]
+
+
+@pytest.mark.parametrize("B", [64, 128])
+def test_step_forward_runs_the_hopper_schedule_dispatch_picks(monkeypatch, B):
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from megatron_mtraining.kernels import hopper_fwd
+
+    q, k, v, _, lse, _, plan = _step_inputs(B)
+    calls = []
+    monkeypatch.setattr(step, "forward_kernel", lambda *a: "hopper")
+    monkeypatch.setattr(hopper_fwd, "vs_attention_fwd_hopper", lambda *a, rows: calls.append(rows))
+    step.step_forward("triton", q, k, v, plan, torch.empty_like(q), lse, 0.125, False)
+    assert calls == [dispatch.hopper_forward_rows(B)]
+
+
+# ------------------------------------------------------------------------------ the plan's conversions
+
+
+def test_column_words_kernel(monkeypatch):
+    assert dispatch.column_words_kernel(CUDA) == "triton"
+    assert dispatch.column_words_kernel(CPU) == "torch"
+    # The plan runs what dispatch picks.
+    from megatron_mtraining.kernels import plan as plan_module
+
+    index = VSIndex.random(1, 2, 256, 64, max_slash=2, max_vertical=30, generator=torch.Generator().manual_seed(3))
+    want = single_device_plan(index, 256).column_words  # the CPU's: PyTorch
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        return plan_module.column_words_reference(*args)
+
+    monkeypatch.setattr(plan_module, "column_words_triton", spy)
+    monkeypatch.setattr(plan_module, "column_words_kernel", lambda device: "triton")
+    got = single_device_plan(index, 256).column_words
+    assert len(calls) == 1 and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("impl, supported, want", [
+    ("auto", True, "ext"), ("ext", True, "ext"), ("auto", False, "torch"), ("torch", True, "torch"),
+    ("torch", False, "torch"),
+])
+def test_conversion(monkeypatch, impl, supported, want):
+    monkeypatch.setattr(dispatch._ext, "supports", lambda device: supported)
+    assert dispatch.conversion_impl(impl, CPU) == want
+
+
+def test_conversion_errors(monkeypatch):
+    monkeypatch.setattr(dispatch._ext, "supports", lambda device: False)
+    with pytest.raises(RuntimeError, match="convert_step: the compiled extension is not available for cpu"):
+        dispatch.conversion_impl("ext", CPU)
+    with pytest.raises(ValueError, match="convert_step: impl must be 'auto', 'ext' or 'torch'"):
+        dispatch.conversion_impl("cuda", CPU)
+
+
+# ------------------------------------------------------------------------------------ dense kernels
+
+
+@pytest.mark.parametrize("impl, cuda, dtype, cudnn, failed, want", [
+    ("auto", True, torch.bfloat16, True, False, "cudnn"),
+    ("auto", True, torch.float16, True, True, "flash"),  # cuDNN raised before
+    ("auto", True, torch.bfloat16, False, False, "flash"),  # no cuDNN
+    ("auto", True, torch.float32, True, False, "torch"),
+    ("auto", False, torch.bfloat16, True, False, "torch"),
+    ("flash", False, torch.float32, True, False, "flash"),  # as asked
+    ("cudnn", True, torch.bfloat16, True, True, "cudnn"),
+    ("torch", True, torch.bfloat16, True, False, "torch"),
+])
+def test_dense_impl(monkeypatch, impl, cuda, dtype, cudnn, failed, want):
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: cudnn)
+    monkeypatch.setattr(dispatch, "_cudnn_attention_failed", failed)
+    q = types.SimpleNamespace(is_cuda=cuda, dtype=dtype)
+    assert dispatch.dense_impl(impl, q) == want
+
+
+def test_a_cudnn_failure_turns_auto_to_flash(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(dispatch, "_cudnn_attention_failed", False)
+    q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    assert dispatch.dense_impl("auto", q) == "cudnn"
+    dispatch.note_cudnn_failure()
+    assert dispatch.dense_impl("auto", q) == "flash"
+    with pytest.raises(ValueError, match="impl must be one of"):
+        dispatch.dense_impl("sdpa", q)
+    assert dispatch.dense_impls_available("cpu") == ["torch"]
+
+
+@pytest.mark.parametrize("dense_layer, deterministic, ring, layout, cuda, dtype, want", [
+    (False, False, False, "zigzag", True, torch.bfloat16, False),  # a sparse layer
+    (True, True, False, "zigzag", True, torch.bfloat16, False),  # deterministic keeps the sparse kernels
+    (True, False, False, "striped", True, torch.float32, True),  # one device: SDPA takes anything
+    (True, False, True, "zigzag", True, torch.bfloat16, True),
+    (True, False, True, "zigzag", True, torch.float32, False),  # fp32 steps would materialise the scores
+    (True, False, True, "striped", True, torch.bfloat16, False),  # block-causal steps
+    (True, False, True, "zigzag", False, torch.float32, True),  # the CPU's PyTorch steps
+])
+def test_dense_or_sparse_kernels(dense_layer, deterministic, ring, layout, cuda, dtype, want):
+    q = types.SimpleNamespace(is_cuda=cuda, dtype=dtype)
+    assert dispatch.use_dense_kernels(dense_layer, deterministic, ring, layout, q) is want
