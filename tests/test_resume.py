@@ -90,3 +90,21 @@ def test_load_refuses_another_world_size(tmp_path):
     with pytest.raises(Exception, match="saved by 2 ranks; this run has 1"):
         run_distributed(_train, 1, ARGS + ["--iterations", "2", "--load", root], timeout=120)
     assert os.path.exists(checkpoint_path(root, 1, 1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU (gloo) test of the demo loop")
+def test_truncated_checkpoint_file_fails_every_rank_before_any_restores(tmp_path):
+    """One rank's file cut short: every rank raises CheckpointLoadError naming that rank (the
+    other rank does not report a successful resume and then die in the first collective)."""
+    from dist_utils import run_distributed_outcomes
+
+    root = str(tmp_path / "ckpt")
+    run_distributed(_train, 2, ARGS + ["--iterations", "1", "--save", root], timeout=120)
+    path = checkpoint_path(root, 1, 1)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    outcomes = run_distributed_outcomes(_train, 2, ARGS + ["--iterations", "2", "--load", root], timeout=120)
+    assert [o.status for o in outcomes] == ["error", "error"], outcomes
+    assert all(o.error_type == "CheckpointLoadError" and "rank(s) [1] of 2" in o.message for o in outcomes)
+    assert "This rank (1)" in outcomes[1].message and "cannot be read (truncated or corrupt?)" in outcomes[1].message
+    assert "This rank" not in outcomes[0].message  # rank 0 read its own file; it names the rank that could not

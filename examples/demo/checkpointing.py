@@ -25,11 +25,16 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["TRACKER_FILENAME", "checkpoint_path", "get_rng_state", "load_checkpoint", "read_tracker",
-           "save_checkpoint", "set_rng_state"]
+__all__ = ["CheckpointLoadError", "TRACKER_FILENAME", "checkpoint_path", "get_rng_state", "load_checkpoint",
+           "read_tracker", "save_checkpoint", "set_rng_state"]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"  # Megatron's name
 FORMAT_VERSION = 1
+
+
+class CheckpointLoadError(RuntimeError):
+    """A rank could not read its checkpoint file (missing, truncated, another world size): raised
+    on every rank, before any of them restores anything."""
 
 
 def _rank_world() -> Tuple[int, int]:
@@ -114,19 +119,48 @@ def load_checkpoint(root: str, model: torch.nn.Module, optimizer: Optional[torch
                     iteration: Optional[int] = None) -> Tuple[int, Dict[str, Any]]:
     """Restore this rank's model, optimizer and RNG state from ``root`` (the latest checkpoint,
     or ``iteration``); returns ``(iteration, extra)``. Call it after building the model and the
-    optimizer, before the first training step."""
+    optimizer, before the first training step. A collective over the default group: every rank
+    first reads its file, then the ranks agree; if any rank could not (a missing or truncated file,
+    another world size, another iteration), every rank raises ``CheckpointLoadError`` naming the
+    ranks that failed (and its own reason), and none restores anything."""
     rank, world = _rank_world()
-    if iteration is None:
-        iteration = read_tracker(root)
-    path = checkpoint_path(root, iteration, rank)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"checkpoint {path} is missing: was it saved by a run of {world} ranks?")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    if state.get("world_size") != world:
-        raise ValueError(f"checkpoint {os.path.dirname(path)} was saved by {state.get('world_size')} ranks; this "
-                         f"run has {world}. Resume with the same number of ranks.")
+    state, problem = None, None
+    try:
+        if iteration is None:
+            iteration = read_tracker(root)
+        path = checkpoint_path(root, iteration, rank)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"checkpoint {path} is missing: was it saved by a run of {world} ranks?")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as err:  # EOFError, UnpicklingError, RuntimeError: a cut or corrupt file
+            raise ValueError(f"checkpoint {path} cannot be read (truncated or corrupt?): "
+                             f"{type(err).__name__}: {err}") from None
+        if state.get("world_size") != world:
+            raise ValueError(f"checkpoint {os.path.dirname(path)} was saved by {state.get('world_size')} ranks; "
+                             f"this run has {world}. Resume with the same number of ranks.")
+        if int(state.get("iteration", -1)) != int(iteration):
+            raise ValueError(f"checkpoint {path} holds iteration {state.get('iteration')}, not {iteration}")
+    except (OSError, ValueError) as err:
+        problem = str(err)
+    failed = _ranks_that_failed(problem is not None, rank, world)
+    if failed:
+        own = f" This rank ({rank}): {problem}" if problem else ""
+        raise CheckpointLoadError(f"cannot resume from {root}: rank(s) {failed} of {world} could not read their "
+                                  f"checkpoint file, so no rank restored anything.{own}")
     model.load_state_dict(state["model"])
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     set_rng_state(state["rng"])
     return int(state["iteration"]), state.get("extra", {})
+
+
+def _ranks_that_failed(failed: bool, rank: int, world: int) -> list:
+    """Every rank's verdict on every rank (one all-reduce of a slot per rank over the default group)."""
+    if world == 1:
+        return [rank] if failed else []
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    slots = torch.zeros(world, dtype=torch.int32, device=device)
+    slots[rank] = int(failed)
+    dist.all_reduce(slots)
+    return [r for r, bad in enumerate(slots.tolist()) if bad]
