@@ -144,7 +144,7 @@ def test_source_tree_names_the_code_that_ran(tmp_path):
     subprocess.run(["git", "init", "-q", str(clone)], check=True)
     bench = clone / "benchmarks"
     bench.mkdir()
-    for name in ("common.py", "which_commit.py"):
+    for name in ("common.py", "corpus.py", "which_commit.py"):
         shutil.copy(os.path.join(REPO, "benchmarks", name), bench / name)
     (clone / ".gitignore").write_text("out/\n__pycache__/\n")
     git = ["git", "-C", str(clone), "-c", "user.email=t@t", "-c", "user.name=t"]
