@@ -20,20 +20,9 @@ pytestmark = pytest.mark.gpu
 te = pytest.importorskip("transformer_engine.pytorch") if torch.cuda.is_available() else None
 pytest.importorskip("megatron.core")
 
+from megatron_batch import FakeGroup  # noqa: E402
+
 HEAD_DIM, HEADS = 128, 4
-
-
-class FakeGroup:
-    """What Megatron's RoPE code reads from a CP process group."""
-
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 def _config(fused):

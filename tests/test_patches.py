@@ -16,7 +16,7 @@ from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedd
 from megatron_mtraining.config import MTrainingConfig  # noqa: E402
 from megatron_mtraining.integration import patches  # noqa: E402
 from megatron_mtraining.layout import local_positions, shard_sequence  # noqa: E402
-from megatron_batch import cp_split  # noqa: E402
+from megatron_batch import FakeGroup, cp_split  # noqa: E402
 
 try:
     from megatron.core.models.common.embeddings import yarn_rotary_pos_embedding
@@ -56,17 +56,6 @@ def current(snap):
 def mock_cp(monkeypatch, size, rank):
     monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: size)
     monkeypatch.setattr(parallel_state, "get_context_parallel_rank", lambda: rank)
-
-
-class FakeGroup:
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 # ------------------------------------------------------------------------------ install / uninstall
