@@ -243,7 +243,8 @@ def main():
     if unknown:
         raise SystemExit(f"--runs: unknown {unknown}; choose from {sorted(variants)}")
     if {"te_cp", "te_cp_a2a_p2p"} & set(args.runs.split(",")) and not te:
-        raise SystemExit("--runs te_cp / te_cp_a2a_p2p are Transformer Engine's context parallelism: they need TE layers")
+        raise SystemExit("--runs te_cp / te_cp_a2a_p2p are Transformer Engine's context parallelism: "
+                         "they need TE layers")
     if world < 1:
         raise SystemExit("benchmarks/e2e.py needs GPUs (megatron.training is CUDA-only)")
     out = args.out or os.path.join(REPO, "benchmarks", "results", f"e2e_{device_slug(torch.device('cuda'))}_{world}gpu.json")

@@ -1,4 +1,5 @@
-"""Packed documents on Transformer Engine layers over CP = 2 (NCCL): `torchrun --nproc_per_node 2 tests/te_packed_gpu_worker.py`.
+"""Packed documents on Transformer Engine layers over CP = 2 (NCCL), one process per GPU:
+`python -m torch.distributed.run --nproc_per_node 2 tests/te_packed_gpu_worker.py`.
 
 The reference is Megatron's own attention on TE layers (``TEDotProductAttention``: TE's fused
 attention over a THD batch, ``PackedSeqParams``, TE's own fused THD RoPE) at CP = 1, computed on
