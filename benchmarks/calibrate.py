@@ -170,7 +170,7 @@ def derive_h200(results_dir: str) -> Dict:
     return _profile("nvidia-h200", "NVIDIA H200", sparse_fwd, sparse_bwd, dense_fwd, dense_bwd, approx_rate,
                     gemm_tflops, elementwise, sources,
                     {"code_commit": "1d0b6f2", "note": "kernel_nvidia-h200.json was re-run at de3d354, whose kernels "
-                     "are 1d0b6f2's with unchanged PTX (benchmarks/NOTES.md, session 17)",
+                     "are 1d0b6f2's with unchanged PTX (docs/performance.md)",
                      "kernel_128k_fwdbwd_ms": run128["ours"]["fwdbwd_ms"]},
                     fits={"sparse": sparse, "dense": dense, "rest_total_ms": rest_total, "gemm_share": gemm_share})
 

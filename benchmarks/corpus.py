@@ -384,7 +384,7 @@ def retrieval_accuracy(logits_or_predictions: torch.Tensor, tokens: torch.Tensor
 # ---------------------------------------------------------------------------- packed documents
 
 
-# Issue 16's packed benchmark mix at 128K tokens (ProLong-like: long documents hold most of the
+# The packed benchmark mix at 128K tokens (ProLong-like: long documents hold most of the
 # pairs), as relative lengths for ``PackedConfig.document_mix``.
 PROLONG_MIX = (49152, 32768, 16384, 12288, 8192, 4096, 4096, 2048, 1024, 1024)
 

@@ -1,5 +1,5 @@
 """What one slash offset and one vertical column cost, as a share of the document-causal pairs,
-on the packed layouts we train and benchmark on (issue 16's density question).
+on the packed layouts we train and benchmark on (the packed density question).
 
 A slash offset ``delta`` keeps, in every document, about one key block per query block: about
 ``B * L`` pairs of a document's ``L (L + 1) / 2``, so its share of the pairs grows as documents
@@ -10,7 +10,7 @@ documents, no S x S tensor) for:
 
 * one unbroken sequence (the unpacked quality run, 32K; the kernel benchmark, 128K);
 * the packed quality run's layouts (3-8 random documents per 32K sequence, several layouts);
-* issue 16's ProLong-like mix (``PROLONG_MIX``) at 32K and at its own 128K;
+* the ProLong-like benchmark mix (``PROLONG_MIX``) at 32K and at its own 128K;
 
 and derives ``offsets_within_10_percent``: how many off-diagonal offsets (beside the diagonal)
 fit in a density of 0.10. Then, from the measured quality runs (``results/quality.json``,

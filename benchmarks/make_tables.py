@@ -360,7 +360,7 @@ OLD_E2E_BASELINE = "dense index through the sparse kernels"
 def e2e_label(run: Dict, world_size: int) -> str:
     """What attention an e2e run used, from its flags and GPU count (``MTrainingAttention.
     uses_dense_kernels``): the dense baseline ran MTraining's sparse kernels over the all-blocks
-    index until session 7, the dense kernels since (SDPA, which picks cuDNN for bf16 on an H200,
+    index in the earliest results, the dense kernels since (SDPA, which picks cuDNN for bf16 on an H200,
     or the cuDNN zigzag ring)."""
     flags = run.get("flags", [])
     if run["name"] == "te_cp_a2a_p2p":
@@ -514,9 +514,9 @@ TARGETS = {  # key: (comparison, target)
     "step_imbalance": ("<=", 1.15), "computation_ratio": (">=", 0.85), "ring_strong_scaling_4gpu": (">=", 0.9),
     "hierarchical_speedup_slow_link": (">=", 1.3), "approximator_overhead": ("<=", 0.05),
     "e2e_speedup_512k_4gpu": (">=", 4),
-    # The same against the cuDNN zigzag ring (the baseline a user compares with; issue 18).
+    # The same against the cuDNN zigzag ring (the baseline a user compares with).
     "e2e_speedup_512k_4gpu_vs_cudnn": (">=", 7),
-    # Issue 17: Megatron training at 256K over 2 GPUs against the cuDNN zigzag ring.
+    # Megatron training at 256K over 2 GPUs against the cuDNN zigzag ring.
     "e2e_speedup_256k_2gpu_vs_cudnn": (">=", 5.0),
     # Packed documents (packed.json): ours vs Flex's document-causal attention; our per-pair rate packed over
     # the unpacked kernel's (kernel_fwdbwd_effective_tflops_128k).

@@ -40,7 +40,7 @@ of them if it is shorter), against its own keys only, causal by global position:
     total stays ``last_q x scored documents``): top-p then keeps that share of the attention
     mass of the AVERAGE QUERY, as without documents. With equal weights a 1K-token document whose
     attention spreads over its 16 offsets demanded ~15 of them, each of which also costs ~2/Lb
-    of the pairs of every long document of Lb blocks (session 9's packed quality run: 0.28 of
+    of the pairs of every long document of Lb blocks (the packed quality run: 0.28 of
     the document-causal pairs, mostly slashes);
   * documents of at most one block are not scored: all their pairs lie at block offset 0 or 1,
     so they are dense with the diagonal (always selected) and offset 1, which is made mandatory

@@ -111,7 +111,7 @@ def _dkdv_col_sm90_kernel(
 ):
     """One program per (64-column tile, batch x query head, query-range split): the gathered K and
     V rows sit in shared memory as wgmma operands for the whole loop (Triton's column kernel holds
-    them in registers, spills and waits on memory: 5.7 ms against 4.5 at 128K, session 11)."""
+    them in registers, spills and waits on memory: 5.7 ms against 4.5 at 128K)."""
     gl.static_assert(BLOCK % TILE == 0, "index blocks are whole 64-row tiles")
     c_layout: gl.constexpr = copy_layout(HEAD_DIM)
     s_layout: gl.constexpr = mma_layout(TILE)  # S^T and dP^T
