@@ -171,7 +171,7 @@ def test_one_buffer_is_bitwise_the_default_path(path_results, name):
     layout, n, _, hq, hkv, dense = CASES[name]
     for rank, per_rank in enumerate(path_results):
         two, one = per_rank[("0", name)], per_rank[("1", name)]
-        assert (two["sent"], one["sent"]) == ([2], [1]), f"rank {rank}: tensors per exchange {two['sent']}, {one['sent']}"
+        assert (two["sent"], one["sent"]) == ([2], [1]), f"rank {rank}: tensors per hop {two['sent']}, {one['sent']}"
         for what in ("out", "dq", "dk", "dv"):
             assert torch.equal(two[what], one[what]), f"{name}: rank {rank} {what} differs with {ONE_BUFFER}=1"
     if dense:
