@@ -629,7 +629,8 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
             if run["seq_len"] != 524288 or run["world_size"] != 4:
                 continue
             striped, zigzag = run["variants"].get("sparse_striped", {}), run["variants"].get("sparse_zigzag", {})
-            values["ring_speedup_vs_dense_512k_4gpu"] = (striped.get("speedup", {}).get("vs_best_dense"), path, "")
+            if striped.get("speedup", {}).get("vs_best_dense"):  # a scaling run has no dense baseline
+                values["ring_speedup_vs_dense_512k_4gpu"] = (striped["speedup"]["vs_best_dense"], path, "")
             if striped.get("fwdbwd_ms") and zigzag.get("fwdbwd_ms"):
                 values["ring_speedup_vs_sparse_zigzag_512k_4gpu"] = (
                     zigzag["fwdbwd_ms"] / striped["fwdbwd_ms"], path,

@@ -48,6 +48,10 @@ def test_weak_scaling_divides_out_the_causal_work():
                # The A/B switch's run, faster: neither a weak nor a strong figure may come from it.
                ("r/4gpu_ab.json", _ring_file("aaaaaaa", 4, {4 * T: 300.0, 512 * K: 100.0}, one_buffer=True)),
                ("r/2gpu_old.json", _ring_file("bbbbbbb", 2, {2 * T: 100.0}))]  # no 1-GPU run of its commit
+    # An earlier file with the dense baseline: the scaling files (sparse only) keep its speedup.
+    with_dense = _ring_file("ccccccc", 4, {512 * K: 170.0})
+    with_dense["runs"][0]["variants"]["sparse_striped"]["speedup"] = {"vs_best_dense": 9.0}
+    results.insert(0, ("r/0_4gpu_all.json", with_dense))
     ratio = (4 * T + 1) / (T + 1)
     assert make_tables.causal_work_ratio(T, 4) == ratio and 3.99 < ratio < 4.0
     points = make_tables.weak_scaling_points(results)
@@ -58,6 +62,7 @@ def test_weak_scaling_divides_out_the_causal_work():
     assert summary["ring_weak_scaling_32k_per_gpu_4gpu"] == pytest.approx(100.0 * ratio / 440.0)
     assert summary["details"]["ring_weak_scaling_32k_per_gpu_4gpu"]["target"] == ">= 0.85"
     assert summary["ring_strong_scaling_4gpu"] == pytest.approx(600.0 / (4 * 160.0))
+    assert summary["ring_speedup_vs_dense_512k_4gpu"] == 9.0
     table = make_tables.weak_scaling_table(results)
     assert "| GPU | aaaaaaa | 32K | sparse ring, striped | 4 | 100.00 | 440.00 | 4.000 | 4.000 | 0.91 |" in table
     assert "K/V as one buffer" in make_tables.render_ring(results)
