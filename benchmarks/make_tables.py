@@ -937,13 +937,58 @@ def update_section(path: str, section: str, check: bool) -> bool:
     return True
 
 
+def ring_scaling_report(results: List[Result]) -> str:
+    """The scaling figures of one device call's ring files (``scripts/gpu_ring_scaling.sh``): taken
+    as one commit whatever their metadata says, strong and weak efficiency by the formulas above, the
+    per-step timeline of every run (ms summed over steps, mean over ranks, fwd+bwd) and the A/B
+    switch's runs against the default runs of their world size."""
+    one_call = []
+    commit = short_commit(results[0][1]) if results else "unknown"
+    for path, data in results:
+        meta = dict(data.get("meta", {}), commit=commit, dirty=None)
+        one_call.append((path, dict(data, meta=meta)))
+    rows, default_ms = [], {}
+    for path, data in one_call:
+        for run in data.get("runs", []):
+            section = run.get("variants", {}).get("sparse_striped", {})
+            if not data.get("config", {}).get("ring_one_buffer"):
+                default_ms[(run["world_size"], run["seq_len"])] = section.get("fwdbwd_ms")
+    for path, data in one_call:
+        one_buffer = bool(data.get("config", {}).get("ring_one_buffer"))
+        for run in data.get("runs", []):
+            section = run.get("variants", {}).get("sparse_striped", {})
+            line = section.get("steps", {}).get("timeline", {}).get("fwd_bwd", {})
+            imbalance = section.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {})
+            base = default_ms.get((run["world_size"], run["seq_len"])) if one_buffer else None
+            ms = section.get("fwdbwd_ms")
+            rows.append([str(run["world_size"]), tokens(run["seq_len"]), tokens(run["tokens_per_rank"]),
+                         "one buffer" if one_buffer else "default", num(ms),
+                         " / ".join(num(line.get(f"{kind}_ms", {}).get("mean"), 1)
+                                    for kind in ("compute", "wait", "plan", "merge")),
+                         num(imbalance.get("computation_ratio")),
+                         num(base / ms, 3) if base and ms else "",
+                         "; ".join(str(e)[:60] for e in section.get("errors", {}).values())])
+    timeline = table(["W", "S", "per GPU", "ring", "fwd+bwd ms", "steps: compute / wait / plan / merge ms",
+                      "compute ratio", "default / this", "error"], rows)
+    return "\n\n".join(x for x in (ring_scaling(one_call), weak_scaling_table(one_call), timeline) if x)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--results", default=os.path.join(HERE, "results"), help="folder of results JSON")
     p.add_argument("--readme", default=os.path.join(REPO, "README.md"), help="gets the headline table")
     p.add_argument("--tables", default=os.path.join(REPO, "docs", "benchmarks.md"), help="gets the full tables")
     p.add_argument("--check", action="store_true", help="exit 1 if a section or summary.json is stale")
+    p.add_argument("--ring-scaling", nargs="+", metavar="JSON",
+                   help="print the scaling figures of these ring files of one device call, write nothing")
     args = p.parse_args(argv)
+    if args.ring_scaling:
+        files = []
+        for path in args.ring_scaling:
+            with open(path) as fh:
+                files.append((path, json.load(fh)))
+        print(ring_scaling_report(files))
+        return 0
 
     results = load_results(args.results)
     summary = summarise(results)

@@ -216,3 +216,48 @@ def test_ranks_that_differ_on_the_switch_all_raise():
         assert kind == "RingAgreementError" and ONE_BUFFER in message, (rank, kind, message)
     assert per_rank[1][1][0] == "ValueError" and "'yes'" in per_rank[1][1][1]
     assert per_rank[0][1][0] == "RingAgreementError", per_rank[0][1]
+
+
+# ----------------------------------------------------------------------------- scripts/gpu_ring_scaling.sh
+
+
+def test_gpu_script_dry_run_lists_every_call(tmp_path):
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path / "out"), NGPU="4")
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_ring_scaling.sh")], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr
+    calls = proc.stdout.strip().splitlines()
+    assert [c.split("--nproc_per_node ")[1].split()[0] for c in calls] == ["1", "2", "4", "4"]
+    assert all("--seq-lens 524288 --tokens-per-gpu 16384,32768,131072" in c for c in calls)
+    assert [c.split()[1] for c in calls] == ["MTRAINING_RING_ONE_BUFFER=0"] * 3 + ["MTRAINING_RING_ONE_BUFFER=1"]
+    assert calls[-1].split("--out ")[1].split()[0].endswith("ring_gpu_4gpu_onebuffer.json")
+
+
+def test_gpu_script_runs_on_the_cpu(tmp_path):
+    """The script end to end on two CPU ranks (gloo, --smoke shapes) in a scratch tree whose .venv
+    is this interpreter: every call writes its JSON and the last table pairs them."""
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    for name in ("gpu_common.sh", "gpu_ring_scaling.sh"):
+        (tree / "scripts" / name).write_text(open(os.path.join(REPO, "scripts", name)).read())
+    for name in ("benchmarks", "megatron_mtraining"):
+        (tree / name).symlink_to(os.path.join(REPO, name))
+    (tree / ".venv" / "bin").mkdir(parents=True)
+    (tree / ".venv" / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (tree / ".venv" / "bin" / "python").chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), REUSE_VENV="1", NGPU="2", WORLDS="1 2 4", STRONG_SEQ_LEN="512",
+               TOKENS_PER_GPU="64,128", BENCH_ARGS="--smoke", OMP_NUM_THREADS="1", GIT_COMMIT="abc1234")
+    proc = subprocess.run(["bash", str(tree / "scripts" / "gpu_ring_scaling.sh")], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "skipping 4 GPUs: this machine has 2" in proc.stdout
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["gpu.txt", "ring_gpu_1gpu_scaling.json", "ring_gpu_2gpu_onebuffer.json",
+                     "ring_gpu_2gpu_scaling.json", "ring_scaling_logs.tgz"], names
+    onebuffer = json.loads((out / "ring_gpu_2gpu_onebuffer.json").read_text())
+    assert onebuffer["config"]["ring_one_buffer"] is True
+    table = proc.stdout.split("Weak scaling")[1]
+    weak_rows = [line for line in table.splitlines() if line.startswith("| cpu")]
+    assert [row.split(" | ")[2] for row in weak_rows] == ["64", "128"]  # T per GPU, paired with the 1-CPU runs
+    assert "| 2 | 512 | 256 | one buffer |" in proc.stdout

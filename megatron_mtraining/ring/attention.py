@@ -30,7 +30,7 @@ from ..kernels.plan import build_step_plan
 from ..kernels.dispatch import resolve_backend
 from ..kernels.step import backward_delta, step_backward, step_forward
 from ..layout import check_layout, local_block_ids
-from . import agreement
+from . import agreement, instrument
 from .agreement import checksum, host_word
 from .comm import check_inner_size, ring_topology
 from .schedule import ring_backward, ring_forward
@@ -248,5 +248,6 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
         return build_step_plan(index, blocks[topo.rank], blocks[source], nb, slash_bitmap=bitmap, documents=documents)
 
     steps = SparseSteps(build_plan, topo.world_size, float(softmax_scale), backend)
-    steps.prepare(topo.rank)  # step 0's plan (own K/V) now: a conversion error comes before any transfer
+    with instrument.measure("forward", "plan", 0):  # step 0's (own K/V): an error comes before any transfer
+        steps.prepare(topo.rank)
     return RingAttentionFunction.apply(q, k, v, topo, steps, disagree)
