@@ -8,7 +8,8 @@ dK/dV travel home with their K/V. The result equals ``sparse_attention`` on the 
 
 Per-step fixed costs: the plan of step 0 is built before the ring starts (a conversion error is
 raised before any transfer); the others just before their step (``SparseSteps.prepare``), so the
-host enqueues them while the GPU runs the previous step. ``MTRAINING_RING_ONE_BUFFER=1`` (A/B
+host enqueues them while the GPU runs the previous step. The first step of each direction writes
+the fp32 output and dQ rather than merging into zeroed buffers. ``MTRAINING_RING_ONE_BUFFER=1`` (A/B
 switch, off by default until measured) moves K and V as one stacked buffer and dK, dV as one fp32
 buffer: one send and one receive per ring hop instead of two, one memset and one add per step
 (``ONE_BUFFER_ENV``; the results are bitwise those of the default path).
@@ -41,11 +42,11 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _block_ids_on(device, seq_len: int, layout: str, world_size: int, block_size: int):
-    """Every rank's global block ids, on ``device``; cached so steady-state calls copy nothing
-    from the host (a host-to-device copy would synchronise)."""
+    """Every rank's global block ids, int32 on ``device`` (the plans' dtype: no cast per step);
+    cached so steady-state calls copy nothing from the host (a host-to-device copy would synchronise)."""
     key = (str(device), seq_len, layout, world_size, block_size)
     if key not in _BLOCK_IDS:
-        _BLOCK_IDS[key] = [local_block_ids(seq_len, layout, world_size, r, block_size).to(device)
+        _BLOCK_IDS[key] = [local_block_ids(seq_len, layout, world_size, r, block_size).to(device, torch.int32)
                            for r in range(world_size)]
     return _BLOCK_IDS[key]
 
@@ -116,14 +117,20 @@ class SparseSteps:
         self.prepare(source)
         return self.plans[source]
 
-    def forward(self, q, k, v, source, out, lse):
-        step_forward(self.backend, q, k, v, self.plan(source), out, lse, self.softmax_scale, accumulate=True)
+    # The first step of each direction writes ``out``/``lse`` and ``dq`` instead of merging into them:
+    # no memset of the fp32 buffers, no read of them in that step (the merge into "nothing yet",
+    # lse -inf, gives the step's own values exactly).
+    first_step_writes = True
+
+    def forward(self, q, k, v, source, out, lse, accumulate: bool = True):
+        step_forward(self.backend, q, k, v, self.plan(source), out, lse, self.softmax_scale, accumulate=accumulate)
 
     def delta(self, out, d_out):
         return backward_delta(self.backend, out, d_out)
 
-    def backward(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv):
-        step_backward(self.backend, q, k, v, d_out, lse, delta, self.plan(source), dq, dk, dv, self.softmax_scale)
+    def backward(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv, accumulate_dq: bool = True):
+        step_backward(self.backend, q, k, v, d_out, lse, delta, self.plan(source), dq, dk, dv, self.softmax_scale,
+                      accumulate_dq=accumulate_dq)
 
 
 def one_buffer() -> bool:
@@ -136,22 +143,36 @@ def one_buffer() -> bool:
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """Autograd around the ring schedules for any ``steps`` object (sparse or dense)."""
+    """Autograd around the ring schedules for any ``steps`` object (sparse or dense). Steps with
+    ``first_step_writes`` take ``accumulate``/``accumulate_dq`` and get uninitialised fp32 buffers
+    that their first step writes in full."""
 
     @staticmethod
     def forward(ctx, q, k, v, topo, steps, disagree=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         b, hq, n, d = q.shape
-        out = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
-        stacked = topo.world_size > 1 and k.shape == v.shape and one_buffer()
-        if stacked:  # one [2, b, hkv, n, d] buffer travels; its halves are contiguous views
-            ring_forward(topo, (torch.stack((k, v)),),
-                         lambda kv, source: steps.forward(q, kv[0][0], kv[0][1], source, out, lse),
-                         prepare=getattr(steps, "prepare", None))
+        writes = getattr(steps, "first_step_writes", False)
+        if writes:
+            out = torch.empty(b, hq, n, d, dtype=torch.float32, device=q.device)
+            lse = torch.empty((b, hq, n), dtype=torch.float32, device=q.device)
         else:
-            ring_forward(topo, (k, v), lambda kv, source: steps.forward(q, kv[0], kv[1], source, out, lse),
-                         prepare=getattr(steps, "prepare", None))
+            out = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
+            lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
+        done = [0]  # steps run so far
+
+        def step(k_src, v_src, source):
+            if writes:
+                steps.forward(q, k_src, v_src, source, out, lse, accumulate=done[0] > 0)
+            else:
+                steps.forward(q, k_src, v_src, source, out, lse)
+            done[0] += 1
+
+        stacked = topo.world_size > 1 and k.shape == v.shape and one_buffer()
+        prepare = getattr(steps, "prepare", None)
+        if stacked:  # one [2, b, hkv, n, d] buffer travels; its halves are contiguous views
+            ring_forward(topo, (torch.stack((k, v)),), lambda kv, source: step(kv[0][0], kv[0][1], source), prepare)
+        else:
+            ring_forward(topo, (k, v), lambda kv, source: step(kv[0], kv[1], source), prepare)
         out = agreement.poison(out, disagree).to(q.dtype)  # deferred agreement: NaN if the ranks disagreed
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.topo, ctx.steps, ctx.stacked = topo, steps, stacked
@@ -163,12 +184,22 @@ class RingAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         d_out = d_out.contiguous()
         delta = ctx.steps.delta(out, d_out)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        writes = getattr(ctx.steps, "first_step_writes", False)
+        dq = (torch.empty if writes else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
+        done = [0]
+
+        def step(k_src, v_src, source, dk, dv):
+            if writes:
+                ctx.steps.backward(q, k_src, v_src, d_out, out, lse, delta, source, dq, dk, dv,
+                                   accumulate_dq=done[0] > 0)
+            else:
+                ctx.steps.backward(q, k_src, v_src, d_out, out, lse, delta, source, dq, dk, dv)
+            done[0] += 1
 
         if ctx.stacked:
             def gradients(kv, source):
                 dkv = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=q.device)
-                ctx.steps.backward(q, kv[0][0], kv[0][1], d_out, out, lse, delta, source, dq, dkv[0], dkv[1])
+                step(kv[0][0], kv[0][1], source, dkv[0], dkv[1])
                 return (dkv,)
 
             dkv = ring_backward(ctx.topo, (torch.stack((k, v)),), gradients)[0].to(k.dtype)
@@ -177,7 +208,7 @@ class RingAttentionFunction(torch.autograd.Function):
         def gradients(kv, source):
             dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
             dv = torch.zeros_like(dk)
-            ctx.steps.backward(q, kv[0], kv[1], d_out, out, lse, delta, source, dq, dk, dv)
+            step(kv[0], kv[1], source, dk, dv)
             return dk, dv
 
         dk, dv = ring_backward(ctx.topo, (k, v), gradients)
