@@ -4,7 +4,9 @@
 #   strong: S = 512K on 1, 2 and 4 GPUs;
 #   weak:   16K, 32K and 128K tokens per GPU on 1, 2 and 4 GPUs (S = tokens x W);
 #   A/B:    the largest W once more with MTRAINING_RING_ONE_BUFFER=1 (K/V and dK/dV as one buffer,
-#           ring/attention.py), back to back with its default run.
+#           ring/attention.py), back to back with its default run;
+#   check:  first, tests/ring_gpu_worker.py on the largest W (bf16 ring against an fp32 reference, no
+#           host synchronisation): the ring's new default path is right on GPUs (CHECK=0 skips it).
 # One benchmarks/ring.py call per world size covers both modes (--seq-lens 524288 --tokens-per-gpu ...).
 # Writes under $OUT (gpu_common.sh): ring_<device>_<W>gpu_scaling.json, ring_<device>_<W>gpu_onebuffer.json,
 # their logs, and prints the scaling table last (make_tables.py's formulas on this call's files).
@@ -13,7 +15,7 @@
 # (imports, NCCL), the first one ~30-60 s more for the Triton/Gluon compiles (later ones hit the
 # cache); index generation ~1-3 s per length; timed work per call is small: 4 lengths x (3 warmup
 # + 7 reps + 1 instrumented) fwd+bwd, at most ~0.6 s each (512K on one GPU: ~7 s), so ~10 s per W.
-# About 4 x 35 s + 60 s of compiles + 90 s: ~4.8 minutes. Each call has its own timeout (RUN_TIMEOUT,
+# The check ~30 s (4 layouts at 16K). About 5 x 35 s + 60 s of compiles + 90 s: ~5.4 minutes. Each call has its own timeout (RUN_TIMEOUT,
 # default 150 s) so one hang cannot take the whole budget.
 #
 #   bash scripts/gpu_ring_scaling.sh             # on the GPU machine
@@ -32,6 +34,8 @@ REPS=${REPS:-7}
 WARMUP=${WARMUP:-3}
 RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 AB=${AB:-1}  # 1: the A/B run of MTRAINING_RING_ONE_BUFFER on the largest world size
+CHECK=${CHECK:-1}  # 1: tests/ring_gpu_worker.py on the largest world size first (default path)
+CHECK_AB=${CHECK_AB:-0}  # 1: the same check with MTRAINING_RING_ONE_BUFFER=1 too (~30 s more)
 
 if [ "$DRY_RUN" = 1 ]; then
   PY=python DEVICE_SLUG=gpu NGPU=${NGPU:-4}
@@ -65,13 +69,36 @@ run() {
   [ "$rc" = 0 ] || tail -5 "$log"
 }
 
-largest=0
+worlds=() largest=0
 for world in $WORLDS; do
   if [ "$world" -gt "$NGPU" ]; then
     echo "skipping ${world} GPUs: this machine has $NGPU"
     continue
   fi
+  worlds+=("$world")
   largest=$world
+done
+
+# check W ENV=VALUE: the GPU ring check (bf16 ring against an fp32 reference, and no host
+# synchronisation in a forward+backward) on W GPUs; first, so its compiles warm the cache.
+check() {
+  local world=$1 setting=$2 log
+  log=$OUT/ring_check_${world}gpu_${setting#*=}.log
+  local cmd=(env "$setting" timeout "$RUN_TIMEOUT" "${TORCHRUN[@]}" "$world" tests/ring_gpu_worker.py)
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "${cmd[*]} > $log 2>&1"
+    return 0
+  fi
+  local start=$SECONDS
+  "${cmd[@]}" > "$log" 2>&1
+  echo "ring check ${world} GPUs ${setting}: rc=$?, $((SECONDS - start)) s"
+  grep -h "rank 0\]" "$log"
+}
+if [ "$CHECK" = 1 ] && [ "$largest" -gt 1 ]; then
+  check "$largest" MTRAINING_RING_ONE_BUFFER=0
+  [ "$CHECK_AB" = 1 ] && check "$largest" MTRAINING_RING_ONE_BUFFER=1
+fi
+for world in "${worlds[@]}"; do
   run scaling "$world" MTRAINING_RING_ONE_BUFFER=0
 done
 if [ "$AB" = 1 ] && [ "$largest" -gt 1 ]; then

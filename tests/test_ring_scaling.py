@@ -226,7 +226,9 @@ def test_gpu_script_dry_run_lists_every_call(tmp_path):
     proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_ring_scaling.sh")], capture_output=True,
                           text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr
-    calls = proc.stdout.strip().splitlines()
+    lines = proc.stdout.strip().splitlines()
+    assert "tests/ring_gpu_worker.py" in lines[0] and "--nproc_per_node 4" in lines[0]  # the check comes first
+    calls = lines[1:]
     assert [c.split("--nproc_per_node ")[1].split()[0] for c in calls] == ["1", "2", "4", "4"]
     assert all("--seq-lens 524288 --tokens-per-gpu 16384,32768,131072" in c for c in calls)
     assert [c.split()[1] for c in calls] == ["MTRAINING_RING_ONE_BUFFER=0"] * 3 + ["MTRAINING_RING_ONE_BUFFER=1"]
@@ -247,7 +249,8 @@ def test_gpu_script_runs_on_the_cpu(tmp_path):
     (tree / ".venv" / "bin" / "python").chmod(0o755)
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), REUSE_VENV="1", NGPU="2", WORLDS="1 2 4", STRONG_SEQ_LEN="512",
-               TOKENS_PER_GPU="64,128", BENCH_ARGS="--smoke", OMP_NUM_THREADS="1", GIT_COMMIT="abc1234")
+               TOKENS_PER_GPU="64,128", BENCH_ARGS="--smoke", OMP_NUM_THREADS="1", GIT_COMMIT="abc1234",
+               CHECK="0")  # the ring check needs GPUs
     proc = subprocess.run(["bash", str(tree / "scripts" / "gpu_ring_scaling.sh")], capture_output=True, text=True,
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
