@@ -9,14 +9,15 @@
 #           host synchronisation): the ring's new default path is right on GPUs (CHECK=0 skips it).
 # One benchmarks/ring.py call per world size covers both modes (--seq-lens 524288 --tokens-per-gpu ...).
 # Writes under $OUT (gpu_common.sh): ring_<device>_<W>gpu_scaling.json, ring_<device>_<W>gpu_onebuffer.json,
-# their logs, and prints the scaling table last (make_tables.py's formulas on this call's files).
+# heatmaps.tgz, ring_scaling_logs.tgz (the logs and setup.log), and prints the scaling table last
+# (make_tables.py --ring-scaling: its formulas on this call's files).
 #
 # Cost on 4 H200s (estimated; budget 6 minutes): setup_venv ~90 s; every torchrun ~15-20 s to start
 # (imports, NCCL), the first one ~30-60 s more for the Triton/Gluon compiles (later ones hit the
 # cache); index generation ~1-3 s per length; timed work per call is small: 4 lengths x (3 warmup
 # + 7 reps + 1 instrumented) fwd+bwd, at most ~0.6 s each (512K on one GPU: ~7 s), so ~10 s per W.
-# The check ~30 s (4 layouts at 16K). About 5 x 35 s + 60 s of compiles + 90 s: ~5.4 minutes. Each call has its own timeout (RUN_TIMEOUT,
-# default 150 s) so one hang cannot take the whole budget.
+# The check ~30 s (4 layouts at 16K). About 5 x 35 s + 60 s of compiles + 90 s: ~5.4 minutes.
+# Each call has its own timeout (RUN_TIMEOUT, default 150 s): one hang cannot take the whole budget.
 #
 #   bash scripts/gpu_ring_scaling.sh             # on the GPU machine
 #   DRY_RUN=1 bash scripts/gpu_ring_scaling.sh   # print the commands only (no venv, no GPU)
@@ -98,7 +99,7 @@ if [ "$CHECK" = 1 ] && [ "$largest" -gt 1 ]; then
   check "$largest" MTRAINING_RING_ONE_BUFFER=0
   [ "$CHECK_AB" = 1 ] && check "$largest" MTRAINING_RING_ONE_BUFFER=1
 fi
-for world in "${worlds[@]}"; do
+for world in ${worlds[@]+"${worlds[@]}"}; do  # (an empty array is "unbound" to older bash under -u)
   run scaling "$world" MTRAINING_RING_ONE_BUFFER=0
 done
 if [ "$AB" = 1 ] && [ "$largest" -gt 1 ]; then
