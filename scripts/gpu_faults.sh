@@ -55,14 +55,18 @@ for d in sorted(glob.glob(os.path.join(out, "faults", "*gpu"))):
             rec = {"status": "HANG (killed at the limit)" if rc in (124, 137) else "killed (NCCL watchdog / fault)",
                    "seconds": round(wall, 1)}
         outcome = rec.get("type") or rec["status"]
+        if rec.get("returned_after_peer_fault"):  # no host error; NCCL's watchdog acts on its own
+            outcome = ("returned, then torn down by NCCL's watchdog" if rc != 0 else
+                       "returned without an error (a peer faulted)")
         if "nan_output" in rec:
             outcome += f" (nan output: {rec['nan_output']})"
         entry["ranks"].append({"rank": rank, **rec})
         rows.append((case, world, rank, outcome, rec.get("seconds", "")))
         if case == "cost" and rec["status"] == "ok" and rank == 0:
-            rows.append(("  cost", world, 0, f"ring fwd+bwd {rec['ring_fwd_bwd_ms']:.1f} ms at {rec['seq_len']}, "
-                         f"agreement {rec['agreement_us']:.0f} us = {100 * rec['agreement_share_of_ring']:.3f}% "
-                         f"({rec['mode']})", ""))
+            rows.append(("  cost", world, 0, f"ring fwd+bwd {rec['ring_fwd_bwd_ms']:.1f} ms at {rec['seq_len']} "
+                         f"({rec['ring_without_agreement_ms']:.1f} without the agreement: "
+                         f"{100 * rec['agreement_share_of_ring']:+.2f}%); one agreement alone {rec['agreement_us']:.0f} us "
+                         f"of host time ({rec['mode']})", ""))
     cases.append(entry)
 print(f"{'case':40s} | W | rank | outcome | seconds")
 for case, world, rank, outcome, seconds in rows:
