@@ -120,6 +120,10 @@ class Documents:
     def __setattr__(self, name, value):
         raise AttributeError(f"Documents is immutable (tried to set {name!r})")
 
+    def __reduce__(self):
+        """Copies and pickles carry ``cu_seqlens`` (already checked); the tables are rebuilt on use."""
+        return _restore, (self.cu_seqlens, self.seq_len, self.values_checked)
+
     def __repr__(self) -> str:
         return (f"Documents({self.num_documents} documents, seq_len={self.seq_len}, "
                 f"device={self.cu_seqlens.device})")
@@ -203,6 +207,14 @@ class Documents:
                 f"cu_seqlens differ across the context-parallel ranks (rank {dist.get_rank(group)} has "
                 f"{self.cu_seqlens.tolist()}): every rank must pass the documents of the WHOLE packed sequence, "
                 "in global positions, not those of its own shard")
+
+
+def _restore(cu_seqlens: torch.Tensor, seq_len: int, values_checked: bool) -> Documents:
+    documents = object.__new__(Documents)
+    for name, value in (("cu_seqlens", cu_seqlens), ("seq_len", seq_len), ("values_checked", values_checked),
+                        ("_derived", {})):
+        object.__setattr__(documents, name, value)
+    return documents
 
 
 def as_documents(cu_seqlens, seq_len: int, block_size: int, device) -> Optional[DocumentBlocks]:

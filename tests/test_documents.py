@@ -271,6 +271,11 @@ def test_documents_tables_are_built_once_per_object():
     assert int(docs.blocks(B).doc_start[1]) == 1 and docs.cu_seqlens.tolist() == DOCUMENTS["mixed"]
     with pytest.raises(AttributeError, match="immutable"):
         docs.seq_len = 2 * N
+    import copy
+    import pickle
+    for twin in (copy.deepcopy(docs), pickle.loads(pickle.dumps(docs))):
+        assert twin.seq_len == N and torch.equal(twin.cu_seqlens, docs.cu_seqlens)
+        assert torch.equal(twin.blocks(B).key_block_floor, first.key_block_floor)
 
 
 def test_documents_of_accepts_a_built_object_of_the_right_length():
