@@ -102,8 +102,8 @@ class Documents:
     of ``seq_len`` tokens, checked once here, and the tables derived from it (module docstring).
 
     ``check_values``: read the entries on the host and check them (default; one synchronisation
-    on a GPU, meant for once per batch); False checks the structure only. ``where`` names
-    ``cu_seqlens`` in the error messages. Immutable: the tensor is copied, so a later in-place
+    on a GPU, meant for once per batch); False checks the structure only (``values_checked``
+    says which). ``where`` names ``cu_seqlens`` in the error messages. Immutable: the tensor is copied, so a later in-place
     change of the caller's tensor cannot make the tables stale.
     """
 
