@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ..attention import check_attention_inputs, check_qkv
-from ..documents import as_documents, check_documents_across_ranks
+from ..documents import Documents
 from ..index import VSIndex, value_checks
 from ..kernels.plan import build_step_plan
 from ..kernels.dispatch import resolve_backend
@@ -66,7 +66,7 @@ def cp_group_of(group):
 
 
 def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, index: Optional[VSIndex],
-               cu_seqlens: Optional[torch.Tensor]):
+               documents: Optional[Documents]):
     """The agreement items of a ring call (``agreement.agree``): everything that changes the math."""
     dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else host_word(str(q.dtype))
     items = [("function", host_word(function), function),
@@ -77,11 +77,12 @@ def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, i
              ("layout", host_word(layout), layout),
              ("inner_size", host_word(inner_size), inner_size),
              ("softmax scale", host_word(float(softmax_scale)), softmax_scale),
-             ("cu_seqlens given", cu_seqlens is not None, cu_seqlens is not None),
+             ("cu_seqlens given", documents is not None, documents is not None),
              # Stacked or separate K/V change what each hop sends: ranks that differ would mismatch.
              (ONE_BUFFER_ENV, int(one_buffer()), one_buffer())]
     # A fixed list of items (zeros for what a call does not have), so every rank names them alike.
-    given = cu_seqlens is not None
+    given = documents is not None
+    cu_seqlens = documents.cu_seqlens if given else None
     items += [("cu_seqlens length", int(cu_seqlens.numel()) if given else 0, int(cu_seqlens.numel()) if given else 0),
               ("cu_seqlens values", checksum(cu_seqlens) if given else 0, "on the device" if given else None)]
     names = ["block size", "index batch and heads", "slash capacity", "vertical capacity", "slash counts (n_slash)",
@@ -218,7 +219,7 @@ class RingAttentionFunction(torch.autograd.Function):
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex, group=None,
                           layout: str = "striped", inner_size: Optional[int] = None,
                           softmax_scale: Optional[float] = None, backend: str = "auto",
-                          cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          cu_seqlens: Union[Documents, torch.Tensor, None] = None) -> torch.Tensor:
     """Vertical-slash sparse attention across the context-parallel ``group`` (docs/design.md §3-4).
 
     q ``[b, hq, n_local, d]`` and k/v ``[b, hkv, n_local, d]`` hold this rank's tokens in the
@@ -226,8 +227,10 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     every rank. ``inner_size`` (ranks per node, dividing the group size) selects the
     hierarchical ring; None runs one flat ring. Returns this rank's output ``[b, hq, n_local,
     d]`` in q's dtype, equal to ``sparse_attention`` on the full sequence at these positions.
-    ``cu_seqlens``: packed documents of the GLOBAL sequence (int32 ``[0, e1, ..., N]``, the same on
-    every rank; ``documents.py``): key blocks of earlier documents are skipped in every step.
+    ``cu_seqlens``: packed documents of the GLOBAL sequence, the same on every rank: a
+    ``documents.Documents`` (built once per batch, its values checked there) or its int32 tensor
+    ``[0, e1, ..., N]`` (its values checked where that is free, as in ``sparse_attention``). Key
+    blocks of earlier documents are skipped in every step.
 
     On every call the ranks agree on everything that changes the math (shapes, dtype, layout,
     block size, inner_size, softmax scale, the index contents, cu_seqlens' presence and values)
@@ -253,10 +256,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
         check_attention_inputs(q, k, v, index, backend)
         if value_checks(q.device):  # the CPU always; a GPU with MTRAINING_VALIDATE=1 (it synchronises)
             index.validate(seq_len)
-        if cu_seqlens is not None:
-            # The full value check, once per tensor (one synchronisation per batch on GPUs); group
-            # None: no collective here, the agreement below compares the ranks' documents.
-            check_documents_across_ranks(cu_seqlens, seq_len, None)
+        # No collective here: the agreement below compares the ranks' documents.
+        documents = Documents.of(cu_seqlens, seq_len)
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     except Exception as err:
@@ -267,16 +268,16 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     if cp_group is not None:
         items = [] if local_error is not None else call_items(
             "sparse_ring_attention", q, k, v, layout, world if inner_size is None else inner_size, softmax_scale,
-            index, cu_seqlens)
+            index, documents)
         disagree = agreement.agree(cp_group, "sparse_ring_attention", items, local_error, _device_of(q))
     topo = ring_topology(group, inner_size)  # after the agreement: every rank asks for the same rings
     B, nb = index.block_size, seq_len // index.block_size
     blocks = _block_ids_on(q.device, seq_len, layout, topo.world_size, B)
     bitmap = index.slash_bitmap(nb)
-    documents = as_documents(cu_seqlens, seq_len, B, q.device)
+    tables = None if documents is None else documents.blocks(B, q.device)
 
     def build_plan(source: int):
-        return build_step_plan(index, blocks[topo.rank], blocks[source], nb, slash_bitmap=bitmap, documents=documents)
+        return build_step_plan(index, blocks[topo.rank], blocks[source], nb, slash_bitmap=bitmap, documents=tables)
 
     steps = SparseSteps(build_plan, topo.world_size, float(softmax_scale), backend)
     with instrument.measure("forward", "plan", 0):  # step 0's (own K/V): an error comes before any transfer
