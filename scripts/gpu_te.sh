@@ -11,6 +11,8 @@
 #   PHASE=run      (nothing to carry)   runs $STAGES on a machine where install already ran
 # STAGES (space separated, in order): check rope packed equivalence fp8_tracking e2e e2e_fp8 e2e_4gpu
 #   e2e_fp8_4gpu e2e_1m_4gpu (activation recompute on both sides)
+#   resume (exact resume on TE layers: scripts/gpu_megatron_lm.sh at CP=2, the launcher entry;
+#   carry .carry with the Megatron-LM tarball, see that script)
 # Results land under $OUT (the device tool's folder), one log per stage; the built
 # transformer_engine_torch wheel under $OUT/te/ (put it in .te/rest to skip the build next time).
 # shellcheck source=SCRIPTDIR/gpu_common.sh
@@ -70,6 +72,8 @@ print('TE', te.__version__, 'megatron-core', mc.__version__, '->', c(required=Tr
     e2e_4gpu|e2e_fp8_4gpu) timeout 580 "$PY" benchmarks/e2e.py --seq-length 524288 --runs te_cp,te_cp_a2a_p2p,mtraining \
         ${E2E_ARGS:-} $([ "$stage" = e2e_fp8_4gpu ] && echo --fp8) --train-iters 7 \
         --out "$OUT/e2e_te${stage#e2e}_${DEVICE_SLUG}.json" 2>&1 | tee "$OUT/$stage.log" | grep -E "rc=|speedup|tokens/s|wrote" ;;
+    resume) ENTRIES=${ENTRIES:-launcher} CP_SIZES=${CP_SIZES:-2} REUSE_VENV=1 TE_SITE=$TE_SITE \
+        bash scripts/gpu_megatron_lm.sh 2>&1 | tee "$OUT/resume.log" | tail -25 ;;
     *) echo "unknown stage $stage" >&2; return 2 ;;
   esac
   rc=${PIPESTATUS[0]}; echo "[$stage] rc=$rc"
