@@ -39,7 +39,7 @@ sys.path.insert(0, HERE)
 from calibrate import telemetry  # noqa: E402
 
 from megatron_mtraining.plan import (Cluster, ModelShape, Workload, approximator_ms, load_profile,  # noqa: E402
-                                     predict_dense_p2p, predict_mtraining)
+                                     predict_dense_a2a_p2p, predict_dense_p2p, predict_mtraining, with_recompute)
 
 RESULTS = os.path.join(HERE, "results")
 KERNEL_FILE = "benchmarks/results/kernel_nvidia-h200.json"
@@ -196,13 +196,87 @@ def e2e_cases(profiles, gens, reference_ms) -> List[Dict]:
     return cases
 
 
+# Transformer Engine layers against TE's own CP (benchmarks/e2e.py --runs te_cp,...,mtraining).
+TE_RESULTS = ("e2e_te_nvidia-h200_2gpu.json", "e2e_te_fp8_nvidia-h200_2gpu.json", "e2e_te_nvidia-h200_4gpu.json",
+              "e2e_te_fp8_nvidia-h200_4gpu.json", "e2e_te_1m_nvidia-h200_4gpu.json")
+# Telemetry of MTraining runs with the TE runs' flags (top-p 0.9, the default caps) on local layers.
+DENSITY_LOGS = {131072: "e2e_mtraining_nvidia-h200_1gpu.log", 262144: "e2e_mtraining_nvidia-h200_2gpu_cudnn.log",
+                524288: "e2e_mtraining_nvidia-h200_4gpu_cudnn.log"}
+
+
+def density_at(seq_len: int) -> Dict:
+    """The index density of a run that logged no telemetry (the TE runs), from runs with the same flags
+    that did. At top-p 0.9 on these runs the approximator stops at its caps (every log: vertical 1024,
+    slash 256), so the active keys per query stay constant (8.1K, 8.1K, 7.6K at 128K, 256K, 512K): the
+    density is the longest such run's no longer than ``seq_len``, times its length over ``seq_len``."""
+    known = [n for n in DENSITY_LOGS if n <= seq_len]
+    if not known:
+        raise ValueError(f"no telemetry at or below {seq_len} tokens")
+    ref = max(known)
+    density = telemetry(os.path.join(RESULTS, "logs", DENSITY_LOGS[ref]))["density"]
+    how = (f"density {density:.3g} from {DENSITY_LOGS[ref]}" if ref == seq_len else
+           f"density {density:.3g} x {ref // 1024}K / {seq_len // 1024}K (keys per query of {DENSITY_LOGS[ref]})")
+    return {"density": density * ref / seq_len, "how": how}
+
+
+def te_cases(profile, gens, reference_ms) -> List[Dict]:
+    """MTraining on TE's layers and TE's own CP attention (p2p, a2a+p2p), with FP8 GEMMs and full
+    recompute where the run used them. The te_cp runs of the two profiled 2-GPU results calibrate the
+    rest of TE's layer (``calibrate.te_rest_rates``): reported as calibration, not counted."""
+    from calibrate import TE_REST_RUNS
+
+    calibration_files = {name for _, name in TE_REST_RUNS}
+    cases = []
+    for name in TE_RESULTS:
+        d = _load(name)
+        W, S, m = d["world_size"], d["seq_length"], d["model"]
+        shape = ModelShape(hidden=m["hidden"], heads=m["heads"], kv_groups=m["kv_groups"], head_dim=m["head_dim"],
+                           layers=m["num_layers"], ffn=m["ffn"], vocab=m["vocab"])
+        gen = generation_of(_commit(d), gens)
+        scale = gen["fwdbwd_128k_ms"] / reference_ms
+        dens = density_at(S)
+        work = Workload(S, dens["density"], layers="transformer_engine", fp8=bool(d["fp8"]),
+                        recompute=bool(d["recompute"]))
+        cluster = Cluster(W, W)
+        setup = ", ".join(x for x in ("TE layers", "FP8 GEMMs" if work.fp8 else "bf16 GEMMs",
+                                      "full recompute" if work.recompute else "") if x)
+        for run in d["runs"]:
+            measured = run.get("mean_iteration_ms")
+            if not measured:
+                continue
+            base = {"kind": "e2e", "source": name, "variant": run["name"], "gpus": W, "seq_len": S,
+                    "measured_ms": measured, "kernel_scale": 1.0, "kernel_generation": "cuDNN", "setup": setup,
+                    "note": ""}
+            flags = run["flags"]
+            if run["name"] == "mtraining":
+                p = predict_mtraining(shape, work, cluster, profile, kernel_scale=scale)
+                base.update(kernel_generation=gen["code_commit"], kernel_scale=scale, density=work.density,
+                            note=dens["how"])
+            elif "a2a+p2p" in flags:
+                sizes = flags[flags.index("--hierarchical-context-parallel-sizes") + 1:][:2]
+                p = predict_dense_a2a_p2p(shape, work, cluster, profile, a2a_size=int(sizes[0]))
+                base["note"] = p.note
+            elif "p2p" in flags:
+                p = predict_dense_p2p(shape, work, cluster, profile)
+                if name in calibration_files:
+                    base.update(role="calibration", note="its profiled GPU time outside attention calibrates the "
+                                "rest of TE's layer; the attention is predicted")
+            else:
+                raise ValueError(f"{name}: run {run['name']!r} is neither MTraining nor a TE CP run")
+            if work.recompute:
+                p = with_recompute(p, shape, work)
+            base.update(predicted_ms=p.step_ms, predicted_exposed_comm_ms=shape.layers * p.exposed_comm_ms)
+            cases.append(base)
+    return cases
+
+
 def validate() -> Dict:
     profiles = {n: load_profile(n) for n in ("nvidia-h200", "nvidia-h100")}
     h200 = profiles["nvidia-h200"]
     gens = kernel_generations()
     reference_ms = h200.kernel_generation["kernel_128k_fwdbwd_ms"]
     cases = (ring_cases(h200, gens, reference_ms) + approx_cases(h200, gens, reference_ms)
-             + e2e_cases(profiles, gens, reference_ms))
+             + e2e_cases(profiles, gens, reference_ms) + te_cases(h200, gens, reference_ms))
     for c in cases:
         c["error"] = c["predicted_ms"] / c["measured_ms"] - 1
         c.setdefault("role", "prediction")
@@ -220,7 +294,8 @@ def validate() -> Dict:
         "profiles": {n: {"sources": p.sources, "kernel_generation": p.kernel_generation} for n, p in profiles.items()},
         "kernel_generations": gens,
         "targets": {"median_abs_error": 0.10, "worst_abs_error": 0.20},
-        "summary": {"planned_configurations": stats(in_model), "every_measurement": stats(predicted)},
+        "summary": {"planned_configurations": stats(in_model), "every_measurement": stats(predicted),
+                    "transformer_engine_runs": stats([c for c in in_model if c.get("setup")])},
         "cases": cases,
         "method": __doc__.split("\n\n", 2)[2].strip(),
     }
