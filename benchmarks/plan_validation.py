@@ -2,6 +2,8 @@
 
     python benchmarks/plan_validation.py            # writes benchmarks/results/plan_validation.json
     python benchmarks/plan_validation.py --scaling  # also prints docs/scaling.md's tables
+    python benchmarks/plan_validation.py --plots    # also writes docs/scaling_512k.svg, docs/scaling_1m.svg
+    python benchmarks/plan_validation.py --check-plots  # exit 1 if those charts are stale
 
 The model's inputs are one-GPU primitives only (the profiles of ``calibrate.py --from-results``):
 kernel fits at 64K-512K on one GPU, the approximator on one GPU, the rest of the layer from a
@@ -320,16 +322,80 @@ def table(result: Dict) -> str:
     return "\n".join(lines)
 
 
-def scaling_tables(profile_name: str = "nvidia-h100", density: float = 0.05) -> str:
-    """docs/scaling.md's tables: Qwen2.5-3B, 8-64 GPUs in nodes of 8 over 400 Gb/s InfiniBand."""
+SCALING_GPUS = (8, 16, 32, 64)
+SCALING_LENGTHS = {524288: "512k", 1048576: "1m"}
+DOCS = os.path.join(REPO, "docs")
+
+
+def scaling_plans(seq_len: int, profile_name: str = "nvidia-h100", density: float = 0.05) -> List[Dict]:
+    """The planner on Qwen2.5-3B over 8-64 GPUs in nodes of 8, 50 GB/s and 5 us between nodes."""
     from megatron_mtraining.plan import plan
 
     profile = load_profile(profile_name)
-    shape = ModelShape()
+    return [plan(ModelShape(), Workload(seq_len, density), Cluster(W, 8, inter_gbps=50.0, inter_latency_us=5.0),
+                 profile) for W in SCALING_GPUS]
+
+
+def _best_hierarchical(r: Dict) -> Dict:
+    return min((p for p in r["predictions"] if p["name"].startswith("mtraining_hier")), key=lambda p: p["step_ms"])
+
+
+def scaling_charts(profile_name: str = "nvidia-h100", density: float = 0.05) -> Dict[str, str]:
+    """docs/scaling_512k.svg and docs/scaling_1m.svg: tokens/s against GPUs, the four configurations;
+    each point's tooltip says what limits it and whether it needs recompute or does not fit."""
+    from svg_chart import Series, line_chart
+
+    charts = {}
+    for S, tag in SCALING_LENGTHS.items():
+        rows = scaling_plans(S, profile_name, density)
+
+        def series(label, pick):
+            picked = [pick(r) for r in rows]
+            notes = []
+            for r, p in zip(rows, picked):
+                rec = r["recommendation"]
+                extra = [f"inner ring {p['inner']}" if p["name"].startswith("mtraining_hier") else "",
+                         f"limited by {p['limit']}", f"exposed comm {p['exposed_comm_ms']:.1f} of "
+                         f"{p['attention_ms']:.1f} ms attention per layer",
+                         "full recompute" if rec["recompute"] == "full" else "",
+                         "" if rec["fits"] else "does not fit in memory"]
+                notes.append("; ".join(x for x in extra if x))
+            return Series(label, [p["tokens_per_s"] / 1e3 for p in picked], notes)
+
+        def named(name):
+            return lambda r: next(p for p in r["predictions"] if p["name"] == name)
+
+        chart = line_chart(
+            f"{S // 1024}K tokens, Qwen2.5-3B, H100s in nodes of 8, 400 Gb/s between nodes (predicted)",
+            "GPUs", "tokens/s (whole step)", list(SCALING_GPUS),
+            [series("MTraining flat", named("mtraining_flat")),
+             series("MTraining hierarchical", _best_hierarchical),
+             series("TE p2p (dense)", named("dense_te_p2p")),
+             series("TE a2a+p2p (dense)", named("dense_te_a2a_p2p"))],
+            y_format=lambda v: f"{v:.1f}K" if v % 1 else f"{v:.0f}K")
+        charts[os.path.join(DOCS, f"scaling_{tag}.svg")] = chart
+    return charts
+
+
+def write_charts(check: bool) -> List[str]:
+    """Writes the charts (or, with ``check``, writes nothing); returns the stale ones."""
+    stale = []
+    for path, svg in scaling_charts().items():
+        current = open(path).read() if os.path.isfile(path) else None
+        if current != svg:
+            stale.append(os.path.relpath(path, REPO))
+            if not check:
+                with open(path, "w") as fh:
+                    fh.write(svg)
+    return stale
+
+
+def scaling_tables(profile_name: str = "nvidia-h100", density: float = 0.05) -> str:
+    """docs/scaling.md's tables: Qwen2.5-3B, 8-64 GPUs in nodes of 8 over 400 Gb/s InfiniBand."""
+    profile = load_profile(profile_name)
     out = []
-    for S in (524288, 1048576):
-        rows = [plan(shape, Workload(S, density), Cluster(W, 8, inter_gbps=50.0, inter_latency_us=5.0), profile)
-                for W in (8, 16, 32, 64)]
+    for S in SCALING_LENGTHS:
+        rows = scaling_plans(S, profile_name, density)
         out.append(f"\n**{S // 1024}K tokens**, density {density:g}, {profile.name}, nodes of 8, 50 GB/s and 5 us "
                    "per GPU between nodes; tokens/s of the whole step (36 layers)\n")
         out.append("| GPUs | tokens / GPU | recompute | MTraining flat | best hierarchical | TE p2p | TE a2a+p2p | "
@@ -338,8 +404,7 @@ def scaling_tables(profile_name: str = "nvidia-h100", density: float = 0.05) -> 
         for r in rows:
             W = r["cluster"]["gpus"]
             preds = {p["name"]: p for p in r["predictions"]}
-            hier = [p for p in r["predictions"] if p["name"].startswith("mtraining_hier")]
-            best_hier = min(hier, key=lambda p: p["step_ms"])
+            best_hier = _best_hierarchical(r)
             rec, mem = r["recommendation"], r["memory"]
 
             def tps(p):
@@ -350,19 +415,18 @@ def scaling_tables(profile_name: str = "nvidia-h100", density: float = 0.05) -> 
                        f"{tps(preds.get('dense_te_a2a_p2p'))} | {rec['speedup_over_best_dense']:.2f}x | "
                        f"{mem['no_recompute_gib']:.0f} / {mem['full_recompute_gib']:.0f} |")
         out.append("\nPer layer and GPU, ms (forward + backward; the recompute's extra forward not included):\n")
-        out.append("| GPUs | configuration | attention | of which fixed costs | of which exposed comm | approximator | "
-                   "rest of layer | limited by |")
-        out.append("|---|---|---|---|---|---|---|---|")
+        out.append("| GPUs | configuration | attention | of which kernels | of which exposed comm | kernels' fixed "
+                   "costs | approximator | rest of layer | limited by |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             W = r["cluster"]["gpus"]
             preds = {p["name"]: p for p in r["predictions"]}
-            best = preds[r["recommendation"]["configuration"]]
-            chosen = [preds["mtraining_flat"]] + ([best] if best["name"] != "mtraining_flat" else []) + \
-                [min((p for p in r["predictions"] if p["method"] == "dense"), key=lambda p: p["step_ms"])]
-            for p in chosen:
-                out.append(f"| {W} | {p['name']} | {p['attention_ms']:.1f} | {p['fixed_cost_ms']:.1f} | "
-                           f"{p['exposed_comm_ms']:.1f} | {p['approximator_ms']:.2f} | {p['rest_of_layer_ms']:.1f} | "
-                           f"{p['limit']} |")
+            hier = _best_hierarchical(r)
+            for p in (preds["mtraining_flat"], hier, preds["dense_te_p2p"], preds["dense_te_a2a_p2p"]):
+                name = f"{p['name']}" + (" (best inner)" if p is hier else "")
+                out.append(f"| {W} | {name} | {p['attention_ms']:.1f} | {p['attention_compute_ms']:.1f} | "
+                           f"{p['exposed_comm_ms']:.1f} | {p['fixed_cost_ms']:.1f} | {p['approximator_ms']:.2f} | "
+                           f"{p['rest_of_layer_ms']:.1f} | {p['limit']} |")
     return "\n".join(out)
 
 
@@ -386,7 +450,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(RESULTS, "plan_validation.json"))
     p.add_argument("--scaling", action="store_true", help="also print the tables of docs/scaling.md")
+    p.add_argument("--plots", action="store_true", help="also write docs/scaling_512k.svg and docs/scaling_1m.svg")
+    p.add_argument("--check-plots", action="store_true",
+                   help="only check that the committed charts are current (exit 1 if not); writes nothing")
     args = p.parse_args(argv)
+    if args.check_plots:
+        stale = write_charts(check=True)
+        print("stale: " + ", ".join(stale) + " (rerun with --plots)" if stale else "charts are current")
+        return 1 if stale else 0
     result = validate()
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1, default=float)
@@ -397,6 +468,9 @@ def main(argv=None) -> int:
         print(scaling_tables())
         print()
         print(pending_slow_links())
+    if args.plots:
+        for path in write_charts(check=False):
+            print(f"wrote {path}")
     return 0
 
 
