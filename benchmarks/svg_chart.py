@@ -43,8 +43,10 @@ def line_chart(title: str, x_label: str, y_label: str, xs: Sequence, series: Seq
     if not xs or not series:
         raise ValueError("a chart needs x values and at least one series")
     for s in series:
-        if len(s.ys) != len(xs) or (s.point_notes is not None and len(s.point_notes) != len(xs)):
+        if len(s.ys) != len(xs):
             raise ValueError(f"series {s.name!r}: {len(s.ys)} values for {len(xs)} x values")
+        if s.point_notes is not None and len(s.point_notes) != len(xs):
+            raise ValueError(f"series {s.name!r}: {len(s.point_notes)} point notes for {len(xs)} x values")
         if any(not math.isfinite(y) or y < 0 for y in s.ys):
             raise ValueError(f"series {s.name!r}: values must be finite and >= 0")
     top = max(max(s.ys) for s in series) or 1.0
