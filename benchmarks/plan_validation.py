@@ -304,17 +304,19 @@ def validate() -> Dict:
 
 
 def table(result: Dict) -> str:
-    lines = ["| result | variant | GPUs | S | link | kernels | measured ms | predicted ms | error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| result | variant | GPUs | S | link | layers | kernels | measured ms | predicted ms | error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in result["cases"]:
         link = f"{c['slow_link_gbps']:g} GB/s" if c.get("slow_link_gbps") else "NVLink"
         role = " (calibration)" if c["role"] == "calibration" else (" (*)" if c.get("outside_model") else "")
+        layers = c.get("setup") or ("local layers, bf16" if c["kind"] == "e2e" else "attention only")
         lines.append(f"| {c['source'].replace('.json', '')} | {c['variant']}{role} | {c['gpus']} | "
-                     f"{c['seq_len'] // 1024}K | "
-                     f"{link} | {c.get('kernel_generation', '')} | {c['measured_ms']:.1f} | {c['predicted_ms']:.1f} | "
+                     f"{c['seq_len'] // 1024}K | {link} | {layers} | "
+                     f"{c.get('kernel_generation', '')} | {c['measured_ms']:.1f} | {c['predicted_ms']:.1f} | "
                      f"{100 * c['error']:+.1f}% |")
     lines.append("")
     for label, key in (("Configurations the planner predicts", "planned_configurations"),
+                       ("Of which the runs on Transformer Engine's layers", "transformer_engine_runs"),
                        ("Every measurement, with the dense index through the sparse kernels (*)", "every_measurement")):
         s = result["summary"][key]
         lines.append(f"{label}: {s['predictions']} predictions, median |error| {100 * s['median_abs_error']:.1f}%, "
