@@ -15,10 +15,13 @@ inputs, as they would for a user:
   of this repository) whose code is an ancestor of it, and the sparse kernel times are scaled by
   that benchmark's 128K forward+backward over the profile's. One number per kernel generation,
   measured on one GPU;
-* for training runs, the index density from the run's own telemetry (the approximator decides it).
+* for training runs, the index density from the run's own telemetry (the approximator decides it);
+  the runs on Transformer Engine's layers logged none: theirs comes from the local-layer runs with
+  the same flags (``density_at``).
 
 Held out as calibration (reported, not counted in the errors): the one-GPU dense training step
-(``e2e_nvidia-h200_1gpu.json``, dense), which defines the rest of the layer. Not predicted:
+(``e2e_nvidia-h200_1gpu.json``, dense), which defines the rest of the layer, and the te_cp runs of
+the two profiled 2-GPU TE results, which define the rest of TE's layer (bf16 and FP8). Not predicted:
 ``ringpacked`` (packed documents: the model has no document masks) and the 2-GPU approximator run
 of session 2 (an approximator implementation replaced since, with no one-GPU run of its own).
 """
