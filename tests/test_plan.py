@@ -303,7 +303,8 @@ def test_read_telemetry_json(tmp_path):
     (["--gpus", "8", "--seq-length", "524288", "--telemetry", "/nonexistent.log"], "does not exist"),
     (["--gpus", "8", "--seq-length", "524288", "--inter-gbps", "0"], "inter_gbps must be > 0"),
     (["--gpus", "0", "--seq-length", "524288"], "gpus must be a positive integer"),
-    (["--gpus", "8", "--seq-length", "524288", "--fp8-format", "hybrid"], "needs --transformer-impl transformer_engine"),
+    (["--gpus", "8", "--seq-length", "524288", "--fp8-format", "hybrid"],
+     "needs --transformer-impl transformer_engine"),
     (["--gpus", "8", "--seq-length", "524288", "--transformer-impl", "transformer_engine"],
      "no Transformer Engine bf16 rates"),
 ])

@@ -7,7 +7,8 @@
 
 The model shape defaults to Qwen2.5-3B; Megatron's flags (``--hidden-size``, ``--num-attention-heads``,
 ``--num-query-groups``, ``--kv-channels``, ``--ffn-hidden-size``, ``--num-layers``, ``--seq-length``,
-``--padded-vocab-size``, ``--context-parallel-size``, ``--micro-batch-size``) are accepted as they are,
+``--padded-vocab-size``, ``--context-parallel-size``, ``--micro-batch-size``, ``--transformer-impl``,
+``--fp8-format``, ``--recompute-granularity full``) are accepted as they are,
 and Megatron flags the planner does not use are listed as ignored. See docs/scaling.md.
 """
 
