@@ -16,8 +16,8 @@ from xml.sax.saxutils import escape
 
 COLOURS = ("#1f77b4", "#2ca02c", "#d62728", "#ff7f0e", "#9467bd", "#8c564b")
 DASHES = ("", "6 3", "2 3", "8 3 2 3")
-WIDTH, HEIGHT = 720, 440
-LEFT, RIGHT, TOP, BOTTOM = 80, 190, 40, 56
+WIDTH, HEIGHT = 760, 440
+LEFT, RIGHT, TOP, BOTTOM = 80, 200, 40, 56
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,6 +47,13 @@ def test_chart_is_well_formed_and_carries_the_planned_tokens_per_s(seq_len, tag)
             if name == "MTraining flat":
                 expected = next(p for p in r["predictions"] if p["name"] == "mtraining_flat")["tokens_per_s"] / 1e3
                 assert f"GPUs {gpus}: {expected:.1f}K;" in note, note
+    # Every point inside the plot area (the frame is the second rect, after the white background).
+    frame = root.findall(f"{SVG}rect")[1]
+    x0, y0 = float(frame.get("x")), float(frame.get("y"))
+    x1, y1 = x0 + float(frame.get("width")), y0 + float(frame.get("height"))
+    for group in series.values():
+        for c in group.findall(f"{SVG}circle"):
+            assert x0 <= float(c.get("cx")) <= x1 and y0 <= float(c.get("cy")) <= y1
     # Higher tokens/s is drawn higher: the y coordinate falls as the value rises.
     flat = [float(c.get("cy")) for c in series["MTraining flat"].findall(f"{SVG}circle")]
     values = [next(p for p in r["predictions"] if p["name"] == "mtraining_flat")["tokens_per_s"] for r in plans]

@@ -140,7 +140,7 @@ def format_table(result: Dict) -> str:
     inner = f" (inner ring {rec['inner_ring_size']})" if rec["inner_ring_size"] else ""
     versus = f", {speedup:.2f}x over {rec['best_dense']}" if speedup else ""
     lines.append(f"recommended: {rec['configuration']}{inner}, {rec['tokens_per_s']:.0f} tokens/s{versus}; "
-                 f"limited by {rec['limited_by']}")
+                 f"limited by {rec['limited_by']}; steps with {rec['recompute']} recompute")
     lines.append(f"memory per GPU: {mem['no_recompute_gib']:.1f} GiB without recompute, "
                  f"{mem['full_recompute_gib']:.1f} GiB with full recompute, of {mem['capacity_gib']:.0f}: "
                  + ("recompute needed" if mem["recompute_needed"] else "no recompute needed")
