@@ -63,7 +63,7 @@ import torch.distributed as dist
 from .config import MTrainingConfig
 from .documents import Documents
 from .index import VSIndex
-from .kernels.dispatch import resolve_backend
+from .kernels.dispatch import approx_kernel
 from .layout import check_layout, local_positions
 from .ring import agreement
 
@@ -335,7 +335,7 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
         rows = _document_rows(packed, config, q.device)
         return _document_statistics(q, k, config, group, layout, softmax_scale, backend, rows)
     world, rank = _world(group)
-    backend = resolve_backend(backend, q.device)
+    kernel = approx_kernel(backend, q.device)  # "triton": kernels/triton_approx.py
     b, hq, n_local, d = q.shape
     hkv = k.shape[1]
     B, L = config.block_size, config.last_q
@@ -357,7 +357,7 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
                     for qb in range(first_qb, (seq_len - 1) // B + 1)]
 
     # Pass 1: row max and normaliser over the local keys, then combined across ranks.
-    if backend == "triton":
+    if kernel == "triton":
         from .kernels.triton_approx import row_partials
         # Exact when q and k share a dtype (q_last holds q's values); the attention requires it.
         q_grouped = q_grouped.to(k.dtype).contiguous()
@@ -374,7 +374,7 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
     _all_reduce(normaliser, dist.ReduceOp.SUM, group, world)
 
     # Pass 2: the normalised weights folded into the vertical statistic and the block masses.
-    if backend == "triton":
+    if kernel == "triton":
         from .kernels.triton_approx import vs_masses
         vertical, block_mass = vs_masses(q_grouped, k, key_pos, q_pos0, scale, L, B, row_max,
                                          normaliser.reciprocal().float(), len(q_block_rows))
@@ -399,7 +399,7 @@ def _document_statistics(q, k, config: MTrainingConfig, group, layout: str, soft
                          backend: str, rows: _DocumentRows):
     """``vs_statistics`` for packed documents: the same two passes over the scoring ``rows``."""
     world, rank = _world(group)
-    backend = resolve_backend(backend, q.device)
+    kernel = approx_kernel(backend, q.device)  # "triton": kernels/triton_approx.py
     b, hq, n_local, d = q.shape
     hkv = k.shape[1]
     B = config.block_size
@@ -420,7 +420,7 @@ def _document_statistics(q, k, config: MTrainingConfig, group, layout: str, soft
     q_grouped = q_rows.reshape(b, hkv, (hq // hkv) * R, d)
 
     # Pass 1: row max and normaliser (each row over its own document's keys), across ranks.
-    if backend == "triton":
+    if kernel == "triton":
         from .kernels.triton_approx import row_partials
         q_grouped = q_grouped.to(k.dtype).contiguous()
         k = k if k.stride(-1) == 1 else k.contiguous()
@@ -439,7 +439,7 @@ def _document_statistics(q, k, config: MTrainingConfig, group, layout: str, soft
     inv_norm = torch.where(rows.row_weight > 0, rows.row_weight / normaliser, 0.0)
 
     # Pass 2: vertical statistic and block masses per (row group, local key block).
-    if backend == "triton":
+    if kernel == "triton":
         from .kernels.triton_approx import vs_masses
         vertical, block_mass = vs_masses(q_grouped, k, key_pos, 0, scale, R, B, _finite(row_max),
                                          inv_norm.float(), rows.group_qb.numel(), rows=rows)
@@ -610,7 +610,7 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
     local_error = None
     documents = None
     try:  # this rank's own checks; with CP > 1 its peers hear of a failure in the agreement below
-        resolve_backend(backend, q.device)  # a bad name fails here, whatever the index builder
+        approx_kernel(backend, q.device)  # a bad name fails here, whatever the index builder
         if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
             raise ValueError(f"approximate_index: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
                              "[batch, heads, tokens, head_dim] with matching batch, tokens and head_dim")
