@@ -60,12 +60,12 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .collective import agreement
 from .config import MTrainingConfig
 from .documents import Documents
 from .index import VSIndex
 from .kernels.dispatch import approx_kernel
 from .layout import check_layout, local_positions
-from .ring import agreement
 
 KEY_CHUNK = 8192  # keys scored at a time (a multiple of every block size): memory O(last_q x chunk) per head
 
@@ -561,7 +561,7 @@ def fixed_index(batch: int, heads: int, seq_len: int, config: MTrainingConfig, d
 def _agree_on_shapes(q, k, config: MTrainingConfig, group, layout: str, softmax_scale,
                      documents: Optional[Documents], local_error: Optional[BaseException]) -> None:
     """Before the first collective whose size depends on them: the CP ranks agree on the shapes
-    and settings (``ring.agreement``; a rank whose own checks failed makes its peers fail too).
+    and settings (``collective/agreement.py``; a rank whose own checks failed makes its peers fail too).
     Eager where that costs no device synchronisation (CPU / gloo, or MTRAINING_VALIDATE=1); on
     GPUs with NCCL the Megatron path checks them at its consistency iterations instead
     (``integration/consistency.py``), and nothing is added here."""

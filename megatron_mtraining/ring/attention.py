@@ -31,8 +31,9 @@ from ..kernels.plan import build_step_plan
 from ..kernels.dispatch import resolve_backend
 from ..kernels.step import backward_delta, step_backward, step_forward
 from ..layout import check_layout, local_block_ids
-from . import agreement, instrument
-from .agreement import checksum, host_word
+from ..collective import agreement
+from ..collective.agreement import checksum, host_word
+from . import instrument
 from .comm import check_inner_size, ring_topology
 from .schedule import ring_backward, ring_forward
 

@@ -15,11 +15,11 @@ from typing import Optional, Union
 import torch
 
 from ..attention import check_qkv
+from ..collective import agreement
 from ..documents import Documents
 from ..index import VSIndex
 from ..kernels.dense import dense_attention_backward, dense_attention_forward
 from ..kernels.torch_step import merge_partials
-from . import agreement
 from .attention import (RingAttentionFunction, _device_of, call_items, cp_group_of, one_buffer,
                         sparse_ring_attention)
 from .comm import check_inner_size, ring_topology
