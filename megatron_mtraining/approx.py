@@ -584,7 +584,7 @@ def _agree_on_shapes(q, k, config: MTrainingConfig, group, layout: str, softmax_
                  ("cu_seqlens given", given, given),
                  ("cu_seqlens length", int(cu_seqlens.numel()) if given else 0,
                   int(cu_seqlens.numel()) if given else 0),
-                 ("cu_seqlens values", agreement.checksum(cu_seqlens) if given else 0, None)]
+                 ("cu_seqlens values", agreement.Checksum(cu_seqlens) if given else 0, None)]
     agreement.agree(group, "approximate_index", items, local_error, q.device,
                     hint="(In Megatron: q is [--micro-batch-size, heads, --seq-length / CP, head_dim]: the CP ranks "
                          "got batches of different --seq-length or --micro-batch-size from the data path.) ")

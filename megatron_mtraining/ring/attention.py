@@ -32,7 +32,7 @@ from ..kernels.dispatch import resolve_backend
 from ..kernels.step import backward_delta, step_backward, step_forward
 from ..layout import check_layout, local_block_ids
 from ..collective import agreement
-from ..collective.agreement import checksum, host_word
+from ..collective.agreement import Checksum, host_word
 from . import instrument
 from .comm import check_inner_size, ring_topology
 from .schedule import ring_backward, ring_forward
@@ -85,7 +85,7 @@ def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, i
     given = documents is not None
     cu_seqlens = documents.cu_seqlens if given else None
     items += [("cu_seqlens length", int(cu_seqlens.numel()) if given else 0, int(cu_seqlens.numel()) if given else 0),
-              ("cu_seqlens values", checksum(cu_seqlens) if given else 0, "on the device" if given else None)]
+              ("cu_seqlens values", Checksum(cu_seqlens) if given else 0, "on the device" if given else None)]
     names = ["block size", "index batch and heads", "slash capacity", "vertical capacity", "slash counts (n_slash)",
              "slash offsets", "vertical counts (n_vertical)", "vertical columns"]
     if index is None:
@@ -95,10 +95,10 @@ def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, i
                   ("index batch and heads", host_word(tuple(index.slash.shape[:2])), tuple(index.slash.shape[:2])),
                   ("slash capacity", int(index.slash.shape[-1]), index.slash.shape[-1]),
                   ("vertical capacity", int(index.vertical.shape[-1]), index.vertical.shape[-1]),
-                  ("slash counts (n_slash)", checksum(index.n_slash), "on the device"),
-                  ("slash offsets", checksum(index.slash, index.n_slash), "on the device"),
-                  ("vertical counts (n_vertical)", checksum(index.n_vertical), "on the device"),
-                  ("vertical columns", checksum(index.vertical, index.n_vertical), "on the device")]
+                  ("slash counts (n_slash)", Checksum(index.n_slash), "on the device"),
+                  ("slash offsets", Checksum(index.slash, index.n_slash), "on the device"),
+                  ("vertical counts (n_vertical)", Checksum(index.n_vertical), "on the device"),
+                  ("vertical columns", Checksum(index.vertical, index.n_vertical), "on the device")]
     return items
 
 
