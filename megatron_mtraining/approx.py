@@ -607,9 +607,8 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
     ``config.max_documents`` documents, the longest first; see the module docstring); None or
     one document ``[0, N]`` gives exactly the unpacked index."""
     world, _ = _world(group)
-    local_error = None
     documents = None
-    try:  # this rank's own checks; with CP > 1 its peers hear of a failure in the agreement below
+    with agreement.OwnChecks(group if world > 1 else None) as checks:  # with CP > 1 the peers hear of a failure
         approx_kernel(backend, q.device)  # a bad name fails here, whatever the index builder
         if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
             raise ValueError(f"approximate_index: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
@@ -625,12 +624,8 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
         if builds_vs and config.last_q > n_local:
             raise ValueError(f"approximate_index: last_q ({config.last_q}) exceeds the {n_local} tokens each rank "
                              "holds; lower --mtraining-last-q")
-    except Exception as err:
-        if world == 1:
-            raise
-        local_error = err
-    if world > 1:
-        _agree_on_shapes(q, k, config, group, layout, softmax_scale, documents, local_error)
+    if world > 1:  # in the agreement below
+        _agree_on_shapes(q, k, config, group, layout, softmax_scale, documents, checks.error)
     b, hq = q.shape[:2]
     if config.index == "dense" or seq_len <= config.dense_max_seq_length:
         return VSIndex.dense(b, hq, seq_len, config.block_size, device=q.device)

@@ -75,3 +75,16 @@ def test_a_word_of_another_kind_is_refused(monkeypatch):
     monkeypatch.setattr(agreement.dist, "get_backend", lambda group: "gloo")
     with pytest.raises(TypeError, match="'index': a word is an int or a Checksum"):
         agreement.agree(None, "f", [("index", torch.zeros(()), None)], None, torch.device("cpu"))
+
+
+def test_own_checks_raise_without_peers_and_record_with_them():
+    with pytest.raises(ValueError, match="bad"):
+        with agreement.OwnChecks(None):
+            raise ValueError("bad")
+    with agreement.OwnChecks(object()) as checks:
+        raise ValueError("bad")
+    assert isinstance(checks.error, ValueError)
+    with pytest.raises(KeyboardInterrupt):  # not a check failure: never recorded
+        with agreement.OwnChecks(object()):
+            raise KeyboardInterrupt
+    assert agreement.OwnChecks(None).agree("f", lambda: 1 / 0, torch.device("cpu")) is None  # items not built

@@ -44,7 +44,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
-from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -101,7 +101,13 @@ class _Layout(NamedTuple):
 
 
 _LAYOUTS: "collections.OrderedDict[tuple, _Layout]" = collections.OrderedDict()
-_SENTINELS = {}  # device -> a 1-element int64 tensor holding _SENTINEL
+_SENTINELS = {}  # (device, stream) -> a 1-element int64 tensor holding _SENTINEL
+
+
+def _stream(device: torch.device):
+    """The current CUDA stream's id on ``device`` (None off CUDA): cached device tensors are kept
+    per stream, so a call on another stream never reads one before its copy is complete."""
+    return torch.cuda.current_stream(device).stream_id if device.type == "cuda" else None
 
 
 def _remember(cache: collections.OrderedDict, key, make):
@@ -117,6 +123,9 @@ def _remember(cache: collections.OrderedDict, key, make):
 
 def _layout(parts: Sequence[Checksum], slots: Sequence[int], device, where) -> _Layout:
     """The cached ``_Layout`` of ``parts`` (their shapes and dtypes), on ``device``; slots on ``where``."""
+    def cat(pieces):
+        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+
     def make():
         weights, column, count_at, slot = [], [], [], []
         counted = sum(p.values.numel() for p in parts)  # the counts follow the values
@@ -133,16 +142,15 @@ def _layout(parts: Sequence[Checksum], slots: Sequence[int], device, where) -> _
             column.append(torch.arange(length, dtype=torch.int64).repeat(rows))
             count_at.append(counted + torch.arange(rows, dtype=torch.int64).repeat_interleave(length))
             counted += rows
-        count_at = torch.cat(count_at) if count_at else torch.zeros(0, dtype=torch.int64)
+        count_at = cat(count_at)
         count_at[count_at < 0] = counted  # the sentinel is the concatenation's last entry
-        cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64))
         return _Layout(cat(weights).to(device), cat(column).to(device), count_at.to(device), cat(slot).to(where))
 
     for part in parts:
         if part.counts is not None and (part.values.dim() == 0 or part.counts.shape != part.values.shape[:-1]):
             raise ValueError(f"checksum: counts {tuple(part.counts.shape)} must have the leading shape of the "
                              f"values {tuple(part.values.shape)} (one count per row)")
-    key = (str(device), str(where), tuple(slots),
+    key = (str(device), _stream(device), str(where), _stream(where), tuple(slots),
            tuple((tuple(p.values.shape), p.values.dtype, None if p.counts is None else tuple(p.counts.shape))
                  for p in parts))
     return _remember(_LAYOUTS, key, make)
@@ -152,11 +160,12 @@ def _products(parts: Sequence[Checksum], layout: _Layout) -> torch.Tensor:
     """Every entry's term of its checksum, ``(value + 1) x weight`` (0 past its row's count), in
     one pass over the concatenation of ``parts``: int64, wrapping modulo 2^64 in any order."""
     device = parts[0].values.device
-    if device not in _SENTINELS:
-        _SENTINELS[device] = torch.full((1,), _SENTINEL, dtype=torch.int64, device=device)
+    key = (str(device), _stream(device))
+    if key not in _SENTINELS:
+        _SENTINELS[key] = torch.full((1,), _SENTINEL, dtype=torch.int64, device=device)
     pieces = [p.values.reshape(-1) for p in parts] + [p.counts.reshape(-1) for p in parts if p.counts is not None]
     pieces = [x.long() if x.is_floating_point() else x for x in pieces]  # as .long() did: truncated
-    flat = torch.cat(pieces + [_SENTINELS[device]])  # int64: the sentinel promotes the rest
+    flat = torch.cat(pieces + [_SENTINELS[key]])  # int64: the sentinel promotes the rest
     values = flat[:layout.weights.numel()]
     terms = torch.addcmul(layout.weights, values, layout.weights)  # (value + 1) x weight
     return terms.masked_fill_(layout.column >= flat.index_select(0, layout.count_at), 0)
@@ -279,7 +288,7 @@ def _host_words(host: List[int], where: torch.device) -> torch.Tensor:
         if where.type == "cuda":
             words = words.pin_memory().to(where, non_blocking=True)  # no host synchronisation
         return words
-    return _remember(_HOST_WORDS, (str(where), tuple(host)), make)
+    return _remember(_HOST_WORDS, (str(where), _stream(where), tuple(host)), make)
 
 
 def agree(group, what: str, items: Sequence[Tuple[str, Word, object]], local_error: Optional[BaseException],
@@ -339,6 +348,33 @@ def agree(group, what: str, items: Sequence[Tuple[str, Word, object]], local_err
     return verdict.bad
 
 
+class OwnChecks:
+    """This rank's own input checks of a call over ``group`` (None: no peers), as a ``with`` block.
+    A check that fails inside it is recorded when there are peers to tell, and raised by ``agree``
+    after they have been told (so they fail too, instead of waiting for this rank in a transfer);
+    without peers it is raised at once."""
+
+    def __init__(self, group):
+        self.group, self.error = group, None
+
+    def __enter__(self) -> "OwnChecks":
+        return self
+
+    def __exit__(self, kind, err, traceback) -> bool:
+        if self.group is None or not isinstance(err, Exception):
+            return False
+        self.error = err
+        return True  # recorded: ``agree`` raises it
+
+    def agree(self, what: str, items: Callable[[], Sequence[tuple]], device: torch.device,
+              hint: str = "") -> Optional[torch.Tensor]:
+        """``agree`` over the group (None without peers); ``items()`` is built only when this
+        rank's checks passed (the call's values may be unset otherwise)."""
+        if self.group is None:
+            return None
+        return agree(self.group, what, [] if self.error is not None else items(), self.error, device, hint)
+
+
 def poison(out: torch.Tensor, bad: Optional[torch.Tensor]) -> torch.Tensor:
     """``out``, NaN everywhere when ``bad`` (a deferred disagreement); no host synchronisation."""
     if bad is None:
@@ -346,5 +382,5 @@ def poison(out: torch.Tensor, bad: Optional[torch.Tensor]) -> torch.Tensor:
     return out.masked_fill_(bad, float("nan"))
 
 
-__all__ = ["AGREEMENT_ENV", "Checksum", "RingAgreementError", "agree", "check_deferred", "checksum", "host_word", "mode",
-           "poison"]
+__all__ = ["AGREEMENT_ENV", "Checksum", "OwnChecks", "RingAgreementError", "agree", "check_deferred", "checksum",
+           "host_word", "mode", "poison"]

@@ -243,8 +243,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     cp_group, world = cp_group_of(group)
     if cp_group is not None:
         agreement.check_deferred()
-    local_error = None
-    try:  # this rank's own checks; on failure its peers are told in the agreement below
+    with agreement.OwnChecks(cp_group) as checks:  # on failure the peers are told in the agreement below
         if cp_group is not None:
             check_inner_size(inner_size, world)
             one_buffer()  # a bad value raises here, before the agreement
@@ -261,16 +260,9 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
         documents = Documents.of(cu_seqlens, seq_len)
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    except Exception as err:
-        if cp_group is None:
-            raise
-        local_error = err
-    disagree = None
-    if cp_group is not None:
-        items = [] if local_error is not None else call_items(
-            "sparse_ring_attention", q, k, v, layout, world if inner_size is None else inner_size, softmax_scale,
-            index, documents)
-        disagree = agreement.agree(cp_group, "sparse_ring_attention", items, local_error, _device_of(q))
+    disagree = checks.agree("sparse_ring_attention", lambda: call_items(
+        "sparse_ring_attention", q, k, v, layout, world if inner_size is None else inner_size, softmax_scale, index,
+        documents), _device_of(q))
     topo = ring_topology(group, inner_size)  # after the agreement: every rank asks for the same rings
     B, nb = index.block_size, seq_len // index.block_size
     blocks = _block_ids_on(q.device, seq_len, layout, topo.world_size, B)
