@@ -60,12 +60,12 @@ from typing import Dict, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .collective import agreement
 from .config import MTrainingConfig
 from .documents import Documents
 from .index import VSIndex
-from .kernels.dispatch import resolve_backend
+from .kernels.dispatch import approx_kernel
 from .layout import check_layout, local_positions
-from .ring import agreement
 
 KEY_CHUNK = 8192  # keys scored at a time (a multiple of every block size): memory O(last_q x chunk) per head
 
@@ -335,7 +335,7 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
         rows = _document_rows(packed, config, q.device)
         return _document_statistics(q, k, config, group, layout, softmax_scale, backend, rows)
     world, rank = _world(group)
-    backend = resolve_backend(backend, q.device)
+    kernel = approx_kernel(backend, q.device)  # "triton": kernels/triton_approx.py
     b, hq, n_local, d = q.shape
     hkv = k.shape[1]
     B, L = config.block_size, config.last_q
@@ -357,7 +357,7 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
                     for qb in range(first_qb, (seq_len - 1) // B + 1)]
 
     # Pass 1: row max and normaliser over the local keys, then combined across ranks.
-    if backend == "triton":
+    if kernel == "triton":
         from .kernels.triton_approx import row_partials
         # Exact when q and k share a dtype (q_last holds q's values); the attention requires it.
         q_grouped = q_grouped.to(k.dtype).contiguous()
@@ -374,7 +374,7 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
     _all_reduce(normaliser, dist.ReduceOp.SUM, group, world)
 
     # Pass 2: the normalised weights folded into the vertical statistic and the block masses.
-    if backend == "triton":
+    if kernel == "triton":
         from .kernels.triton_approx import vs_masses
         vertical, block_mass = vs_masses(q_grouped, k, key_pos, q_pos0, scale, L, B, row_max,
                                          normaliser.reciprocal().float(), len(q_block_rows))
@@ -399,7 +399,7 @@ def _document_statistics(q, k, config: MTrainingConfig, group, layout: str, soft
                          backend: str, rows: _DocumentRows):
     """``vs_statistics`` for packed documents: the same two passes over the scoring ``rows``."""
     world, rank = _world(group)
-    backend = resolve_backend(backend, q.device)
+    kernel = approx_kernel(backend, q.device)  # "triton": kernels/triton_approx.py
     b, hq, n_local, d = q.shape
     hkv = k.shape[1]
     B = config.block_size
@@ -420,7 +420,7 @@ def _document_statistics(q, k, config: MTrainingConfig, group, layout: str, soft
     q_grouped = q_rows.reshape(b, hkv, (hq // hkv) * R, d)
 
     # Pass 1: row max and normaliser (each row over its own document's keys), across ranks.
-    if backend == "triton":
+    if kernel == "triton":
         from .kernels.triton_approx import row_partials
         q_grouped = q_grouped.to(k.dtype).contiguous()
         k = k if k.stride(-1) == 1 else k.contiguous()
@@ -439,7 +439,7 @@ def _document_statistics(q, k, config: MTrainingConfig, group, layout: str, soft
     inv_norm = torch.where(rows.row_weight > 0, rows.row_weight / normaliser, 0.0)
 
     # Pass 2: vertical statistic and block masses per (row group, local key block).
-    if backend == "triton":
+    if kernel == "triton":
         from .kernels.triton_approx import vs_masses
         vertical, block_mass = vs_masses(q_grouped, k, key_pos, 0, scale, R, B, _finite(row_max),
                                          inv_norm.float(), rows.group_qb.numel(), rows=rows)
@@ -561,7 +561,7 @@ def fixed_index(batch: int, heads: int, seq_len: int, config: MTrainingConfig, d
 def _agree_on_shapes(q, k, config: MTrainingConfig, group, layout: str, softmax_scale,
                      documents: Optional[Documents], local_error: Optional[BaseException]) -> None:
     """Before the first collective whose size depends on them: the CP ranks agree on the shapes
-    and settings (``ring.agreement``; a rank whose own checks failed makes its peers fail too).
+    and settings (``collective/agreement.py``; a rank whose own checks failed makes its peers fail too).
     Eager where that costs no device synchronisation (CPU / gloo, or MTRAINING_VALIDATE=1); on
     GPUs with NCCL the Megatron path checks them at its consistency iterations instead
     (``integration/consistency.py``), and nothing is added here."""
@@ -584,7 +584,7 @@ def _agree_on_shapes(q, k, config: MTrainingConfig, group, layout: str, softmax_
                  ("cu_seqlens given", given, given),
                  ("cu_seqlens length", int(cu_seqlens.numel()) if given else 0,
                   int(cu_seqlens.numel()) if given else 0),
-                 ("cu_seqlens values", agreement.checksum(cu_seqlens) if given else 0, None)]
+                 ("cu_seqlens values", agreement.Checksum(cu_seqlens) if given else 0, None)]
     agreement.agree(group, "approximate_index", items, local_error, q.device,
                     hint="(In Megatron: q is [--micro-batch-size, heads, --seq-length / CP, head_dim]: the CP ranks "
                          "got batches of different --seq-length or --micro-batch-size from the data path.) ")
@@ -607,10 +607,9 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
     ``config.max_documents`` documents, the longest first; see the module docstring); None or
     one document ``[0, N]`` gives exactly the unpacked index."""
     world, _ = _world(group)
-    local_error = None
     documents = None
-    try:  # this rank's own checks; with CP > 1 its peers hear of a failure in the agreement below
-        resolve_backend(backend, q.device)  # a bad name fails here, whatever the index builder
+    with agreement.OwnChecks(group if world > 1 else None) as checks:  # with CP > 1 the peers hear of a failure
+        approx_kernel(backend, q.device)  # a bad name fails here, whatever the index builder
         if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
             raise ValueError(f"approximate_index: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
                              "[batch, heads, tokens, head_dim] with matching batch, tokens and head_dim")
@@ -625,12 +624,8 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
         if builds_vs and config.last_q > n_local:
             raise ValueError(f"approximate_index: last_q ({config.last_q}) exceeds the {n_local} tokens each rank "
                              "holds; lower --mtraining-last-q")
-    except Exception as err:
-        if world == 1:
-            raise
-        local_error = err
-    if world > 1:
-        _agree_on_shapes(q, k, config, group, layout, softmax_scale, documents, local_error)
+    if world > 1:  # in the agreement below
+        _agree_on_shapes(q, k, config, group, layout, softmax_scale, documents, checks.error)
     b, hq = q.shape[:2]
     if config.index == "dense" or seq_len <= config.dense_max_seq_length:
         return VSIndex.dense(b, hq, seq_len, config.block_size, device=q.device)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron_mtraining as mm  # noqa: E402
 from megatron_mtraining.approx import fixed_index  # noqa: E402
-from megatron_mtraining.ring import agreement  # noqa: E402
+from megatron_mtraining.collective import agreement  # noqa: E402
 from megatron_mtraining.ring.attention import call_items  # noqa: E402
 
 NOTES = {}  # observations recorded before an expected error

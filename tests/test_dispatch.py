@@ -68,6 +68,51 @@ def test_backend_errors(monkeypatch):
         dispatch.resolve_backend("cuda", CUDA)
 
 
+@pytest.mark.parametrize("device, interpreted, asked, want", [
+    (CUDA, False, "auto", "triton"),
+    (CPU, False, "auto", "torch"),
+    (CPU, True, "triton", "triton"),
+    (CUDA, False, "torch", "torch"),
+])
+def test_approximator_statistics_kernel(monkeypatch, device, interpreted, asked, want):
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
+    assert dispatch.approx_kernel(asked, device) == want
+
+
+def test_approximator_statistics_kernel_errors(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        dispatch.approx_kernel("triton", CPU)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        dispatch.approx_kernel("gpu", CUDA)
+
+
+def test_the_approximator_runs_the_kernels_dispatch_picks(monkeypatch):
+    """approx.py asks dispatch, and runs the Triton statistics exactly when told "triton"."""
+    from megatron_mtraining import MTrainingConfig, approx
+    from megatron_mtraining.kernels import triton_approx
+    asked = []
+
+    def pick(kernel):
+        def approx_kernel(backend, device):
+            asked.append((backend, device))
+            return kernel
+        return approx_kernel
+
+    def launched(*args, **kwargs):
+        raise RuntimeError("triton_approx launched")
+
+    monkeypatch.setattr(triton_approx, "row_partials", launched)
+    q = torch.randn(1, 2, 256, 16)
+    cfg = MTrainingConfig(block_size=64, last_q=64)
+    monkeypatch.setattr(approx, "approx_kernel", pick("torch"))
+    approx.vs_statistics(q, q, cfg, backend="auto")
+    assert asked == [("auto", q.device)]
+    monkeypatch.setattr(approx, "approx_kernel", pick("triton"))
+    with pytest.raises(RuntimeError, match="triton_approx launched"):
+        approx.vs_statistics(q, q, cfg, backend="auto")
+
+
 # ---------------------------------------------------------------------------- can the Hopper kernels run
 
 

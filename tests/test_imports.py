@@ -12,10 +12,12 @@ Layers, lowest first (a module may import its own layer and the ones below):
   0 data         config, index, layout, documents, _ext (and the compiled _C)
   1 kernels      kernels/ (with its own tiers, below)
   2 functions    attention: the single-device attention functions
-  3 distributed  ring/, and approx (the approximator scores over the CP group and agrees on its
-                 inputs through ring/agreement.py, as the ring does)
-  4 integration  integration/ (Megatron)
-  5 entry        the package facade (__init__), launch, checkpointing, plan/ (the step-time
+  3 collective   collective/: what every computation over the CP group shares, the per-call
+                 agreement of the ranks' inputs and the transport's error and timeout
+  4 approximator approx: scores over the CP group, agrees through collective/ (never the ring's)
+  5 ring         ring/ (ring/agreement.py is only the old name of collective/agreement.py)
+  6 integration  integration/ (Megatron)
+  7 entry        the package facade (__init__), launch, checkpointing, plan/ (the step-time
                  planner's CLI), tools/, testing/
 Nothing outside tools/ imports tools/.
 
@@ -35,13 +37,14 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "megatron_mtraining"
 
-LAYERS = {"data": 0, "kernels": 1, "functions": 2, "distributed": 3, "integration": 4, "entry": 5}
+LAYERS = {"data": 0, "kernels": 1, "functions": 2, "collective": 3, "approximator": 4, "ring": 5, "integration": 6,
+          "entry": 7}
 # The first component under the package -> its layer.
 TOP_LEVEL = {
     "config": "data", "index": "data", "layout": "data", "documents": "data", "_ext": "data", "_C": "data",
     "kernels": "kernels",
     "attention": "functions",
-    "ring": "distributed", "approx": "distributed",
+    "collective": "collective", "approx": "approximator", "ring": "ring",
     "integration": "integration",
     "launch": "entry", "checkpointing": "entry", "plan": "entry", "tools": "entry", "testing": "entry",
 }
@@ -185,6 +188,7 @@ def test_the_graph_is_read_from_the_whole_package():
     assert f"{PACKAGE}.kernels.dispatch" in graph[f"{PACKAGE}.kernels.step"]
     assert f"{PACKAGE}.kernels.hopper_fwd" in graph[f"{PACKAGE}.kernels.step"]  # lazy, inside step_forward
     assert f"{PACKAGE}.kernels.triton_approx" in graph[f"{PACKAGE}.approx"]  # lazy
+    assert f"{PACKAGE}.collective.agreement" in graph[f"{PACKAGE}.approx"]  # from .collective import agreement
     assert f"{PACKAGE}._ext" in graph[f"{PACKAGE}.kernels.plan"]  # from .. import _ext
     assert len(graph) > 40
 
@@ -215,6 +219,7 @@ def test_the_checks_fail_on_a_cycle_an_upward_import_and_a_sibling_kernel(tmp_pa
     write("ring/__init__.py", "")
     write("ring/comm.py", "from ..config import f\n")  # closes config <-> ring.comm
     write("integration/__init__.py", "from ..tools import demo\n")
+    write("approx.py", "from .ring.comm import x\n")  # the approximator reaching into the ring
     write("tools/__init__.py", "")
     write("tools/demo.py", "")
     graph = import_graph(str(tmp_path))
@@ -222,9 +227,10 @@ def test_the_checks_fail_on_a_cycle_an_upward_import_and_a_sibling_kernel(tmp_pa
     assert [f"{PACKAGE}.kernels.triton_bwd", f"{PACKAGE}.kernels.triton_fwd"] in cycles
     assert [f"{PACKAGE}.config", f"{PACKAGE}.ring.comm"] in cycles
     found = "\n".join(violations(graph))
-    assert f"{PACKAGE}.config:2 imports {PACKAGE}.ring.comm (upward: layer 0 -> 3)" in found
+    assert f"{PACKAGE}.config:2 imports {PACKAGE}.ring.comm (upward: layer 0 -> 5)" in found
+    assert f"{PACKAGE}.approx:1 imports {PACKAGE}.ring.comm (upward: layer 4 -> 5)" in found
     assert f"{PACKAGE}.kernels.triton_fwd:1 imports {PACKAGE}.kernels.triton_bwd (kernels tier 3 -> 3" in found
-    assert f"imports {PACKAGE}.tools.demo (upward: layer 4 -> 5)" in found
+    assert f"imports {PACKAGE}.tools.demo (upward: layer 6 -> 7)" in found
     assert f"imports {PACKAGE}.tools.demo (tools/ is imported only by tools/)" in found
 
 

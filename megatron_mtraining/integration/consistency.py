@@ -21,7 +21,7 @@ Each check is one all-reduce of a few int64s that yields the MIN and the MAX of 
 over the group (MAX over ``[x, -x]``), so every rank learns the same thing and every rank
 raises the same ``ConsistencyError``; none is left waiting. Between the checked iterations
 nothing runs here: no collective, no host synchronisation on the per-layer hot path. The ring
-itself (``ring/agreement.py``) agrees on its own inputs on every call, and on CPU tensors the
+itself (``collective/agreement.py``) agrees on its own inputs on every call, and on CPU tensors the
 approximator too.
 """
 
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..index import VSIndex
-from ..ring.agreement import checksum
+from ..collective.agreement import checksum
 from . import telemetry
 
 __all__ = ["ConsistencyError", "check_flags", "check_index", "due", "flag_values"]

@@ -13,6 +13,8 @@ Decision table (first matching row wins):
                                  "auto", other devices                   "torch"
                                  "triton", not CUDA, no TRITON_INTERPRET  error
                                  "triton" / "torch"                      as asked
+  approximator statistics        backend "triton" (as resolved above)    Triton (``triton_approx``)
+  (``approx_kernel``)            backend "torch"                         PyTorch (``approx.py``'s passes)
   sparse forward kernel          backend "torch"                         PyTorch (``torch_step``)
   (``forward_kernel``; on the    MTRAINING_FORWARD_KERNEL=triton         "triton"
   "triton" backend)              Hopper covers the call (below)          "hopper"
@@ -82,6 +84,12 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter); "
                          f"got tensors on {device}")
     return backend
+
+
+def approx_kernel(backend: str, device: torch.device) -> str:
+    """The index approximator's statistics kernels (``approx.py``): "triton" (``triton_approx.py``)
+    or "torch" (its PyTorch passes), as ``resolve_backend`` resolves ``backend`` (same errors)."""
+    return resolve_backend(backend, device)
 
 
 # ------------------------------------------------------------------- the sparse kernels on "triton"

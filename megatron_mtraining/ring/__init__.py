@@ -1,6 +1,6 @@
 """Distributed (context-parallel) sparse ring attention."""
 
-from .agreement import RingAgreementError
+from ..collective.agreement import RingAgreementError
 from .attention import sparse_ring_attention
 from .comm import Ring, RingCommunicationError, RingTopology, ring_topology
 from .dense import dense_ring_attention

@@ -31,8 +31,9 @@ from ..kernels.plan import build_step_plan
 from ..kernels.dispatch import resolve_backend
 from ..kernels.step import backward_delta, step_backward, step_forward
 from ..layout import check_layout, local_block_ids
-from . import agreement, instrument
-from .agreement import checksum, host_word
+from ..collective import agreement
+from ..collective.agreement import Checksum, host_word
+from . import instrument
 from .comm import check_inner_size, ring_topology
 from .schedule import ring_backward, ring_forward
 
@@ -84,7 +85,7 @@ def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, i
     given = documents is not None
     cu_seqlens = documents.cu_seqlens if given else None
     items += [("cu_seqlens length", int(cu_seqlens.numel()) if given else 0, int(cu_seqlens.numel()) if given else 0),
-              ("cu_seqlens values", checksum(cu_seqlens) if given else 0, "on the device" if given else None)]
+              ("cu_seqlens values", Checksum(cu_seqlens) if given else 0, "on the device" if given else None)]
     names = ["block size", "index batch and heads", "slash capacity", "vertical capacity", "slash counts (n_slash)",
              "slash offsets", "vertical counts (n_vertical)", "vertical columns"]
     if index is None:
@@ -94,10 +95,10 @@ def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, i
                   ("index batch and heads", host_word(tuple(index.slash.shape[:2])), tuple(index.slash.shape[:2])),
                   ("slash capacity", int(index.slash.shape[-1]), index.slash.shape[-1]),
                   ("vertical capacity", int(index.vertical.shape[-1]), index.vertical.shape[-1]),
-                  ("slash counts (n_slash)", checksum(index.n_slash), "on the device"),
-                  ("slash offsets", checksum(index.slash, index.n_slash), "on the device"),
-                  ("vertical counts (n_vertical)", checksum(index.n_vertical), "on the device"),
-                  ("vertical columns", checksum(index.vertical, index.n_vertical), "on the device")]
+                  ("slash counts (n_slash)", Checksum(index.n_slash), "on the device"),
+                  ("slash offsets", Checksum(index.slash, index.n_slash), "on the device"),
+                  ("vertical counts (n_vertical)", Checksum(index.n_vertical), "on the device"),
+                  ("vertical columns", Checksum(index.vertical, index.n_vertical), "on the device")]
     return items
 
 
@@ -242,8 +243,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     cp_group, world = cp_group_of(group)
     if cp_group is not None:
         agreement.check_deferred()
-    local_error = None
-    try:  # this rank's own checks; on failure its peers are told in the agreement below
+    with agreement.OwnChecks(cp_group) as checks:  # on failure the peers are told in the agreement below
         if cp_group is not None:
             check_inner_size(inner_size, world)
             one_buffer()  # a bad value raises here, before the agreement
@@ -260,16 +260,9 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
         documents = Documents.of(cu_seqlens, seq_len)
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    except Exception as err:
-        if cp_group is None:
-            raise
-        local_error = err
-    disagree = None
-    if cp_group is not None:
-        items = [] if local_error is not None else call_items(
-            "sparse_ring_attention", q, k, v, layout, world if inner_size is None else inner_size, softmax_scale,
-            index, documents)
-        disagree = agreement.agree(cp_group, "sparse_ring_attention", items, local_error, _device_of(q))
+    disagree = checks.agree("sparse_ring_attention", lambda: call_items(
+        "sparse_ring_attention", q, k, v, layout, world if inner_size is None else inner_size, softmax_scale, index,
+        documents), _device_of(q))
     topo = ring_topology(group, inner_size)  # after the agreement: every rank asks for the same rings
     B, nb = index.block_size, seq_len // index.block_size
     blocks = _block_ids_on(q.device, seq_len, layout, topo.world_size, B)

@@ -13,7 +13,8 @@ when it is posted (``batch_isend_irecv`` raises at once on a closed connection) 
 waited for (``Pending.wait``). A transfer that does not complete fails after the transfer
 timeout (``transfer_timeout``): ``MTRAINING_RING_TIMEOUT_S`` seconds if set, otherwise the
 process group's own timeout (``init_process_group(timeout=...)``; Megatron sets it with
-``--distributed-timeout-minutes``).
+``--distributed-timeout-minutes``); the error and the timeout live in ``collective/transport.py``,
+shared with the agreement.
 
 Hierarchical ring groups are created once per (CP group, inner size), after the members have
 agreed on the inner size (an all-reduce over the CP group), never from an argument that could
@@ -23,51 +24,13 @@ differ between ranks.
 from __future__ import annotations
 
 import dataclasses
-import os
-from datetime import timedelta
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ..collective.transport import TIMEOUT_ENV, RingCommunicationError, wait_work  # shared with the agreement
 from . import slow_link
-
-
-_DistError = getattr(dist, "DistError", RuntimeError)
-
-
-class RingCommunicationError(_DistError):
-    """A ring transfer failed or timed out; the message names the ring step (a
-    ``torch.distributed.DistError``, i.e. a RuntimeError; the original error is its ``__cause__``)."""
-
-
-TIMEOUT_ENV = "MTRAINING_RING_TIMEOUT_S"
-
-
-def transfer_timeout() -> Optional[timedelta]:
-    """``MTRAINING_RING_TIMEOUT_S`` as a timedelta, or None: the process group's own timeout.
-    On NCCL an explicit timeout makes each wait block the host (PyTorch's blocking wait), so
-    leave it unset on GPUs except while debugging; NCCL's watchdog enforces the group's."""
-    value = os.environ.get(TIMEOUT_ENV, "")
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {value!r}")
-    return timedelta(seconds=seconds)
-
-
-def wait_work(work) -> None:
-    """``work.wait()`` within the transfer timeout; raises the transport's own error."""
-    timeout = transfer_timeout()
-    if timeout is None:
-        work.wait()
-    else:
-        work.wait(timeout)
-
 
 _LIKELY_CAUSE = ("A peer process died or stopped (look for the first error in the other ranks' logs), or it is "
                  "alive but slower than the transfer timeout: raise it with Megatron's "

@@ -15,11 +15,11 @@ from typing import Optional, Union
 import torch
 
 from ..attention import check_qkv
+from ..collective import agreement
 from ..documents import Documents
 from ..index import VSIndex
 from ..kernels.dense import dense_attention_backward, dense_attention_forward
 from ..kernels.torch_step import merge_partials
-from . import agreement
 from .attention import (RingAttentionFunction, _device_of, call_items, cp_group_of, one_buffer,
                         sparse_ring_attention)
 from .comm import check_inner_size, ring_topology
@@ -80,21 +80,18 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     per-step dense kernel call cannot express on these layouts (``impl`` is then unused)."""
     cp_group, world = cp_group_of(group)
     if layout == "striped" or cu_seqlens is not None:
-        try:
+        with agreement.OwnChecks(cp_group) as checks:
             check_qkv(q, k, v, "torch" if q.device.type == "cpu" else "cuda")  # names the expected shapes
             b, hq, n_local, d = q.shape
             index = VSIndex.dense(b, hq, n_local * world, block_size, device=q.device)
-        except Exception as err:
-            if cp_group is None:
-                raise
-            # Tell the peers (waiting in sparse_ring_attention's agreement), then raise err here.
-            agreement.agree(cp_group, "dense_ring_attention", [], err, _device_of(q))
+        if checks.error is not None:
+            # Tell the peers (waiting in sparse_ring_attention's agreement), then raise the error here.
+            checks.agree("dense_ring_attention", list, _device_of(q))
         return sparse_ring_attention(q, k, v, index, group, layout, inner_size, softmax_scale,
                                      cu_seqlens=cu_seqlens)
     if cp_group is not None:
         agreement.check_deferred()
-    local_error = None
-    try:  # this rank's own checks; on failure its peers are told in the agreement below
+    with agreement.OwnChecks(cp_group) as checks:  # on failure the peers are told in the agreement below
         if layout != "zigzag":
             raise ValueError(f"layout must be 'striped' or 'zigzag', got {layout!r}")
         check_qkv(q, k, v, "torch" if q.device.type == "cpu" else "cuda")
@@ -107,16 +104,9 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
             one_buffer()  # a bad MTRAINING_RING_ONE_BUFFER raises here, before the agreement
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    except Exception as err:
-        if cp_group is None:
-            raise
-        local_error = err
-    disagree = None
-    if cp_group is not None:
-        items = [] if local_error is not None else call_items(
-            "dense_ring_attention (zigzag)", q, k, v, layout, world if inner_size is None else inner_size,
-            softmax_scale, None, None)
-        disagree = agreement.agree(cp_group, "dense_ring_attention", items, local_error, _device_of(q))
+    disagree = checks.agree("dense_ring_attention", lambda: call_items(
+        "dense_ring_attention (zigzag)", q, k, v, layout, world if inner_size is None else inner_size, softmax_scale,
+        None, None), _device_of(q))
     topo = ring_topology(group, inner_size)
     return RingAttentionFunction.apply(q, k, v, topo, DenseZigzagSteps(topo.rank, float(softmax_scale), impl),
                                        disagree)

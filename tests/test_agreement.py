@@ -1,0 +1,90 @@
+"""collective/agreement.py's device words on one process: the one-pass checksums equal the
+per-tensor formula, see what they must, and the caches stay bounded."""
+
+import pytest
+import torch
+
+from megatron_mtraining.collective import agreement
+from megatron_mtraining.collective.agreement import Checksum, checksum
+
+
+def reference(values, counts=None):
+    """The checksum's definition, one tensor at a time (the former implementation)."""
+    entries = values.long() + 1
+    if counts is not None:
+        valid = torch.arange(values.shape[-1]) < counts[..., None].long()
+        entries = torch.where(valid, entries, torch.zeros_like(entries))
+    flat = entries.flatten()
+    weights = (torch.arange(flat.numel(), dtype=torch.int64) * 2654435761) % 2147483647 + 1
+    return int((flat * weights).sum() & ((1 << 62) - 1))
+
+
+def parts():
+    g = torch.Generator().manual_seed(0)
+    slash = torch.randint(-5, 1 << 30, (2, 3, 7), generator=g, dtype=torch.int32)
+    n_slash = torch.tensor([[0, 3, 7], [7, -2, 1]], dtype=torch.int32)  # -2: a bad count counts nothing
+    cu = torch.tensor([0, 5, 9, 64], dtype=torch.int64)
+    return [Checksum(n_slash), Checksum(slash, n_slash), Checksum(cu), Checksum(torch.zeros(0, dtype=torch.int32))]
+
+
+def test_one_pass_equals_each_tensor_alone():
+    ps = parts()
+    for p in ps:
+        assert int(checksum(p.values, p.counts)) == reference(p.values, p.counts)
+    slots = [3, 5, 6, 9]
+    layout = agreement._layout(ps, slots, torch.device("cpu"), torch.device("cpu"))
+    words = torch.index_add(torch.zeros(12, dtype=torch.int64), 0, layout.slot,
+                            agreement._products(ps, layout)) & ((1 << 62) - 1)
+    want = torch.zeros(12, dtype=torch.int64)
+    for p, s in zip(ps, slots):
+        want[s] = reference(p.values, p.counts)
+    assert words.tolist() == want.tolist()
+
+
+def test_padding_is_ignored_and_order_and_counts_are_seen():
+    slash, n_slash = parts()[1]
+    base = int(checksum(slash, n_slash))
+    padded = slash.clone()
+    padded[0, 0, 0] += 1  # row 0, head 0 counts 0 entries: padding
+    assert int(checksum(padded, n_slash)) == base
+    swapped = slash.clone()
+    swapped[0, 1, [0, 1]] = swapped[0, 1, [1, 0]]  # a permutation of valid entries
+    assert slash[0, 1, 0] != slash[0, 1, 1] and int(checksum(swapped, n_slash)) != base
+    fewer = n_slash.clone()
+    fewer[1, 0] -= 1
+    assert int(checksum(slash, fewer)) != base
+
+
+def test_counts_must_have_the_values_leading_shape():
+    slash, n_slash = parts()[1]
+    with pytest.raises(ValueError, match="must have the leading shape"):
+        checksum(slash, n_slash[:, :2])
+
+
+def test_the_caches_are_bounded():
+    for n in range(1, 3 * agreement._CACHE_ENTRIES):
+        checksum(torch.arange(n))
+        agreement._host_words([n, 0, 1], torch.device("cpu"))
+    assert len(agreement._LAYOUTS) <= agreement._CACHE_ENTRIES
+    assert len(agreement._HOST_WORDS) <= agreement._CACHE_ENTRIES
+
+
+def test_a_word_of_another_kind_is_refused(monkeypatch):
+    monkeypatch.setattr(agreement.dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(agreement.dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(agreement.dist, "get_backend", lambda group: "gloo")
+    with pytest.raises(TypeError, match="'index': a word is an int or a Checksum"):
+        agreement.agree(None, "f", [("index", torch.zeros(()), None)], None, torch.device("cpu"))
+
+
+def test_own_checks_raise_without_peers_and_record_with_them():
+    with pytest.raises(ValueError, match="bad"):
+        with agreement.OwnChecks(None):
+            raise ValueError("bad")
+    with agreement.OwnChecks(object()) as checks:
+        raise ValueError("bad")
+    assert isinstance(checks.error, ValueError)
+    with pytest.raises(KeyboardInterrupt):  # not a check failure: never recorded
+        with agreement.OwnChecks(object()):
+            raise KeyboardInterrupt
+    assert agreement.OwnChecks(None).agree("f", lambda: 1 / 0, torch.device("cpu")) is None  # items not built
