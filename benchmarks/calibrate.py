@@ -167,12 +167,52 @@ def derive_h200(results_dir: str) -> Dict:
     sources.append("benchmarks/results/e2e_nvidia-h200_1gpu.json (the dense run: step minus predicted attention)")
     sources.append("benchmarks/results/profile_e2e_nvidia-h100-80gb-hbm3_1gpu.json (GEMM share of the rest)")
 
-    return _profile("nvidia-h200", "NVIDIA H200", sparse_fwd, sparse_bwd, dense_fwd, dense_bwd, approx_rate,
-                    gemm_tflops, elementwise, sources,
-                    {"code_commit": "1d0b6f2", "note": "kernel_nvidia-h200.json was re-run at de3d354, whose kernels "
-                     "are 1d0b6f2's with unchanged PTX (docs/performance.md)",
-                     "kernel_128k_fwdbwd_ms": run128["ours"]["fwdbwd_ms"]},
-                    fits={"sparse": sparse, "dense": dense, "rest_total_ms": rest_total, "gemm_share": gemm_share})
+    te_rest = te_rest_rates(results_dir)
+    sources.extend(te_rest["sources"])
+    profile = _profile("nvidia-h200", "NVIDIA H200", sparse_fwd, sparse_bwd, dense_fwd, dense_bwd, approx_rate,
+                       gemm_tflops, elementwise, sources,
+                       {"code_commit": "1d0b6f2", "note": "kernel_nvidia-h200.json was re-run at de3d354, whose "
+                        "kernels are 1d0b6f2's with unchanged PTX (docs/performance.md)",
+                        "kernel_128k_fwdbwd_ms": run128["ours"]["fwdbwd_ms"]},
+                       fits={"sparse": sparse, "dense": dense, "rest_total_ms": rest_total, "gemm_share": gemm_share})
+    profile["rest_of_layer_te"] = {"rates": te_rest["rates"]}
+    return profile
+
+
+# The profiled TE-CP iterations that calibrate the rest of the layer on Transformer Engine's layers.
+TE_REST_RUNS = (("bf16", "e2e_te_nvidia-h200_2gpu.json"), ("fp8", "e2e_te_fp8_nvidia-h200_2gpu.json"))
+
+
+def te_rest_rates(results_dir: str) -> Dict:
+    """The rest of the layer on TE's layers (bf16 and FP8 GEMMs), from the GPU time by category of the
+    profiled iteration of TE's own CP run (no MTraining in it): the GEMMs give the rate, everything
+    but attention, GEMMs and NCCL (norms, RoPE, activations, casts, the optimizer) the elementwise time.
+    The output layer stays bf16 under FP8, so the FP8 rate is what is left after it at the bf16 rate."""
+    rates: Dict[str, Dict] = {}
+    sources = []
+    for precision, name in TE_REST_RUNS:
+        d = _load(results_dir, name)
+        run = next(r for r in d["runs"] if r["name"] == "te_cp")
+        if bool(d.get("fp8")) != (precision == "fp8") or d.get("transformer_impl") != "transformer_engine":
+            raise ValueError(f"{name}: expected a Transformer Engine run with fp8={precision == 'fp8'}")
+        category = run["gpu_time_breakdown"]["by_category_ms"]
+        m = d["model"]
+        shape = ModelShape(hidden=m["hidden"], heads=m["heads"], kv_groups=m["kv_groups"], head_dim=m["head_dim"],
+                           layers=m["num_layers"], ffn=m["ffn"], vocab=m["vocab"])
+        tokens = d["seq_length"] // d["world_size"]
+        layer_flops = tokens * shape.layers * shape.layer_gemm_flops_per_token()
+        head_flops = tokens * shape.head_flops_per_token()
+        if precision == "bf16":
+            gemm_tflops = (layer_flops + head_flops) / (category["gemm"] * 1e-3) / 1e12
+        else:
+            head_ms = head_flops / (rates["bf16"]["gemm_tflops"] * 1e12) * 1e3
+            gemm_tflops = layer_flops / ((category["gemm"] - head_ms) * 1e-3) / 1e12
+        elementwise_ms = sum(v for k, v in category.items() if k not in ("gemm", "dense_attention", "nccl"))
+        rates[precision] = {"gemm_tflops": gemm_tflops,
+                            "elementwise_ns_per_token_layer": elementwise_ms * 1e6 / (tokens * shape.layers)}
+        sources.append(f"benchmarks/results/{name} (te_cp, profiled iteration {run['profiled_iteration']}: GPU time "
+                       f"by category; commit {d['meta'].get('commit')})")
+    return {"rates": rates, "sources": sources}
 
 
 def _gemm_share(results_dir: str) -> float:

@@ -35,7 +35,7 @@ import kernel  # noqa: E402
 from common import (cu_seqlens_of, describe_index, device_slug, document_mix, fixed_packed_index,  # noqa: E402
                     fixed_vs_index, relative_l2, run_metadata, tflops, write_json)
 
-from megatron_mtraining import reference_attention, sparse_attention  # noqa: E402
+from megatron_mtraining import Documents, reference_attention, sparse_attention  # noqa: E402
 from megatron_mtraining.kernels import resolve_backend  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -87,8 +87,10 @@ def bench_packed(cfg: kernel.Config, seq_len: int, device: torch.device) -> Dict
                              "density_of_document_pairs": float(pairs.mean()) / doc_pairs,
                              "n_slash": int(index.n_slash.max()), "n_vertical": int(index.n_vertical.max())}}
 
+    documents = Documents(cu, seq_len)  # once per batch, as the Megatron path builds it
+
     def ours(q, k, v):
-        return sparse_attention(q, k, v, index, scale, backend, cu_seqlens=cu)
+        return sparse_attention(q, k, v, index, scale, backend, cu_seqlens=documents)
 
     packed: Dict = {"backend": backend}
     kernel.measure_pair(packed, ours, arg_sets, cfg, device)

@@ -2,6 +2,8 @@
 
     python benchmarks/plan_validation.py            # writes benchmarks/results/plan_validation.json
     python benchmarks/plan_validation.py --scaling  # also prints docs/scaling.md's tables
+    python benchmarks/plan_validation.py --plots    # also writes docs/scaling_512k.svg, docs/scaling_1m.svg
+    python benchmarks/plan_validation.py --check-plots  # exit 1 if those charts are stale
 
 The model's inputs are one-GPU primitives only (the profiles of ``calibrate.py --from-results``):
 kernel fits at 64K-512K on one GPU, the approximator on one GPU, the rest of the layer from a
@@ -13,10 +15,13 @@ inputs, as they would for a user:
   of this repository) whose code is an ancestor of it, and the sparse kernel times are scaled by
   that benchmark's 128K forward+backward over the profile's. One number per kernel generation,
   measured on one GPU;
-* for training runs, the index density from the run's own telemetry (the approximator decides it).
+* for training runs, the index density from the run's own telemetry (the approximator decides it);
+  the runs on Transformer Engine's layers logged none: theirs comes from the local-layer runs with
+  the same flags (``density_at``).
 
 Held out as calibration (reported, not counted in the errors): the one-GPU dense training step
-(``e2e_nvidia-h200_1gpu.json``, dense), which defines the rest of the layer. Not predicted:
+(``e2e_nvidia-h200_1gpu.json``, dense), which defines the rest of the layer, and the te_cp runs of
+the two profiled 2-GPU TE results, which define the rest of TE's layer (bf16 and FP8). Not predicted:
 ``ringpacked`` (packed documents: the model has no document masks) and the 2-GPU approximator run
 of session 2 (an approximator implementation replaced since, with no one-GPU run of its own).
 """
@@ -39,7 +44,7 @@ sys.path.insert(0, HERE)
 from calibrate import telemetry  # noqa: E402
 
 from megatron_mtraining.plan import (Cluster, ModelShape, Workload, approximator_ms, load_profile,  # noqa: E402
-                                     predict_dense_p2p, predict_mtraining)
+                                     predict_dense_a2a_p2p, predict_dense_p2p, predict_mtraining, with_recompute)
 
 RESULTS = os.path.join(HERE, "results")
 KERNEL_FILE = "benchmarks/results/kernel_nvidia-h200.json"
@@ -196,13 +201,87 @@ def e2e_cases(profiles, gens, reference_ms) -> List[Dict]:
     return cases
 
 
+# Transformer Engine layers against TE's own CP (benchmarks/e2e.py --runs te_cp,...,mtraining).
+TE_RESULTS = ("e2e_te_nvidia-h200_2gpu.json", "e2e_te_fp8_nvidia-h200_2gpu.json", "e2e_te_nvidia-h200_4gpu.json",
+              "e2e_te_fp8_nvidia-h200_4gpu.json", "e2e_te_1m_nvidia-h200_4gpu.json")
+# Telemetry of MTraining runs with the TE runs' flags (top-p 0.9, the default caps) on local layers.
+DENSITY_LOGS = {131072: "e2e_mtraining_nvidia-h200_1gpu.log", 262144: "e2e_mtraining_nvidia-h200_2gpu_cudnn.log",
+                524288: "e2e_mtraining_nvidia-h200_4gpu_cudnn.log"}
+
+
+def density_at(seq_len: int) -> Dict:
+    """The index density of a run that logged no telemetry (the TE runs), from runs with the same flags
+    that did. At top-p 0.9 on these runs the approximator stops at its caps (every log: vertical 1024,
+    slash 256), so the active keys per query stay constant (8.1K, 8.1K, 7.6K at 128K, 256K, 512K): the
+    density is the longest such run's no longer than ``seq_len``, times its length over ``seq_len``."""
+    known = [n for n in DENSITY_LOGS if n <= seq_len]
+    if not known:
+        raise ValueError(f"no telemetry at or below {seq_len} tokens")
+    ref = max(known)
+    density = telemetry(os.path.join(RESULTS, "logs", DENSITY_LOGS[ref]))["density"]
+    how = (f"density {density:.3g} from {DENSITY_LOGS[ref]}" if ref == seq_len else
+           f"density {density:.3g} x {ref // 1024}K / {seq_len // 1024}K (keys per query of {DENSITY_LOGS[ref]})")
+    return {"density": density * ref / seq_len, "how": how}
+
+
+def te_cases(profile, gens, reference_ms) -> List[Dict]:
+    """MTraining on TE's layers and TE's own CP attention (p2p, a2a+p2p), with FP8 GEMMs and full
+    recompute where the run used them. The te_cp runs of the two profiled 2-GPU results calibrate the
+    rest of TE's layer (``calibrate.te_rest_rates``): reported as calibration, not counted."""
+    from calibrate import TE_REST_RUNS
+
+    calibration_files = {name for _, name in TE_REST_RUNS}
+    cases = []
+    for name in TE_RESULTS:
+        d = _load(name)
+        W, S, m = d["world_size"], d["seq_length"], d["model"]
+        shape = ModelShape(hidden=m["hidden"], heads=m["heads"], kv_groups=m["kv_groups"], head_dim=m["head_dim"],
+                           layers=m["num_layers"], ffn=m["ffn"], vocab=m["vocab"])
+        gen = generation_of(_commit(d), gens)
+        scale = gen["fwdbwd_128k_ms"] / reference_ms
+        dens = density_at(S)
+        work = Workload(S, dens["density"], layers="transformer_engine", fp8=bool(d["fp8"]),
+                        recompute=bool(d["recompute"]))
+        cluster = Cluster(W, W)
+        setup = ", ".join(x for x in ("TE layers", "FP8 GEMMs" if work.fp8 else "bf16 GEMMs",
+                                      "full recompute" if work.recompute else "") if x)
+        for run in d["runs"]:
+            measured = run.get("mean_iteration_ms")
+            if not measured:
+                continue
+            base = {"kind": "e2e", "source": name, "variant": run["name"], "gpus": W, "seq_len": S,
+                    "measured_ms": measured, "kernel_scale": 1.0, "kernel_generation": "cuDNN", "setup": setup,
+                    "note": ""}
+            flags = run["flags"]
+            if run["name"] == "mtraining":
+                p = predict_mtraining(shape, work, cluster, profile, kernel_scale=scale)
+                base.update(kernel_generation=gen["code_commit"], kernel_scale=scale, density=work.density,
+                            note=dens["how"])
+            elif "a2a+p2p" in flags:
+                sizes = flags[flags.index("--hierarchical-context-parallel-sizes") + 1:][:2]
+                p = predict_dense_a2a_p2p(shape, work, cluster, profile, a2a_size=int(sizes[0]))
+                base["note"] = p.note
+            elif "p2p" in flags:
+                p = predict_dense_p2p(shape, work, cluster, profile)
+                if name in calibration_files:
+                    base.update(role="calibration", note="its profiled GPU time outside attention calibrates the "
+                                "rest of TE's layer; the attention is predicted")
+            else:
+                raise ValueError(f"{name}: run {run['name']!r} is neither MTraining nor a TE CP run")
+            if work.recompute:
+                p = with_recompute(p, shape, work)
+            base.update(predicted_ms=p.step_ms, predicted_exposed_comm_ms=shape.layers * p.exposed_comm_ms)
+            cases.append(base)
+    return cases
+
+
 def validate() -> Dict:
     profiles = {n: load_profile(n) for n in ("nvidia-h200", "nvidia-h100")}
     h200 = profiles["nvidia-h200"]
     gens = kernel_generations()
     reference_ms = h200.kernel_generation["kernel_128k_fwdbwd_ms"]
     cases = (ring_cases(h200, gens, reference_ms) + approx_cases(h200, gens, reference_ms)
-             + e2e_cases(profiles, gens, reference_ms))
+             + e2e_cases(profiles, gens, reference_ms) + te_cases(h200, gens, reference_ms))
     for c in cases:
         c["error"] = c["predicted_ms"] / c["measured_ms"] - 1
         c.setdefault("role", "prediction")
@@ -220,24 +299,27 @@ def validate() -> Dict:
         "profiles": {n: {"sources": p.sources, "kernel_generation": p.kernel_generation} for n, p in profiles.items()},
         "kernel_generations": gens,
         "targets": {"median_abs_error": 0.10, "worst_abs_error": 0.20},
-        "summary": {"planned_configurations": stats(in_model), "every_measurement": stats(predicted)},
+        "summary": {"planned_configurations": stats(in_model), "every_measurement": stats(predicted),
+                    "transformer_engine_runs": stats([c for c in in_model if c.get("setup")])},
         "cases": cases,
         "method": __doc__.split("\n\n", 2)[2].strip(),
     }
 
 
 def table(result: Dict) -> str:
-    lines = ["| result | variant | GPUs | S | link | kernels | measured ms | predicted ms | error |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| result | variant | GPUs | S | link | layers | kernels | measured ms | predicted ms | error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for c in result["cases"]:
         link = f"{c['slow_link_gbps']:g} GB/s" if c.get("slow_link_gbps") else "NVLink"
         role = " (calibration)" if c["role"] == "calibration" else (" (*)" if c.get("outside_model") else "")
+        layers = c.get("setup") or ("local layers, bf16" if c["kind"] == "e2e" else "attention only")
         lines.append(f"| {c['source'].replace('.json', '')} | {c['variant']}{role} | {c['gpus']} | "
-                     f"{c['seq_len'] // 1024}K | "
-                     f"{link} | {c.get('kernel_generation', '')} | {c['measured_ms']:.1f} | {c['predicted_ms']:.1f} | "
+                     f"{c['seq_len'] // 1024}K | {link} | {layers} | "
+                     f"{c.get('kernel_generation', '')} | {c['measured_ms']:.1f} | {c['predicted_ms']:.1f} | "
                      f"{100 * c['error']:+.1f}% |")
     lines.append("")
     for label, key in (("Configurations the planner predicts", "planned_configurations"),
+                       ("Of which the runs on Transformer Engine's layers", "transformer_engine_runs"),
                        ("Every measurement, with the dense index through the sparse kernels (*)", "every_measurement")):
         s = result["summary"][key]
         lines.append(f"{label}: {s['predictions']} predictions, median |error| {100 * s['median_abs_error']:.1f}%, "
@@ -245,16 +327,80 @@ def table(result: Dict) -> str:
     return "\n".join(lines)
 
 
-def scaling_tables(profile_name: str = "nvidia-h100", density: float = 0.05) -> str:
-    """docs/scaling.md's tables: Qwen2.5-3B, 8-64 GPUs in nodes of 8 over 400 Gb/s InfiniBand."""
+SCALING_GPUS = (8, 16, 32, 64)
+SCALING_LENGTHS = {524288: "512k", 1048576: "1m"}
+DOCS = os.path.join(REPO, "docs")
+
+
+def scaling_plans(seq_len: int, profile_name: str = "nvidia-h100", density: float = 0.05) -> List[Dict]:
+    """The planner on Qwen2.5-3B over 8-64 GPUs in nodes of 8, 50 GB/s and 5 us between nodes."""
     from megatron_mtraining.plan import plan
 
     profile = load_profile(profile_name)
-    shape = ModelShape()
+    return [plan(ModelShape(), Workload(seq_len, density), Cluster(W, 8, inter_gbps=50.0, inter_latency_us=5.0),
+                 profile) for W in SCALING_GPUS]
+
+
+def _best_hierarchical(r: Dict) -> Dict:
+    return min((p for p in r["predictions"] if p["name"].startswith("mtraining_hier")), key=lambda p: p["step_ms"])
+
+
+def scaling_charts(profile_name: str = "nvidia-h100", density: float = 0.05) -> Dict[str, str]:
+    """docs/scaling_512k.svg and docs/scaling_1m.svg: tokens/s against GPUs, the four configurations;
+    each point's tooltip says what limits it and whether it needs recompute or does not fit."""
+    from svg_chart import Series, line_chart
+
+    charts = {}
+    for S, tag in SCALING_LENGTHS.items():
+        rows = scaling_plans(S, profile_name, density)
+
+        def series(label, pick):
+            picked = [pick(r) for r in rows]
+            notes = []
+            for r, p in zip(rows, picked):
+                rec = r["recommendation"]
+                extra = [f"inner ring {p['inner']}" if p["name"].startswith("mtraining_hier") else "",
+                         f"limited by {p['limit']}", f"exposed comm {p['exposed_comm_ms']:.1f} of "
+                         f"{p['attention_ms']:.1f} ms attention per layer",
+                         "full recompute" if rec["recompute"] == "full" else "",
+                         "" if rec["fits"] else "does not fit in memory"]
+                notes.append("; ".join(x for x in extra if x))
+            return Series(label, [p["tokens_per_s"] / 1e3 for p in picked], notes)
+
+        def named(name):
+            return lambda r: next(p for p in r["predictions"] if p["name"] == name)
+
+        chart = line_chart(
+            f"{S // 1024}K tokens, Qwen2.5-3B, H100s in nodes of 8, 400 Gb/s between nodes (predicted)",
+            "GPUs", "tokens/s (whole step)", list(SCALING_GPUS),
+            [series("MTraining flat", named("mtraining_flat")),
+             series("MTraining hierarchical", _best_hierarchical),
+             series("TE p2p (dense)", named("dense_te_p2p")),
+             series("TE a2a+p2p (dense)", named("dense_te_a2a_p2p"))],
+            y_format=lambda v: f"{v:.1f}K" if v % 1 else f"{v:.0f}K")
+        charts[os.path.join(DOCS, f"scaling_{tag}.svg")] = chart
+    return charts
+
+
+def write_charts(check: bool) -> List[str]:
+    """Writes the charts (or, with ``check``, writes nothing); returns the stale ones."""
+    stale = []
+    for path, svg in scaling_charts().items():
+        current = open(path).read() if os.path.isfile(path) else None
+        if current != svg:
+            stale.append(os.path.relpath(path, REPO))
+            if not check:
+                with open(path, "w") as fh:
+                    fh.write(svg)
+    return stale
+
+
+def scaling_tables(profile_name: str = "nvidia-h100", density: float = 0.05) -> str:
+    """docs/scaling.md's tables: Qwen2.5-3B, 8-64 GPUs in nodes of 8 over 400 Gb/s InfiniBand."""
+    profile = load_profile(profile_name)
     out = []
-    for S in (524288, 1048576):
-        rows = [plan(shape, Workload(S, density), Cluster(W, 8, inter_gbps=50.0, inter_latency_us=5.0), profile)
-                for W in (8, 16, 32, 64)]
+    for S in SCALING_LENGTHS:
+        rows = scaling_plans(S, profile_name, density)
         out.append(f"\n**{S // 1024}K tokens**, density {density:g}, {profile.name}, nodes of 8, 50 GB/s and 5 us "
                    "per GPU between nodes; tokens/s of the whole step (36 layers)\n")
         out.append("| GPUs | tokens / GPU | recompute | MTraining flat | best hierarchical | TE p2p | TE a2a+p2p | "
@@ -263,8 +409,7 @@ def scaling_tables(profile_name: str = "nvidia-h100", density: float = 0.05) -> 
         for r in rows:
             W = r["cluster"]["gpus"]
             preds = {p["name"]: p for p in r["predictions"]}
-            hier = [p for p in r["predictions"] if p["name"].startswith("mtraining_hier")]
-            best_hier = min(hier, key=lambda p: p["step_ms"])
+            best_hier = _best_hierarchical(r)
             rec, mem = r["recommendation"], r["memory"]
 
             def tps(p):
@@ -275,19 +420,18 @@ def scaling_tables(profile_name: str = "nvidia-h100", density: float = 0.05) -> 
                        f"{tps(preds.get('dense_te_a2a_p2p'))} | {rec['speedup_over_best_dense']:.2f}x | "
                        f"{mem['no_recompute_gib']:.0f} / {mem['full_recompute_gib']:.0f} |")
         out.append("\nPer layer and GPU, ms (forward + backward; the recompute's extra forward not included):\n")
-        out.append("| GPUs | configuration | attention | of which fixed costs | of which exposed comm | approximator | "
-                   "rest of layer | limited by |")
-        out.append("|---|---|---|---|---|---|---|---|")
+        out.append("| GPUs | configuration | attention | of which kernels | of which exposed comm | kernels' fixed "
+                   "costs | approximator | rest of layer | limited by |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             W = r["cluster"]["gpus"]
             preds = {p["name"]: p for p in r["predictions"]}
-            best = preds[r["recommendation"]["configuration"]]
-            chosen = [preds["mtraining_flat"]] + ([best] if best["name"] != "mtraining_flat" else []) + \
-                [min((p for p in r["predictions"] if p["method"] == "dense"), key=lambda p: p["step_ms"])]
-            for p in chosen:
-                out.append(f"| {W} | {p['name']} | {p['attention_ms']:.1f} | {p['fixed_cost_ms']:.1f} | "
-                           f"{p['exposed_comm_ms']:.1f} | {p['approximator_ms']:.2f} | {p['rest_of_layer_ms']:.1f} | "
-                           f"{p['limit']} |")
+            hier = _best_hierarchical(r)
+            for p in (preds["mtraining_flat"], hier, preds["dense_te_p2p"], preds["dense_te_a2a_p2p"]):
+                name = f"{p['name']}" + (" (best inner)" if p is hier else "")
+                out.append(f"| {W} | {name} | {p['attention_ms']:.1f} | {p['attention_compute_ms']:.1f} | "
+                           f"{p['exposed_comm_ms']:.1f} | {p['fixed_cost_ms']:.1f} | {p['approximator_ms']:.2f} | "
+                           f"{p['rest_of_layer_ms']:.1f} | {p['limit']} |")
     return "\n".join(out)
 
 
@@ -311,7 +455,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(RESULTS, "plan_validation.json"))
     p.add_argument("--scaling", action="store_true", help="also print the tables of docs/scaling.md")
+    p.add_argument("--plots", action="store_true", help="also write docs/scaling_512k.svg and docs/scaling_1m.svg")
+    p.add_argument("--check-plots", action="store_true",
+                   help="only check that the committed charts are current (exit 1 if not); writes nothing")
     args = p.parse_args(argv)
+    if args.check_plots:
+        stale = write_charts(check=True)
+        print("stale: " + ", ".join(stale) + " (rerun with --plots)" if stale else "charts are current")
+        return 1 if stale else 0
     result = validate()
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1, default=float)
@@ -322,6 +473,9 @@ def main(argv=None) -> int:
         print(scaling_tables())
         print()
         print(pending_slow_links())
+    if args.plots:
+        for path in write_charts(check=False):
+            print(f"wrote {path}")
     return 0
 
 

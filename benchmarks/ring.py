@@ -18,10 +18,19 @@ Variants, each measured on its own (a failure is recorded and the run goes on):
 Times: forward+backward (``out.backward(grad)``) and forward-only milliseconds, CUDA events,
 a barrier before every repetition, median over repetitions per rank, then the max over ranks.
 One extra instrumented repetition of the ring variants records every rank's per-step compute
-and wait times: the imbalance degrees of the paper's appendix and a rank x step heatmap.
+and wait times: the imbalance degrees of the paper's appendix and a rank x step heatmap; with
+them each step's plan conversion (forward) and partial dK/dV merge (backward), and a timeline
+per phase (``steps.timeline``: every kind's ms summed over steps, mean and max over ranks).
+
+Scaling: ``--seq-lens`` fixes the total length (strong scaling: run it on 1 and on W GPUs);
+``--tokens-per-gpu`` fixes the tokens per GPU (weak scaling: S = tokens x W on this run's W
+GPUs); both may be given, the lengths are then the union. make_tables.py pairs the files of one
+device and commit: ``ring_strong_scaling_<W>gpu`` and ``ring_weak_scaling_<T>k_per_gpu_<W>gpu``.
 
     python -m torch.distributed.run --nproc_per_node 4 benchmarks/ring.py                 # GPU, 256K and 512K
     python -m torch.distributed.run --nproc_per_node 2 benchmarks/ring.py --smoke         # tiny fp32 run on CPU (gloo)
+    python -m torch.distributed.run --nproc_per_node 4 benchmarks/ring.py --tokens-per-gpu 16384,32768,131072 \
+        --variants sparse_striped --no-fwd                                                 # weak scaling, 4 GPUs
 """
 
 from __future__ import annotations
@@ -46,9 +55,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import (cu_seqlens_of, describe_index, device_slug, document_mix, fixed_packed_index,  # noqa: E402
                     fixed_vs_index, json_ready, median, run_metadata, synchronize)
 
+from megatron_mtraining.documents import Documents  # noqa: E402
 from megatron_mtraining.ring import (dense_ring_attention, imbalance_metrics, record_ring_steps,  # noqa: E402
                                      sparse_ring_attention)
 
+DEFAULT_SEQ_LENS = "262144,524288"
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VARIANTS = ("dense_zigzag", "torch_native_cp", "sparse_zigzag", "sparse_striped", "sparse_striped_hier")
@@ -57,7 +68,8 @@ NOTES = [
     "Times are the max over ranks of each rank's median; speedup = the faster dense baseline "
     "(dense_zigzag, torch_native_cp) over the variant, forward+backward.",
     "Strong / weak scaling: this script cannot change its world size; run it again with another "
-    "--nproc_per_node and compare the files (make_tables.py does).",
+    "--nproc_per_node and compare the files (make_tables.py does: strong at fixed S, weak at fixed "
+    "tokens per GPU, the 1-GPU time scaled by the causal work ratio (W*T+1)/(T+1)).",
 ]
 
 
@@ -87,6 +99,8 @@ class Config:
     slow_link_gbps: Optional[float] = None  # emulated inter-node link (ring/slow_link.py); None: off
     slow_link_latency_us: float = 0.0
     documents: bool = False  # pack common.DOCUMENT_MIX_128K (scaled) into every sequence
+    tokens_per_gpu: Sequence[int] = ()  # weak scaling: these tokens per GPU (S = T x W), beside seq_lens
+    ring_one_buffer: bool = False  # MTRAINING_RING_ONE_BUFFER=1 (ring/attention.py's A/B switch) was set
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,19 +239,34 @@ def summarise(per_rank: List[Dict]) -> Dict:
     return section
 
 
+STEP_KINDS = ("compute", "wait", "plan", "merge")  # instrument.py's kinds; plan: forward, merge: backward
+
+
 def step_matrices(per_rank_steps: List[Dict]) -> Dict:
-    """rank x step compute/wait matrices per phase, their sum, and the imbalance metrics of each."""
+    """rank x step matrices of every kind per phase (a kind a rank did not record is zeros: the
+    dense ring has no plan, one rank no merge), their fwd+bwd sum, the imbalance metrics of each
+    (compute and wait only, as in the paper) and the timeline: per phase and kind, the ms summed
+    over steps, mean and max over ranks."""
     out: Dict = {}
+    steps = max(len(r[phase].get("compute_ms", [])) for r in per_rank_steps for phase in ("forward", "backward"))
+
+    def matrix(phase, kind):
+        rows = [list(r.get(phase, {}).get(f"{kind}_ms", [])) for r in per_rank_steps]
+        return [row + [0.0] * (steps - len(row)) for row in rows]
+
     for phase in ("forward", "backward"):
-        compute = [r[phase]["compute_ms"] for r in per_rank_steps]
-        wait = [r[phase]["wait_ms"] for r in per_rank_steps]
-        out[phase] = {"compute_ms": compute, "wait_ms": wait, "imbalance": imbalance_metrics(compute, wait)}
+        out[phase] = {f"{kind}_ms": matrix(phase, kind) for kind in STEP_KINDS}
+        out[phase]["imbalance"] = imbalance_metrics(out[phase]["compute_ms"], out[phase]["wait_ms"])
 
     def add(a, b):
         return [[x + y for x, y in zip(ra, rb)] for ra, rb in zip(a, b)]
-    compute = add(out["forward"]["compute_ms"], out["backward"]["compute_ms"])
-    wait = add(out["forward"]["wait_ms"], out["backward"]["wait_ms"])
-    out["fwd_bwd"] = {"compute_ms": compute, "wait_ms": wait, "imbalance": imbalance_metrics(compute, wait)}
+    out["fwd_bwd"] = {f"{kind}_ms": add(out["forward"][f"{kind}_ms"], out["backward"][f"{kind}_ms"])
+                      for kind in STEP_KINDS}
+    out["fwd_bwd"]["imbalance"] = imbalance_metrics(out["fwd_bwd"]["compute_ms"], out["fwd_bwd"]["wait_ms"])
+    out["timeline"] = {phase: {f"{kind}_ms": {"mean": sum(map(sum, out[phase][f"{kind}_ms"])) / len(per_rank_steps),
+                                              "max": max(map(sum, out[phase][f"{kind}_ms"]))}
+                               for kind in STEP_KINDS}
+                       for phase in ("forward", "backward", "fwd_bwd")}
     return out
 
 
@@ -406,6 +435,8 @@ def bench_seq_len(cfg: Config, seq_len: int, device: torch.device, on_update: Ca
                           "density_mean": float(pairs.mean()) / (seq_len * (seq_len + 1) / 2)}
     entry["index_same_on_all_ranks"] = len({tuple(f) for f in gather(index_fingerprint(index))}) == 1
     x = local_inputs(cfg, seq_len, device)
+    # Built and checked once, outside the timed calls, as the Megatron path does per batch.
+    cu = None if cu is None else Documents(cu, seq_len)
 
     plan = {
         "dense_zigzag": lambda: run_variant("dense_zigzag", lambda: bench_dense_zigzag(cfg, x, device, cu)),
@@ -496,12 +527,15 @@ def print_table(result: Dict) -> None:
     print(f"\nring: {result['meta']['device']} x {cfg['world_size']}, {cfg['heads']}/{cfg['kv_heads']} heads, "
           f"d {cfg['head_dim']}, {cfg['dtype']}, block {cfg['block_size']}; ms = max over ranks of the "
           f"per-rank median of {cfg['reps']} reps")
-    header = ["S", "variant", "fwd+bwd ms", "fwd ms", "speedup", "worker", "step", "compute", "note"]
+    header = ["S", "per GPU", "variant", "fwd+bwd ms", "fwd ms", "speedup", "worker", "step", "compute",
+              "steps: compute / wait / plan / merge ms", "note"]
     rows = []
     for entry in result["runs"]:
         size = f"{tokens(entry['seq_len'])} ({100 * entry['index']['density_mean']:.1f}%)"
         for name, s in entry["variants"].items():
             imb = s.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {})
+            line = s.get("steps", {}).get("timeline", {}).get("fwd_bwd")
+            timeline = " / ".join(fmt(line[f"{kind}_ms"]["mean"], 1) for kind in STEP_KINDS) if line else "-"
             note = ""
             if "errors" in s:
                 note = "FAILED: " + next(iter(s["errors"].values()))[:70].replace("\n", " ")
@@ -512,10 +546,10 @@ def print_table(result: Dict) -> None:
             for key in ("impl", "sdpa", "backend"):
                 if key in s:
                     note = f"{note} {key}={s[key]}".strip()
-            rows.append([size, name, fmt(s.get("fwdbwd_ms")), fmt(s.get("fwd_ms")),
+            rows.append([size, tokens(entry["tokens_per_rank"]), name, fmt(s.get("fwdbwd_ms")), fmt(s.get("fwd_ms")),
                          fmt(s.get("speedup", {}).get("vs_best_dense"), 2, "x"),
                          fmt(imb.get("worker_imbalance")), fmt(imb.get("step_imbalance")),
-                         fmt(imb.get("computation_ratio")), note])
+                         fmt(imb.get("computation_ratio")), timeline, note])
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -528,7 +562,10 @@ def print_table(result: Dict) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq-lens", default="262144,524288", help="comma-separated total sequence lengths")
+    p.add_argument("--seq-lens", default=None,
+                   help=f"comma-separated total sequence lengths (default {DEFAULT_SEQ_LENS} without --tokens-per-gpu)")
+    p.add_argument("--tokens-per-gpu", default=None,
+                   help="comma-separated tokens per GPU: weak scaling, S = tokens x world size (with --seq-lens: both)")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--density", type=float, default=0.05, help="target density of the fixed index")
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"), help="sparse kernels")
@@ -560,20 +597,38 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def parse_lengths(text: str, flag: str) -> List[int]:
+    """A comma-separated list of positive token counts, or SystemExit naming the flag."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise SystemExit(f"{flag} must be a comma-separated list of positive token counts, got {text!r}")
+    return values
+
+
 def make_config(args, world_size: int) -> Config:
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
-    common = dict(world_size=world_size, density=args.density, seed=args.seed, inner_size=args.inner_size,
+    tokens_per_gpu = parse_lengths(args.tokens_per_gpu, "--tokens-per-gpu") if args.tokens_per_gpu else []
+    explicit = parse_lengths(args.seq_lens, "--seq-lens") if args.seq_lens else []
+    seq_lens = sorted(set(explicit) | {t * world_size for t in tokens_per_gpu}) or \
+        parse_lengths(DEFAULT_SEQ_LENS, "--seq-lens")
+    common = dict(world_size=world_size, density=args.density, tokens_per_gpu=tuple(tokens_per_gpu),
+                  ring_one_buffer=os.environ.get("MTRAINING_RING_ONE_BUFFER", "0") == "1", seed=args.seed,
+                  inner_size=args.inner_size,
                   native_rotate=args.native_rotate, native_sdpa=tuple(s for s in args.native_sdpa.split(",") if s),
                   forward_only=not args.no_fwd, variants=tuple(variants), scaling=args.scaling,
                   slow_link_gbps=args.slow_link_gbps, slow_link_latency_us=args.slow_link_latency_us,
                   documents=args.documents)
-    if args.smoke:
-        return Config(seq_lens=[512], block_size=16, heads=4, kv_heads=2, head_dim=32, dtype="fp32",
+    if args.smoke:  # --tokens-per-gpu / --seq-lens still choose the lengths (tests of the scaling modes)
+        return Config(seq_lens=seq_lens if (tokens_per_gpu or explicit) else [512], block_size=16, heads=4,
+                      kv_heads=2, head_dim=32, dtype="fp32",
                       sparse_backend="torch", dense_impl="torch", warmup=1, reps=3, smoke=True, **common)
-    return Config(seq_lens=[int(s) for s in args.seq_lens.split(",")], block_size=args.block_size,
+    return Config(seq_lens=seq_lens, block_size=args.block_size,
                   sparse_backend=args.backend, dense_impl=args.dense_impl, warmup=args.warmup, reps=args.reps,
                   **common)
 
@@ -583,7 +638,8 @@ def output_path(args, device: torch.device, world_size: int) -> str:
         return args.out
     link = f"_slowlink{args.slow_link_gbps:g}GBps" if args.slow_link_gbps else ""
     kind = "ringpacked" if args.documents else "ring"  # packed runs are their own results kind
-    name = f"{kind}_{device_slug(device)}_{world_size}gpu{link}.json"
+    weak = "_weak" if args.tokens_per_gpu else ""
+    name = f"{kind}_{device_slug(device)}_{world_size}gpu{weak}{link}.json"
     if args.smoke:  # smoke runs never land among the committed results
         return os.path.join(tempfile.gettempdir(), name.replace("ring_", "ring_smoke_"))
     return os.path.join(RESULTS_DIR, name)
@@ -597,8 +653,10 @@ def scaling_record(result: Dict) -> Dict:
             if s.get("fwdbwd_ms"):
                 points.append({"variant": name, "seq_len": entry["seq_len"], "world_size": entry["world_size"],
                                "tokens_per_rank": entry["tokens_per_rank"], "fwdbwd_ms": s["fwdbwd_ms"]})
-    return {"note": "strong: efficiency = T_1 / (T_W * W) at fixed seq_len; weak: T_1 / T_W at fixed "
-                    "tokens_per_rank; combine files from runs with other --nproc_per_node",
+    return {"note": "strong: efficiency = T_1 / (T_W * W) at fixed seq_len; weak: T_1 * (W*T + 1) / (T + 1) / "
+                    "T_W at fixed tokens_per_rank T (the causal work per GPU grows (W*T + 1) / (T + 1), about "
+                    "W-fold); combine files from runs with other --nproc_per_node (make_tables.py)",
+            "tokens_per_gpu": list(result["config"].get("tokens_per_gpu") or []),
             "points": points}
 
 
@@ -619,6 +677,10 @@ def main(argv=None) -> int:
     result: Dict = {"benchmark": "ring", "smoke": cfg.smoke, "meta": meta, "config": dataclasses.asdict(cfg),
                     "notes": list(NOTES), "runs": []}
     result["config"]["index_kind"] = "fixed"
+    if cfg.ring_one_buffer:
+        result["notes"].insert(0, "MTRAINING_RING_ONE_BUFFER=1: K/V and dK/dV travel as one stacked buffer "
+                               "(ring/attention.py's A/B switch); make_tables.py keeps such runs out of the "
+                               "scaling figures.")
     if cfg.slow_link_gbps:
         result["notes"].insert(0, f"Emulated slow link between nodes of {cfg.inner_size} GPUs: "
                                f"{cfg.slow_link_gbps:g} GB/s, {cfg.slow_link_latency_us:g} us (ring/slow_link.py); "
@@ -645,7 +707,7 @@ def main(argv=None) -> int:
         result["runs"].append(entry)
         free_memory()
 
-    if cfg.scaling:
+    if cfg.scaling or cfg.tokens_per_gpu:
         result["scaling"] = scaling_record(result)
     if rank() == 0:
         write_heatmaps(result, path)

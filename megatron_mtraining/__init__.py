@@ -3,6 +3,7 @@
 from .approx import approximate_index
 from .attention import sparse_attention
 from .config import MTrainingConfig
+from .documents import Documents
 from .index import VSIndex
 from .kernels.reference import reference_attention
 from .layout import gather_sequence, local_positions, shard_sequence
@@ -11,6 +12,7 @@ from .ring import dense_ring_attention, sparse_ring_attention
 __version__ = "0.1.0"
 
 __all__ = [
-    "MTrainingConfig", "VSIndex", "approximate_index", "dense_ring_attention", "gather_sequence", "local_positions", "reference_attention", "shard_sequence",
-    "sparse_attention", "sparse_ring_attention", "__version__",
+    "Documents", "MTrainingConfig", "VSIndex", "approximate_index", "dense_ring_attention", "gather_sequence",
+    "local_positions", "reference_attention", "shard_sequence", "sparse_attention", "sparse_ring_attention",
+    "__version__",
 ]

@@ -55,14 +55,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from .config import MTrainingConfig
-from .documents import check_cu_seqlens
+from .documents import Documents
 from .index import VSIndex
 from .kernels.dispatch import resolve_backend
 from .layout import check_layout, local_positions
@@ -137,21 +136,19 @@ class _DocumentRows:
         return self.row_pos.numel()
 
 
-_ROWS_CACHE = []  # (weak reference to cu_seqlens, its version, key, rows): layers share one batch's
-_ROWS_KEEP = 8
+def _document_rows(documents: Documents, config: MTrainingConfig, device) -> _DocumentRows:
+    """The scoring rows of ``documents`` (see the module docstring), built once per object."""
+    key = ("approx rows", config.last_q, config.block_size, config.max_documents, torch.device(device))
+    return documents.derived(key, lambda: _build_document_rows(documents, config, torch.device(device)))
 
 
-def _document_rows(cu_seqlens: torch.Tensor, seq_len: int, config: MTrainingConfig, device) -> _DocumentRows:
-    """The scoring rows for ``cu_seqlens`` (see the module docstring), cached per tensor."""
+def _build_document_rows(documents: Documents, config: MTrainingConfig, device) -> _DocumentRows:
     L, B, D = config.last_q, config.block_size, config.max_documents
-    key = (seq_len, L, B, D, str(device))
-    for ref, version, k, rows in _ROWS_CACHE:
-        if ref() is cu_seqlens and version == cu_seqlens._version and k == key:
-            return rows
+    seq_len = documents.seq_len
     block_m = _row_tile(L)
     stride = -(-L // block_m) * block_m
     groups_per_slot = (L - 1) // B + 2  # query blocks that L consecutive positions can touch
-    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    cu = documents.on(device).to(torch.int64)
     starts, ends = cu[:-1], cu[1:]
     lengths = ends - starts
     eligible = lengths > B
@@ -184,22 +181,19 @@ def _document_rows(cu_seqlens: torch.Tensor, seq_len: int, config: MTrainingConf
     slot_tokens = torch.where(slot_valid, slot_end - slot_start, 0).double()
     token_share = slot_valid.sum() * slot_tokens / slot_tokens.sum().clamp(min=1)
     group_slash_weight = token_share.repeat_interleave(groups_per_slot)
-    rows = _DocumentRows(
+    return _DocumentRows(
         slot_start=slot_start, slot_valid=slot_valid, row_pos=row_pos.reshape(-1).to(torch.int32),
         row_start=row_start.reshape(-1).to(torch.int32), row_weight=row_weight.reshape(-1),
         row_group=row_group.reshape(-1).to(torch.int32), group_qb=group_qb.reshape(-1),
         tile_lo=tiles_lo.to(torch.int32), tile_hi=tiles_hi.to(torch.int32), block_m=block_m,
         group_slash_weight=group_slash_weight,
         total=L * slot_valid.sum().double(), straddle=short.any())
-    _ROWS_CACHE.append((weakref.ref(cu_seqlens), cu_seqlens._version, key, rows))
-    del _ROWS_CACHE[:-_ROWS_KEEP]
-    return rows
 
 
-def _packed(cu_seqlens: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """``cu_seqlens`` if it holds several documents; None for none or one (``[0, N]``, the only
+def _packed(documents: Optional[Documents]) -> Optional[Documents]:
+    """``documents`` if it holds several documents; None for none or one (``[0, N]``, the only
     valid two-entry table): the unpacked code then runs. Decided by shape, no synchronisation."""
-    return cu_seqlens if cu_seqlens is not None and cu_seqlens.numel() > 2 else None
+    return documents if documents is not None and documents.num_documents > 1 else None
 
 
 def _document_sinks(positions: torch.Tensor, rows: _DocumentRows, sink_tokens: int) -> torch.Tensor:
@@ -326,18 +320,19 @@ def _finite(m):
 
 
 def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "striped", softmax_scale=None,
-                  backend: str = "auto", cu_seqlens: Optional[torch.Tensor] = None):
+                  backend: str = "auto", cu_seqlens: Union[Documents, torch.Tensor, None] = None):
     """Vertical (per local column, fp32) and slash (per global block offset, fp64) attention mass
     of the last ``last_q`` queries, identical to a single device's up to summation order.
     Returns ``(vertical, slash, key_pos)``, ``key_pos`` the global position of each local key.
 
     ``backend``: "auto" (fused Triton kernels on CUDA, PyTorch passes elsewhere), "triton" or "torch".
-    ``cu_seqlens``: packed documents (module docstring): the masses of each scored document's last
-    queries, weighted so every scored document holds ``last_q``.
+    ``cu_seqlens``: packed documents (module docstring; a ``documents.Documents`` or its tensor):
+    the masses of each scored document's last queries, weighted so every scored document holds
+    ``last_q``.
     """
-    packed = _packed(cu_seqlens)
+    packed = _packed(Documents.of(cu_seqlens, q.shape[2] * _world(group)[0], "vs_statistics: cu_seqlens"))
     if packed is not None:
-        rows = _document_rows(packed, q.shape[2] * _world(group)[0], config, q.device)
+        rows = _document_rows(packed, config, q.device)
         return _document_statistics(q, k, config, group, layout, softmax_scale, backend, rows)
     world, rank = _world(group)
     backend = resolve_backend(backend, q.device)
@@ -486,10 +481,10 @@ def _top_by_value(values: torch.Tensor, take: int) -> torch.Tensor:
 
 def approximate_vs_index(q, k, config: MTrainingConfig, group=None, layout: str = "striped",
                          softmax_scale=None, backend: str = "auto",
-                         cu_seqlens: Optional[torch.Tensor] = None) -> VSIndex:
+                         cu_seqlens: Union[Documents, torch.Tensor, None] = None) -> VSIndex:
     world, _ = _world(group)
-    packed = _packed(cu_seqlens)
-    rows = None if packed is None else _document_rows(packed, q.shape[2] * world, config, q.device)
+    packed = _packed(Documents.of(cu_seqlens, q.shape[2] * world, "approximate_vs_index: cu_seqlens"))
+    rows = None if packed is None else _document_rows(packed, config, q.device)
     if rows is None:
         vertical, slash, key_pos = vs_statistics(q, k, config, group, layout, softmax_scale, backend)
     else:
@@ -563,8 +558,8 @@ def fixed_index(batch: int, heads: int, seq_len: int, config: MTrainingConfig, d
                               device=device, max_slash=config.max_slash, max_vertical=config.max_vertical)
 
 
-def _agree_on_shapes(q, k, config: MTrainingConfig, group, layout: str, softmax_scale, cu_seqlens,
-                     local_error: Optional[BaseException]) -> None:
+def _agree_on_shapes(q, k, config: MTrainingConfig, group, layout: str, softmax_scale,
+                     documents: Optional[Documents], local_error: Optional[BaseException]) -> None:
     """Before the first collective whose size depends on them: the CP ranks agree on the shapes
     and settings (``ring.agreement``; a rank whose own checks failed makes its peers fail too).
     Eager where that costs no device synchronisation (CPU / gloo, or MTRAINING_VALIDATE=1); on
@@ -576,7 +571,8 @@ def _agree_on_shapes(q, k, config: MTrainingConfig, group, layout: str, softmax_
         return
     items = []
     if local_error is None:
-        given = cu_seqlens is not None
+        given = documents is not None
+        cu_seqlens = documents.cu_seqlens if given else None
         items = [("function", agreement.host_word("approximate_index"), "approximate_index"),
                  ("q shape [batch, heads, tokens per rank, head_dim]", agreement.host_word(tuple(q.shape)),
                   tuple(q.shape)),
@@ -596,7 +592,7 @@ def _agree_on_shapes(q, k, config: MTrainingConfig, group, layout: str, softmax_
 
 def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig, group=None,
                       layout: str = "striped", softmax_scale: Optional[float] = None,
-                      backend: str = "auto", cu_seqlens: Optional[torch.Tensor] = None) -> VSIndex:
+                      backend: str = "auto", cu_seqlens: Union[Documents, torch.Tensor, None] = None) -> VSIndex:
     """The index for one layer: ``config.index`` picks "vs" (approximated from q and k), "dense"
     (all blocks) or "fixed" (fixed budgets); a sequence of at most ``config.dense_max_seq_length``
     tokens gets the dense index whatever the builder. q ``[b, hq, n_local, d]``, k ``[b, hkv, n_local, d]``
@@ -604,13 +600,15 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
     one device). Returns the same ``VSIndex`` on every rank. ``backend`` computes the statistics:
     "auto" (fused Triton kernels on CUDA, PyTorch elsewhere), "triton" or "torch".
 
-    ``cu_seqlens``: packed documents, int32 ``[0, e1, ..., N]`` in GLOBAL positions, the same on
-    every rank and batch element (checked fully on CPU, by structure elsewhere: no host
-    synchronisation). The "vs" builder then scores each document by its own last queries (up to
+    ``cu_seqlens``: packed documents in GLOBAL positions, the same on every rank and batch element:
+    a ``documents.Documents`` (built once per batch) or its int32 tensor ``[0, e1, ..., N]``
+    (checked fully on CPU, by structure elsewhere: no host synchronisation). The "vs" builder
+    then scores each document by its own last queries (up to
     ``config.max_documents`` documents, the longest first; see the module docstring); None or
     one document ``[0, N]`` gives exactly the unpacked index."""
     world, _ = _world(group)
     local_error = None
+    documents = None
     try:  # this rank's own checks; with CP > 1 its peers hear of a failure in the agreement below
         resolve_backend(backend, q.device)  # a bad name fails here, whatever the index builder
         if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
@@ -622,8 +620,7 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
         n_local = q.shape[2]
         seq_len = n_local * world
         check_layout(seq_len, layout, world, config.block_size)
-        if cu_seqlens is not None:
-            check_cu_seqlens(cu_seqlens, seq_len, "approximate_index: cu_seqlens")
+        documents = Documents.of(cu_seqlens, seq_len, "approximate_index: cu_seqlens")
         builds_vs = not (config.index == "dense" or seq_len <= config.dense_max_seq_length or config.index == "fixed")
         if builds_vs and config.last_q > n_local:
             raise ValueError(f"approximate_index: last_q ({config.last_q}) exceeds the {n_local} tokens each rank "
@@ -633,10 +630,10 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
             raise
         local_error = err
     if world > 1:
-        _agree_on_shapes(q, k, config, group, layout, softmax_scale, cu_seqlens, local_error)
+        _agree_on_shapes(q, k, config, group, layout, softmax_scale, documents, local_error)
     b, hq = q.shape[:2]
     if config.index == "dense" or seq_len <= config.dense_max_seq_length:
         return VSIndex.dense(b, hq, seq_len, config.block_size, device=q.device)
     if config.index == "fixed":
         return fixed_index(b, hq, seq_len, config, device=q.device)
-    return approximate_vs_index(q, k, config, group, layout, softmax_scale, backend, cu_seqlens)
+    return approximate_vs_index(q, k, config, group, layout, softmax_scale, backend, documents)

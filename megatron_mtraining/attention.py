@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from .documents import as_documents
+from .documents import Documents
 from .index import VSIndex, value_checks
 from .kernels.plan import single_device_plan
 from .kernels.dispatch import resolve_backend
@@ -79,25 +79,26 @@ class _SparseAttention(torch.autograd.Function):
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex,
                      softmax_scale: Optional[float] = None, backend: str = "auto",
-                     return_lse: bool = False, cu_seqlens: Optional[torch.Tensor] = None):
+                     return_lse: bool = False, cu_seqlens: Union[Documents, torch.Tensor, None] = None):
     """Vertical-slash sparse causal attention on one device (docs/design.md §1).
 
     q ``[b, hq, n, d]``, k/v ``[b, hkv, n, d]`` (GQA when ``hkv < hq``), ``index`` a
     ``VSIndex`` for batch ``b`` and ``hq`` heads on the same device. Differentiable in q, k, v.
     ``backend``: "auto" (Triton on CUDA, PyTorch on CPU), "triton" or "torch".
-    ``cu_seqlens``: packed documents, int32 ``[0, e1, ..., n]`` shared by the batch; attention
-    stays within each document (``documents.py``). The index's and cu_seqlens' values are checked
-    here on CPU tensors; on a GPU only with MTRAINING_VALIDATE=1 (``value_checks``), since the
-    check synchronises.
+    ``cu_seqlens``: packed documents, a ``documents.Documents`` (built once per batch) or its
+    int32 tensor ``[0, e1, ..., n]``, shared by the batch; attention stays within each document.
+    The index's values, and a bare tensor's, are checked here on CPU tensors; on a GPU only with
+    MTRAINING_VALIDATE=1 (``value_checks``), since the check synchronises.
     Returns the output ``[b, hq, n, d]`` in q's dtype (and the fp32 lse with ``return_lse``).
     """
     backend = resolve_backend(backend, q.device)
     check_attention_inputs(q, k, v, index, backend)
-    if value_checks(q.device):  # cu_seqlens: checked the same way when its tables are built
+    if value_checks(q.device):  # a bare cu_seqlens: checked the same way by Documents.of
         index.validate(q.shape[2])
+    documents = Documents.of(cu_seqlens, q.shape[2])
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    documents = as_documents(cu_seqlens, q.shape[2], index.block_size, q.device)
-    plan = single_device_plan(index, q.shape[2], documents=documents)
+    blocks = None if documents is None else documents.blocks(index.block_size, q.device)
+    plan = single_device_plan(index, q.shape[2], documents=blocks)
     out, lse = _SparseAttention.apply(q, k, v, plan, float(softmax_scale), backend)
     return (out, lse) if return_lse else out

@@ -4,6 +4,7 @@
 # against one ring forward+backward at 512K tokens on all GPUs (at most 4). Prints a table
 # case | world | rank | outcome | seconds and writes $OUT/faults_<device>.json (gpu_common.sh).
 #   FAULT_PG_TIMEOUT_S  the process group's timeout (NCCL watchdog bound), default 30
+#   TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC  PyTorch's wait for debug dumps (x4 after a timeout), default here 2000
 #   FAULT_CASES         the cases to run (default: all, see the worker's docstring)
 #   COST_SEQ_LEN        the cost case's sequence length, default 524288
 # shellcheck source=SCRIPTDIR/gpu_common.sh
@@ -13,6 +14,10 @@ setup_venv || exit 1
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 [ "$NGPU" -ge 2 ] || { echo "gpu_faults.sh needs at least 2 GPUs, found $NGPU" >&2; exit 1; }
 export FAULT_PG_TIMEOUT_S=${FAULT_PG_TIMEOUT_S:-30}
+# The NCCL watchdog waits 4x this after a timeout (for debug dumps) before it ends the process:
+# 60 s by default, which made a dead-peer case last timeout + 60 s. 2 s keeps the run short; the
+# bound it shows is then timeout + 8 s (docs/troubleshooting.md).
+export TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=${TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC:-2000}
 CASES=${FAULT_CASES:-"disagree_index disagree_length_eager local_failure_eager die_before_forward die_between_forward_and_backward stall_between_forward_and_backward stall_blocking_wait cost"}
 LIMIT=$(( ${FAULT_PG_TIMEOUT_S%.*} * 2 + 90 ))  # a case that outlives this is reported as a HANG
 WORLDS=$([ "$NGPU" -ge 4 ] && echo "2 4" || echo "2")
@@ -55,14 +60,18 @@ for d in sorted(glob.glob(os.path.join(out, "faults", "*gpu"))):
             rec = {"status": "HANG (killed at the limit)" if rc in (124, 137) else "killed (NCCL watchdog / fault)",
                    "seconds": round(wall, 1)}
         outcome = rec.get("type") or rec["status"]
+        if rec.get("returned_after_peer_fault"):  # no host error; NCCL's watchdog acts on its own
+            outcome = ("returned, then torn down by NCCL's watchdog" if rc != 0 else
+                       "returned without an error (a peer faulted)")
         if "nan_output" in rec:
             outcome += f" (nan output: {rec['nan_output']})"
         entry["ranks"].append({"rank": rank, **rec})
         rows.append((case, world, rank, outcome, rec.get("seconds", "")))
         if case == "cost" and rec["status"] == "ok" and rank == 0:
-            rows.append(("  cost", world, 0, f"ring fwd+bwd {rec['ring_fwd_bwd_ms']:.1f} ms at {rec['seq_len']}, "
-                         f"agreement {rec['agreement_us']:.0f} us = {100 * rec['agreement_share_of_ring']:.3f}% "
-                         f"({rec['mode']})", ""))
+            rows.append(("  cost", world, 0, f"ring fwd+bwd {rec['ring_fwd_bwd_ms']:.1f} ms at {rec['seq_len']} "
+                         f"({rec['ring_without_agreement_ms']:.1f} without the agreement: "
+                         f"{100 * rec['agreement_share_of_ring']:+.2f}%); one agreement alone {rec['agreement_us']:.0f} us "
+                         f"of host time ({rec['mode']})", ""))
     cases.append(entry)
 print(f"{'case':40s} | W | rank | outcome | seconds")
 for case, world, rank, outcome, seconds in rows:
@@ -70,7 +79,8 @@ for case, world, rank, outcome, seconds in rows:
 path = os.path.join(out, f"faults_{slug}.json")
 with open(path, "w") as f:
     json.dump({"meta": {"git_commit": os.environ.get("GIT_COMMIT"), "pg_timeout_s":
-                        float(os.environ["FAULT_PG_TIMEOUT_S"]), "limit_s": limit}, "cases": cases}, f, indent=1)
+                        float(os.environ["FAULT_PG_TIMEOUT_S"]), "limit_s": limit,
+                        "nccl_dump_wait_ms": int(os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"])}, "cases": cases}, f, indent=1)
 print("wrote", path)
 EOF
 # The logs travel as one archive (the device tool returns a limited number of files).

@@ -9,8 +9,10 @@
 #                                       (skipped when rest/ holds a built wheel), installs TE into
 #                                       $TE_SITE, then runs $STAGES
 #   PHASE=run      (nothing to carry)   runs $STAGES on a machine where install already ran
-# STAGES (space separated, in order): check rope packed equivalence e2e e2e_fp8 e2e_4gpu e2e_fp8_4gpu
-#   e2e_1m_4gpu (activation recompute on both sides)
+# STAGES (space separated, in order): check rope packed equivalence fp8_tracking e2e e2e_fp8 e2e_4gpu
+#   e2e_fp8_4gpu e2e_1m_4gpu (activation recompute on both sides)
+#   resume (exact resume on TE layers: scripts/gpu_megatron_lm.sh at CP=2, the launcher entry;
+#   carry .carry with the Megatron-LM tarball, see that script)
 # Results land under $OUT (the device tool's folder), one log per stage; the built
 # transformer_engine_torch wheel under $OUT/te/ (put it in .te/rest to skip the build next time).
 # shellcheck source=SCRIPTDIR/gpu_common.sh
@@ -57,6 +59,9 @@ print('TE', te.__version__, 'megatron-core', mc.__version__, '->', c(required=Tr
     packed) "$PY" -m pytest -q -x -s tests/test_gpu_te_packed.py 2>&1 | tee "$OUT/packed.log" | grep -E "TE layers|passed|failed|Error" ;;
     equivalence) timeout 580 "$PY" scripts/check_te_equivalence.py --out "$OUT/te_equivalence_${DEVICE_SLUG}.json" \
         2>&1 | tee "$OUT/equivalence.log" | grep -E "^(run|pair|RESULT|wrote)" ;;
+    fp8_tracking) timeout 580 "$PY" scripts/check_te_equivalence.py --study fp8 --train-iters 40 \
+        --out "$OUT/te_fp8_tracking_${DEVICE_SLUG}.json" 2>&1 | tee "$OUT/fp8_tracking.log" \
+        | grep -E "^(run|pair|RESULT|wrote)" ;;
     e2e|e2e_fp8) timeout 580 "$PY" benchmarks/e2e.py --seq-length 262144 --runs te_cp,mtraining \
         ${E2E_ARGS:-} $([ "$stage" = e2e_fp8 ] && echo --fp8) --train-iters 12 --profile-iteration 11 \
         --out "$OUT/e2e_te${stage#e2e}_${DEVICE_SLUG}_$(nvidia-smi -L | wc -l)gpu.json" 2>&1 | tee "$OUT/$stage.log" \
@@ -67,6 +72,8 @@ print('TE', te.__version__, 'megatron-core', mc.__version__, '->', c(required=Tr
     e2e_4gpu|e2e_fp8_4gpu) timeout 580 "$PY" benchmarks/e2e.py --seq-length 524288 --runs te_cp,te_cp_a2a_p2p,mtraining \
         ${E2E_ARGS:-} $([ "$stage" = e2e_fp8_4gpu ] && echo --fp8) --train-iters 7 \
         --out "$OUT/e2e_te${stage#e2e}_${DEVICE_SLUG}.json" 2>&1 | tee "$OUT/$stage.log" | grep -E "rc=|speedup|tokens/s|wrote" ;;
+    resume) ENTRIES=${ENTRIES:-launcher} CP_SIZES=${CP_SIZES:-2} REUSE_VENV=1 TE_SITE=$TE_SITE \
+        bash scripts/gpu_megatron_lm.sh 2>&1 | tee "$OUT/resume.log" | tail -25 ;;
     *) echo "unknown stage $stage" >&2; return 2 ;;
   esac
   rc=${PIPESTATUS[0]}; echo "[$stage] rc=$rc"

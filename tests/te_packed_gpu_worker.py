@@ -1,10 +1,10 @@
-"""Packed documents on Transformer Engine layers over CP = 2 (NCCL), one process per GPU:
-`python -m torch.distributed.run --nproc_per_node 2 tests/te_packed_gpu_worker.py`.
+"""Packed documents on Transformer Engine layers over CP = 2 or 4 (NCCL), one process per GPU:
+`python -m torch.distributed.run --nproc_per_node 2 tests/te_packed_gpu_worker.py` (CP = the world size).
 
 The reference is Megatron's own attention on TE layers (``TEDotProductAttention``: TE's fused
 attention over a THD batch, ``PackedSeqParams``, TE's own fused THD RoPE) at CP = 1, computed on
 every rank. MTraining (the dense index: exact document-causal attention) replaces the core
-attention of the same TE layer spec at CP = 2, with the same weights, through Megatron's real
+attention of the same TE layer spec at CP = world size, with the same weights, through Megatron's real
 batch splits patched by ``patches.install``:
 
 * ``thd``      ``--sft``: THD batch, the per-document CP split;
@@ -96,7 +96,7 @@ def main():
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank)
-    assert world == 2, "run with --nproc_per_node 2"
+    assert world in (2, 4), "run with --nproc_per_node 2 or 4 (CP = the world size)"
     data = sample()
     te_spec = get_gpt_layer_with_transformer_engine_spec()
 
@@ -110,14 +110,14 @@ def main():
     parallel_state.destroy_model_parallel()
 
     failed = 0
-    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     group = parallel_state.get_context_parallel_group()
     for kind in ("thd", "thd-seq"):
         config = MTrainingConfig(index="dense", layout="striped", block_size=BLOCK)
         patches.install(config)
         packing.reset_packing()
-        model = build(get_gpt_layer_spec(config, base_spec=te_spec), 2)
+        model = build(get_gpt_layer_spec(config, base_spec=te_spec), world)
         missing, unexpected = model.load_state_dict(state, strict=False)
         assert not [k for k in missing + unexpected if not k.endswith("_extra_state")], (missing, unexpected)
         batch, psp = split(data, kind, group)
@@ -134,7 +134,7 @@ def main():
         ok = all(errors[k] < TOL[k] for k in TOL)
         failed += not ok
         if rank == 0:
-            print(f"TE layers, CP=2 striped, {kind}: logits {errors['logits']:.2e} loss {errors['loss']:.2e} "
+            print(f"TE layers, CP={world} striped, {kind}: logits {errors['logits']:.2e} loss {errors['loss']:.2e} "
                   f"grads {errors['grads']:.2e} ({worst}) -> {'ok' if ok else 'FAIL'}", flush=True)
         patches.uninstall()
         packing.reset_packing()

@@ -12,6 +12,7 @@ import torch
 from dist_utils import interpreter_works, run_distributed
 from megatron_mtraining import MTrainingConfig, VSIndex, shard_sequence
 from megatron_mtraining.approx import _document_rows, approximate_index, vs_statistics
+from megatron_mtraining.documents import Documents
 
 needs_interpreter = pytest.mark.skipif(not interpreter_works(), reason="Triton's CPU interpreter needs numpy < 2.4")
 
@@ -129,7 +130,7 @@ def test_one_document_is_the_unpacked_index_bit_for_bit(backend):
 # ------------------------------------------------------------------------------ row selection
 def test_rows_longest_documents_first_fixed_shapes():
     cfg = config(max_documents=4)
-    rows = _document_rows(cu(MIXED), N, cfg, torch.device("cpu"))
+    rows = _document_rows(Documents(cu(MIXED), N), cfg, torch.device("cpu"))
     # Long documents (> one block): [1,37) 36, [37,64) 27, [81,155) 74, [170,300) 130, [301,384) 83.
     # Capacity 4: the longest four, longest first; [37, 64) is left out.
     assert rows.slot_start.tolist() == [170, 301, 81, 1] and rows.slot_valid.all()
@@ -143,13 +144,13 @@ def test_rows_longest_documents_first_fixed_shapes():
     weights = rows.row_weight.view(4, 32)
     assert torch.all(weights == 1.0)
     # A short scored document: the rows it has, weighted up.
-    rows = _document_rows(cu((0, 20, N)), N, config(max_documents=3), torch.device("cpu"))
+    rows = _document_rows(Documents(cu((0, 20, N)), N), config(max_documents=3), torch.device("cpu"))
     assert rows.slot_valid.tolist() == [True, True, False]
     assert rows.row_pos.view(3, 32)[1].tolist() == [-1] * 12 + list(range(0, 20))
     assert torch.allclose(rows.row_weight.view(3, 32)[1, 12:], torch.full((20,), 32 / 20, dtype=torch.float64))
     assert float(rows.total) == 2 * 32
     # Ties in length: the later document first.
-    rows = _document_rows(cu((0, 100, 200, 300, N)), N, config(max_documents=2), torch.device("cpu"))
+    rows = _document_rows(Documents(cu((0, 100, 200, 300, N)), N), config(max_documents=2), torch.device("cpu"))
     assert rows.slot_start.tolist() == [200, 100]
 
 
@@ -266,7 +267,7 @@ def test_scored_documents_keep_their_sinks():
     q, k = structured_qk()
     index = approximate_index(q, k, cfg, cu_seqlens=cu(MIXED))
     index.validate(N)
-    rows = _document_rows(cu(MIXED), N, cfg, torch.device("cpu"))
+    rows = _document_rows(Documents(cu(MIXED), N), cfg, torch.device("cpu"))
     starts = rows.slot_start[rows.slot_valid].tolist()
     for b in range(2):
         for h in range(4):

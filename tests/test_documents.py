@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from dist_utils import interpreter_works
 from megatron_mtraining import VSIndex, reference_attention, sparse_attention
-from megatron_mtraining.documents import Documents, validate_cu_seqlens
+from megatron_mtraining.documents import Documents
 from megatron_mtraining.kernels.column_words import column_words_reference
 from megatron_mtraining.kernels.plan import build_step_plan, convert_step
 from megatron_mtraining.layout import local_block_ids
@@ -146,7 +146,7 @@ def test_conversion_with_documents_extension_equals_reference():
     ends = [0, 7, 40, 64, 65, 200, 300, 384]
     for layout, n, qi, ki in _chunk_pairs():
         index = random_index(2, 3, n, 9, max_slash=10, max_vertical=30)
-        docs = Documents.build(cu(ends), n, B)
+        docs = Documents(cu(ends), n).blocks(B)
         args = (index.slash, index.n_slash, index.vertical, index.n_vertical, qi.int(), ki.int(), n // B, B)
         ext = convert_step(*args, impl="ext", key_block_floor=docs.key_block_floor)
         ref = convert_step(*args, impl="torch", key_block_floor=docs.key_block_floor)
@@ -160,7 +160,7 @@ def test_conversion_drops_exactly_the_blocks_of_earlier_documents():
     n = 384
     ends = [0, 7, 40, 64, 65, 200, 300, n]
     index = VSIndex.dense(1, 1, n, B)
-    docs = Documents.build(cu(ends), n, B)
+    docs = Documents(cu(ends), n).blocks(B)
     ids = torch.arange(n // B)
     plan = build_step_plan(index, ids, ids, n // B, documents=docs)
     doc_of = [sum(1 for e in ends[1:] if e <= p) for p in range(n)]
@@ -179,7 +179,7 @@ def test_conversion_drops_exactly_the_blocks_of_earlier_documents():
 def test_column_words_clear_columns_of_earlier_documents():
     n = N
     index = VSIndex.from_lists([[[0]]], [[[0, 20, 70, 100, 191]]], block_size=B)
-    docs = Documents.build(cu("mixed"), n, B)
+    docs = Documents(cu("mixed"), n).blocks(B)
     ids = torch.arange(n // B)
     plan = build_step_plan(index, ids, ids, n // B, documents=docs)
     words, diag = column_words_reference(plan.col_pos, ids.int(), plan.slash_bitmap, B, docs)
@@ -214,7 +214,7 @@ def test_bad_cu_seqlens_is_a_clear_error(bad, message):
     with pytest.raises(ValueError, match=message):
         sparse_attention(q, k, v, random_index(1, 2, N, 0), cu_seqlens=bad)
     with pytest.raises(ValueError, match=message):
-        validate_cu_seqlens(bad, N)
+        Documents(bad, N)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -250,7 +250,7 @@ def test_gpu_column_words_triton_equals_reference_with_documents():
     n = 8192
     index = VSIndex.random(2, 4, n, 64, max_slash=10, max_vertical=300,
                            generator=torch.Generator().manual_seed(0)).to("cuda")
-    docs = Documents.build(torch.tensor([0, 5, 700, 4096, 4097, 6000, n], dtype=torch.int32, device="cuda"), n, 64)
+    docs = Documents(torch.tensor([0, 5, 700, 4096, 4097, 6000, n], dtype=torch.int32, device="cuda"), n).blocks(64)
     ids = torch.arange(n // 64, device="cuda")
     plan = build_step_plan(index, ids, ids, n // 64, documents=docs)
     a = column_words_triton(plan.col_pos, ids.int(), plan.slash_bitmap, 64, docs)
@@ -258,23 +258,72 @@ def test_gpu_column_words_triton_equals_reference_with_documents():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_documents_are_built_once_per_tensor():
-    """Layers sharing one cu_seqlens tensor share its tables; a changed or new tensor gets new ones."""
-    from megatron_mtraining.documents import as_documents
+def test_documents_tables_are_built_once_per_object():
+    """Layers sharing one ``Documents`` share its tables; another block size gets its own; a new
+    object gets new ones; the caller's tensor changing in place changes nothing (it is copied)."""
     ends = cu("mixed")
-    first = as_documents(ends, N, B, torch.device("cpu"))
-    assert as_documents(ends, N, B, torch.device("cpu")) is first
-    assert as_documents(ends.clone(), N, B, torch.device("cpu")) is not first
-    assert as_documents(ends, N, 2 * B, torch.device("cpu")) is not first
-    ends[1] += 1  # in-place change: a new version
-    rebuilt = as_documents(ends, N, B, torch.device("cpu"))
-    assert rebuilt is not first and int(rebuilt.doc_start[1]) == 0 and int(rebuilt.doc_start[2]) == 2
+    docs = Documents(ends, N)
+    first = docs.blocks(B)
+    assert docs.blocks(B) is first and docs.blocks(B, torch.device("cpu")) is first
+    assert docs.blocks(2 * B) is not first and docs.blocks(2 * B).doc_start is first.doc_start
+    assert Documents(ends, N).blocks(B) is not first
+    ends[1] += 1
+    assert int(docs.blocks(B).doc_start[1]) == 1 and docs.cu_seqlens.tolist() == DOCUMENTS["mixed"]
+    with pytest.raises(AttributeError, match="immutable"):
+        docs.seq_len = 2 * N
+    import copy
+    import pickle
+    for twin in (copy.deepcopy(docs), pickle.loads(pickle.dumps(docs))):
+        assert twin.seq_len == N and torch.equal(twin.cu_seqlens, docs.cu_seqlens)
+        assert torch.equal(twin.blocks(B).key_block_floor, first.key_block_floor)
+
+
+def test_documents_of_accepts_a_built_object_of_the_right_length():
+    docs = Documents(cu("mixed"), N)
+    assert Documents.of(docs, N) is docs and Documents.of(None, N) is None
+    with pytest.raises(ValueError, match="cover 192 tokens, but this call attends over a global sequence of 384"):
+        Documents.of(docs, 2 * N)
+    q, k, v = inputs(1, 2, 1, N, 16, dtype=torch.float32)
+    index = random_index(1, 2, N, 0)
+    assert torch.equal(sparse_attention(q, k, v, index, cu_seqlens=docs),
+                       sparse_attention(q, k, v, index, cu_seqlens=cu("mixed")))
+
+
+def test_block_size_must_divide_the_sequence():
+    with pytest.raises(ValueError, match="not a multiple of block_size 7"):
+        Documents(cu("mixed"), N).blocks(7)
+
+
+def _old_tables(ends, n, block):
+    """The tables as the kernels' builder defined them before ``Documents`` (loops, on the host)."""
+    doc_start = [max(e for e in ends[:-1] if e <= p) for p in range(n)]
+    first = [doc_start[b * block] for b in range(n // block)]
+    last = [doc_start[b * block + block - 1] for b in range(n // block)]
+    return doc_start, first, last, [f // block for f in first]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_tables_equal_their_definition_on_random_packings(seed):
+    """Random packings plus the edge cases: one document, documents shorter than a block, a
+    document ending on a block boundary, a one-token last document."""
+    g = torch.Generator().manual_seed(seed)
+    n = 256
+    cases = [[0, n], [0, 1, 2, 3, n], [0, 16, 32, n], [0, 17, n - 1, n]]
+    cuts = sorted(set(torch.randint(1, n, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()))
+    cases.append([0] + cuts + [n])
+    for ends in cases:
+        for block in (16, 64):
+            tables = Documents(cu(ends), n).blocks(block)
+            want = _old_tables(ends, n, block)
+            got = (tables.doc_start, tables.block_first_start, tables.block_last_start, tables.key_block_floor)
+            for name, a, e in zip(("doc_start", "first", "last", "floor"), got, want):
+                assert a.dtype == torch.int32 and a.tolist() == e, (ends, block, name)
 
 
 @pytest.mark.gpu
 def test_gpu_no_host_synchronisation_with_documents():
     """A new cu_seqlens tensor on the GPU costs no host synchronisation on one device (its values
-    are checked by the ring once per tensor, or by the caller: documents.validate_cu_seqlens)."""
+    are checked where the batch is made: documents.Documents, or with MTRAINING_VALIDATE=1)."""
     n, hq, hkv, d = 4096, 8, 2, 128
     q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for h in (hq, hkv, hkv))

@@ -429,3 +429,66 @@ def test_context_parallel_2_equals_one_device(megatron_cpu):
         assert_close((logits, results[0][i][1], results[0][i][2]), refs[i], what)
         for name, g in results[1][i][2].items():
             assert torch.equal(g, results[0][i][2][name]), (what, name)
+
+
+# ---------------------------------------------------------------------------- one Documents per micro-batch
+
+
+@pytest.fixture
+def count_documents(monkeypatch):
+    """Counts ``Documents`` constructions (every path builds through the one constructor)."""
+    from megatron_mtraining.documents import Documents
+    built = []
+    init = Documents.__init__
+
+    def counting(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(Documents, "__init__", counting)
+    return built
+
+
+@pytest.mark.parametrize("kind", ["eod", "reset", "thd", "thd-seq"])
+def test_documents_are_built_once_per_micro_batch(megatron_cpu, count_documents, kind):
+    """Both layers, the indexer, the kernels and the backward of a micro-batch share one object;
+    the next micro-batch builds one more. Sparse index, so the approximator reads them too."""
+    cfg = mt_config(index="vs")
+    patches.install(cfg)
+    model = build_gpt(get_gpt_layer_spec(cfg))
+    run_packed(model, sample(10), kind)
+    assert len(count_documents) == 1
+    assert count_documents[0].cu_seqlens.tolist() == list(CU) and count_documents[0].seq_len == SEQ
+    run_packed(model, sample(10), kind)
+    assert len(count_documents) == 2
+
+
+def test_full_recompute_builds_the_documents_once(megatron_cpu, count_documents):
+    cfg = mt_config(index="vs")
+    patches.install(cfg)
+    model = build_gpt(get_gpt_layer_spec(cfg), recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+    run_packed(model, sample(11), "eod")
+    assert len(count_documents) == 1
+
+
+def test_thd_rope_and_attention_share_the_documents_of_the_tensor(count_documents):
+    """THD: the documents ride on the cu_seqlens tensor of PackedSeqParams; RoPE over CP builds
+    them (its rows equal a token's position within its document), the attention finds them; an
+    in-place change of the tensor builds (and checks) them anew."""
+    cu = torch.tensor(CU, dtype=torch.int32)
+    freqs = torch.randn(256, 1, 1, 8)
+    rows = packing.thd_rope_freqs(freqs, cu, SEQ // 2, 2, 1, "striped", BLOCK)
+    from megatron_mtraining.layout import local_positions
+    pos = local_positions(SEQ, "striped", 2, 1, BLOCK)
+    starts = torch.tensor([max(c for c in CU[:-1] if c <= p) for p in pos.tolist()])
+    assert torch.equal(rows, freqs[pos - starts])
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone())
+    documents = packing.thd_documents(psp, SEQ)
+    assert len(count_documents) == 1 and documents is count_documents[0]
+    assert packing.thd_documents(psp, SEQ) is documents  # cu_seqlens_kv (equal values) checked once
+    assert torch.equal(packing.thd_rope_freqs(freqs, psp.cu_seqlens_kv, SEQ // 2, 2, 1, "striped", BLOCK), rows)
+    assert len(count_documents) == 1
+    cu[-1] = SEQ - 1
+    with pytest.raises(ValueError, match="THD cu_seqlens .*must end at the global sequence length 512, got 511"):
+        packing.thd_documents(psp, SEQ)

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from megatron_mtraining.plan import (Cluster, ModelShape, Workload, load_profile, memory_estimate, plan,
-                                     predict_dense_a2a_p2p, predict_dense_p2p, predict_mtraining, simulate_ring)
+                                     predict_dense_a2a_p2p, predict_dense_p2p, predict_mtraining, simulate_ring,
+                                     with_recompute)
 from megatron_mtraining.plan.cli import main as cli_main
 from megatron_mtraining.plan.cli import read_telemetry
 from megatron_mtraining.plan.profiles import PROFILE_DIR
@@ -158,6 +159,75 @@ def test_plan_lists_every_configuration_and_recommends_the_fastest():
     assert rec["recompute"] == ("full" if result["memory"]["recompute_needed"] else "none")
 
 
+def test_te_layers_and_fp8_change_only_the_rest_of_the_layer():
+    """TE's layers and FP8 GEMMs change the rest of the layer (H200 rates calibrated on TE runs), not the
+    attention; FP8 leaves the output layer in bf16."""
+    shape, cluster = ModelShape(layers=4, vocab=8192), Cluster(4, 4)
+    local = predict_mtraining(shape, Workload(524288, 0.03), cluster, H200)
+    te = predict_mtraining(shape, Workload(524288, 0.03, layers="transformer_engine"), cluster, H200)
+    fp8 = predict_mtraining(shape, Workload(524288, 0.03, layers="transformer_engine", fp8=True), cluster, H200)
+    assert local.attention_ms == te.attention_ms == fp8.attention_ms
+    assert fp8.rest_of_layer_ms < te.rest_of_layer_ms and fp8.head_ms == te.head_ms
+    bf16_rate, elementwise = H200.te_rest_of_layer["bf16"]
+    tokens = 524288 / 4
+    expected = (shape.layer_gemm_flops_per_token() * tokens / (bf16_rate * 1e12) * 1e3
+                + elementwise * 1e-6 * tokens)
+    assert te.rest_of_layer_ms == pytest.approx(expected)
+    dense = predict_dense_p2p(shape, Workload(524288, 1.0, layers="transformer_engine"), cluster, H200)
+    assert dense.rest_of_layer_ms == te.rest_of_layer_ms
+
+
+def test_te_layers_need_a_profile_calibrated_on_te_runs():
+    assert not H100.te_rest_of_layer
+    with pytest.raises(ValueError, match="no Transformer Engine bf16 rates"):
+        predict_mtraining(QWEN, Workload(524288, layers="transformer_engine"), Cluster(8, 8), H100)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"fp8": True}, "FP8 GEMMs need Transformer Engine"),
+    ({"layers": "te"}, "layers must be one of"),
+    ({"recompute": "full"}, "recompute must be True, False or None"),
+])
+def test_workload_rejects_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Workload(524288, **kwargs)
+
+
+def test_recompute_adds_each_layers_forward_and_can_be_forced():
+    shape, cluster = ModelShape(layers=4, vocab=8192), Cluster(4, 4)
+    work = Workload(1048576, 0.015, layers="transformer_engine", recompute=True)
+    p = predict_mtraining(shape, work, cluster, H200)
+    before = p.step_ms
+    forward = p.attention_fwd_ms + p.approximator_ms + p.rest_of_layer_ms / 3
+    with_recompute(p, shape, work)
+    assert p.step_ms == pytest.approx(before + 4 * forward) and "recompute" in p.note
+    # recompute=True/False overrides the memory estimate; recompute slows every configuration.
+    free = plan(shape, Workload(1048576, 0.015, recompute=False), cluster, H200)
+    forced = plan(shape, Workload(1048576, 0.015, recompute=True), cluster, H200)
+    assert forced["recommendation"]["recompute"] == "full" and free["recommendation"]["recompute"] == "none"
+    for a, b in zip(free["predictions"], forced["predictions"]):
+        assert b["step_ms"] > a["step_ms"]
+
+
+def test_a2a_size_groups_and_its_ring_uses_the_links_it_crosses():
+    """--hierarchical-context-parallel-sizes 2 2 on one node of 4: the ring over the two groups runs on
+    NVLink, whatever the inter-node link; in nodes of 2 it crosses the inter-node link."""
+    shape, work = ModelShape(layers=1, vocab=8192), Workload(524288, 1.0)
+    one_node = predict_dense_a2a_p2p(shape, work, Cluster(4, 4, inter_gbps=0.01), H200, a2a_size=2)
+    same = predict_dense_a2a_p2p(shape, work, Cluster(4, 4, inter_gbps=50.0), H200, a2a_size=2)
+    two_nodes = predict_dense_a2a_p2p(shape, work, Cluster(4, 2, inter_gbps=0.01), H200, a2a_size=2)
+    assert one_node.attention_ms == same.attention_ms < two_nodes.attention_ms
+    assert "ring over 2 groups" in one_node.note
+    # Half the heads per call, twice the tokens: the same causal pairs as the p2p ring.
+    p2p = predict_dense_p2p(shape, work, Cluster(4, 4), H200)
+    assert one_node.attention_compute_ms == pytest.approx(p2p.attention_compute_ms)
+    for size, message in ((3, "positive divisor"), (8, "positive divisor"), (0, "positive divisor")):
+        with pytest.raises(ValueError, match=message):
+            predict_dense_a2a_p2p(shape, work, Cluster(4, 4), H200, a2a_size=size)
+    with pytest.raises(ValueError, match="spans more than a node"):
+        predict_dense_a2a_p2p(shape, work, Cluster(4, 2), H200, a2a_size=4)
+
+
 # ----------------------------------------------------------------------------------------------
 # The CLI
 # ----------------------------------------------------------------------------------------------
@@ -200,6 +270,18 @@ def test_cli_takes_megatron_flags_and_telemetry(capsys):
     assert flat["step_ms"] == pytest.approx(982.5, rel=0.10)
 
 
+def test_cli_transformer_engine_fp8_and_recompute(capsys):
+    argv = ["--gpus", "4", "--seq-length", "1048576", "--gpu-type", "h200", "--num-layers", "4", "--vocab", "8192",
+            "--transformer-impl", "transformer_engine", "--fp8-format", "hybrid", "--recompute-granularity", "full",
+            "--json"]
+    assert cli_main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["workload"]["layers"] == "transformer_engine" and result["workload"]["fp8"] is True
+    assert result["recommendation"]["recompute"] == "full"
+    assert cli_main(argv[:-1]) == 0
+    assert "transformer_engine layers, FP8 GEMMs" in capsys.readouterr().out
+
+
 def test_read_telemetry_json(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps([{"density": 0.2}, {"density": 0.031, "iteration": 8}]))
@@ -221,6 +303,10 @@ def test_read_telemetry_json(tmp_path):
     (["--gpus", "8", "--seq-length", "524288", "--telemetry", "/nonexistent.log"], "does not exist"),
     (["--gpus", "8", "--seq-length", "524288", "--inter-gbps", "0"], "inter_gbps must be > 0"),
     (["--gpus", "0", "--seq-length", "524288"], "gpus must be a positive integer"),
+    (["--gpus", "8", "--seq-length", "524288", "--fp8-format", "hybrid"],
+     "needs --transformer-impl transformer_engine"),
+    (["--gpus", "8", "--seq-length", "524288", "--transformer-impl", "transformer_engine"],
+     "no Transformer Engine bf16 rates"),
 ])
 def test_cli_bad_inputs_say_what_is_wrong(argv, message, capsys):
     assert cli_main(argv) == 2
@@ -299,6 +385,26 @@ def test_validation_file_is_current_and_meets_the_targets_on_planned_configurati
     assert kinds == {"ring", "approximator", "e2e"}
     assert {c["gpus"] for c in result["cases"]} == {1, 2, 4}
     assert any(c.get("slow_link_gbps") for c in result["cases"])
+    # Every TE result is predicted on both sides; only the two profiled te_cp runs calibrate (TE's rest of layer).
+    te = [c for c in result["cases"] if c["source"] in plan_validation.TE_RESULTS]
+    for name in plan_validation.TE_RESULTS:
+        variants = {c["variant"] for c in te if c["source"] == name}
+        assert {"mtraining", "te_cp"} <= variants, name
+    assert {c["variant"] for c in te} == {"mtraining", "te_cp", "te_cp_a2a_p2p"}
+    assert sorted(c["source"] for c in te if c["role"] == "calibration") == sorted(
+        ["e2e_te_nvidia-h200_2gpu.json", "e2e_te_fp8_nvidia-h200_2gpu.json"])
+    assert all(c["variant"] == "te_cp" for c in te if c["role"] == "calibration")
+    assert result["summary"]["transformer_engine_runs"]["predictions"] == len(te) - 2
+    assert any("recompute" in c["setup"] for c in te) and any("FP8" in c["setup"] for c in te)
+
+
+def test_density_of_runs_without_telemetry():
+    import plan_validation
+
+    assert plan_validation.density_at(524288)["density"] == pytest.approx(0.029)
+    assert plan_validation.density_at(1048576)["density"] == pytest.approx(0.029 / 2)
+    with pytest.raises(ValueError, match="no telemetry"):
+        plan_validation.density_at(65536)
 
 
 def _imports(path: str, module: str):

@@ -37,7 +37,7 @@ from megatron_mtraining.integration import packing
 seen, real = [], packing.documents_for_attention
 def spy(module, packed_seq_params, seq_len, batch_size):
     cu = real(module, packed_seq_params, seq_len, batch_size)
-    seen.append([module.layer_number, seq_len, batch_size, None if cu is None else cu.tolist()])
+    seen.append([module.layer_number, seq_len, batch_size, None if cu is None else cu.cu_seqlens.tolist()])
     return cu
 packing.documents_for_attention = spy
 try:

@@ -72,7 +72,7 @@ def make_inputs(case: Case):
 
 
 def _run_case(case: Case, rank: int, world: int) -> dict:
-    from megatron_mtraining import dense_ring_attention, sparse_ring_attention
+    from megatron_mtraining import Documents, dense_ring_attention, sparse_ring_attention
     q, k, v, grad, index = make_inputs(case)
     cu = torch.tensor(case.ends, dtype=torch.int32)
 
@@ -80,9 +80,9 @@ def _run_case(case: Case, rank: int, world: int) -> dict:
         return shard_sequence(x, 2, case.layout, world, rank, B)
 
     q, k, v = (shard(x).requires_grad_() for x in (q, k, v))
-    if case.dense:
+    if case.dense:  # the built object (the sparse cases pass the bare tensor)
         out = dense_ring_attention(q, k, v, layout=case.layout, inner_size=case.inner_size, block_size=B,
-                                   cu_seqlens=cu)
+                                   cu_seqlens=Documents(cu, case.seq_len))
     else:
         out = sparse_ring_attention(q, k, v, index, layout=case.layout, inner_size=case.inner_size,
                                     backend="torch", cu_seqlens=cu)

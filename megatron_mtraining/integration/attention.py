@@ -153,7 +153,8 @@ class MTrainingAttention(MegatronModule):
     Packed documents (``packing.py``) arrive as THD ``packed_seq_params`` (q ``[t, np, hn]``, out
     ``[t, np*hn]``; ``--sft``, ``--dataloader-inter-document-masking``) or, for ``[s, b, ...]``
     batches, as the current batch's documents set by the CP batch split (``--reset-attention-mask``);
-    either way attention stays within documents (``cu_seqlens``), never through an S x S mask.
+    either way one ``documents.Documents`` per micro-batch reaches the indexer and the kernels, and
+    attention stays within documents, never through an S x S mask.
 
     Not supported (ValueError): non-causal masks, cross attention, attention dropout while
     training, attention bias, packed formats other than THD, sliding-window attention and
@@ -352,8 +353,8 @@ class MTrainingAttention(MegatronModule):
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params=None) -> Tensor:
         sq, b, np_, hn = query.shape
         group = self.cp_group()
-        # Packed documents (THD packed_seq_params, or the current batch's): global cu_seqlens or None.
-        cu_seqlens = packing.documents_for_attention(self, packed_seq_params, sq * _group_size(group), b)
+        # Packed documents (THD packed_seq_params, or the current batch's): one Documents per batch, or None.
+        documents = packing.documents_for_attention(self, packed_seq_params, sq * _group_size(group), b)
         # [s, b, heads, hn] -> [b, heads, s, hn]; the ring sends k/v, so give it dense tensors.
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         if group is not None:
@@ -373,22 +374,22 @@ class MTrainingAttention(MegatronModule):
             consistency.check_flags(self, group, q)
         with timed("approximator", cuda):
             # the pre-attention step: this layer's VSIndex (custom indexers see documents only when there are some)
-            index = (self.indexer(q, k, group) if cu_seqlens is None
-                     else self.indexer(q, k, group, cu_seqlens=cu_seqlens))
+            index = (self.indexer(q, k, group) if documents is None
+                     else self.indexer(q, k, group, cu_seqlens=documents))
         if checking:
             consistency.check_index(index, group, self.layer_number)
         self.last_index = index
         with timed("attention_fwd", cuda), (instrument.suspended() if tele is not None and not counted
                                             else contextlib.nullcontext()):
-            if cu_seqlens is None and self.uses_dense_kernels(group, q):  # the dense kernels know no documents
+            if documents is None and self.uses_dense_kernels(group, q):  # the dense kernels know no documents
                 out = self._attend_dense(q, k, v, group)
             elif group is None:
-                out = sparse_attention(q, k, v, index, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
+                out = sparse_attention(q, k, v, index, softmax_scale=self.softmax_scale, cu_seqlens=documents)
             else:
                 cfg = self.mtraining_config
                 out = sparse_ring_attention(q, k, v, index, group=group, layout=cfg.layout,
                                             inner_size=self.ring_inner_size(group),
-                                            softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
+                                            softmax_scale=self.softmax_scale, cu_seqlens=documents)
         if record is not None:
             record.record_index(self.layer_number, index, sq * _group_size(group))
             record.time_backward(out, q, cuda)

@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..approx import approximate_index
 from ..config import MTrainingConfig
+from ..documents import Documents
 from ..index import VSIndex
 
 __all__ = ["MTrainingAttentionSubmodules", "MTrainingIndexer"]
@@ -52,8 +53,8 @@ class MTrainingIndexer(MegatronModule):
         self.softmax_scale = softmax_scale
 
     @torch.no_grad()
-    def forward(self, q: Tensor, k: Tensor, group=None, cu_seqlens: Optional[Tensor] = None) -> VSIndex:
-        """``cu_seqlens``: the packed documents (global positions) the attention uses, if any."""
+    def forward(self, q: Tensor, k: Tensor, group=None, cu_seqlens: Optional[Documents] = None) -> VSIndex:
+        """``cu_seqlens``: the packed documents the attention uses, if any (a ``documents.Documents``)."""
         cfg = self.mtraining_config
         return approximate_index(q.detach(), k.detach(), cfg, group=group, layout=cfg.layout,
                                  softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
@@ -69,6 +70,8 @@ class MTrainingAttentionSubmodules:
     """Submodules of ``MTrainingAttention`` (set in the layer spec). ``indexer`` is built with
     ``(config=, layer_number=, mtraining_config=, dense=, softmax_scale=)`` and called as
     ``indexer(q, k, group) -> VSIndex``, with packed documents as ``indexer(q, k, group,
-    cu_seqlens=cu_seqlens)`` (a custom indexer must accept that keyword to train on packed data)."""
+    cu_seqlens=documents)``, a ``documents.Documents`` (its ``cu_seqlens`` attribute is the int32
+    tensor; ``approximate_index`` takes the object as it is). A custom indexer must accept that
+    keyword to train on packed data."""
 
     indexer: Union[ModuleSpec, type] = MTrainingIndexer

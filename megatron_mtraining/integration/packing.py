@@ -1,27 +1,36 @@
-"""Packed documents from Megatron's data paths, handed to MTrainingAttention as ``cu_seqlens``.
+"""Packed documents from Megatron's data paths, handed to MTrainingAttention as ``Documents``.
 
-MTraining attention takes packed documents as ``cu_seqlens`` (docs/design.md §1: int32
-``[0, e1, ..., N]`` in GLOBAL positions, shared by the batch and by every context-parallel rank),
-never as an S x S mask. Megatron packs documents in two ways, and both reach the layers:
+MTraining attention takes packed documents as a ``documents.Documents`` (docs/design.md §1: built
+from ``cu_seqlens``, int32 ``[0, e1, ..., N]`` in GLOBAL positions, shared by the batch and by
+every context-parallel rank), never as an S x S mask. ONE object per micro-batch, built and
+checked once, carries every derived table (the kernels', the approximator's, RoPE's) to every
+layer. Megatron packs documents in two ways, and both reach the layers:
 
 1. THD batches (``--sft``, ``--dataloader-inter-document-masking``): ``PackedSeqParams`` with
    ``qkv_format='thd'`` travels with the forward to every layer (and every pipeline stage: Megatron
    broadcasts the THD metadata to all of them). The micro-batch is one flat sequence of
    ``micro_batch_size * seq_length`` tokens (``flatten_batch_for_packed_sequences``) and
    ``cu_seqlens_q_padded`` (else ``cu_seqlens_q``) are its documents in global positions: exactly
-   MTraining's ``cu_seqlens`` (``thd_cu_seqlens``). Context parallelism splits that flat sequence
-   in the MTraining layout (``patches/batch.py``), not per document, so no per-document padding is
-   needed; RoPE restarts per document as in Megatron (``thd_rope_freqs``).
+   MTraining's ``cu_seqlens``. The ``Documents`` ride on that tensor (``thd_documents``): the
+   first layer's RoPE or attention builds them, every later one (and a recompute's re-run) finds
+   them there. Context parallelism splits that flat sequence in the MTraining layout
+   (``patches/batch.py``), not per document, so no per-document padding is needed; RoPE restarts
+   per document as in Megatron (``thd_rope_freqs``).
 2. Pretraining with ``--reset-attention-mask`` (plus ``--reset-position-ids`` / ``--eod-mask-loss``):
    Megatron's GPT dataset ends a document after each EOD token (``_get_ltor_masks_and_position_ids``
    in ``megatron/core/datasets/gpt_dataset.py``), and with ``--reset-position-ids`` the position ids
    restart at 0 there. The CP batch split (``patches/batch.py``), the one place that sees the WHOLE
    micro-batch before it is cut into CP shards, calls ``prepare_batch``: the documents come from
    ``position_ids == 0`` when ``--reset-position-ids`` is on, else from the EOD tokens, are turned
-   into ``cu_seqlens`` on the batch's device, validated once, and left in this module's "current
+   into ``Documents`` on the batch's device, validated once, and left in this module's "current
    batch documents" holder, which every MTrainingAttention of that forward reads
-   (``documents_for_attention``). The dataloader's attention_mask, if any, is not used for
-   masking (said once in the log): ``--no-create-attention-mask-in-dataloader`` saves building it.
+   (``documents_for_attention``). The holder is a module global because nothing else reaches
+   core attention here: Megatron's GPT forward passes core attention only q/k/v, the
+   attention_mask (None with ``--no-create-attention-mask-in-dataloader``) and
+   ``packed_seq_params`` (which must stay None: it would switch Megatron to THD); a stale holder
+   is an error (its length and batch size must match the attention's). The dataloader's
+   attention_mask, if any, is not used for masking (said once in the log):
+   ``--no-create-attention-mask-in-dataloader`` saves building it.
    RoPE: megatron-core's GPTModel does not read ``position_ids`` for RoPE (only learned absolute
    position embeddings do), so with ``--reset-position-ids`` Megatron's own attention rotates by
    the global positions; MTraining does the same. Within a document only position differences
@@ -29,8 +38,9 @@ never as an S x S mask. Megatron packs documents in two ways, and both reach the
 
 Host synchronisation: the number of documents is data dependent, so ``prepare_batch`` makes ONE
 host synchronisation per micro-batch (``torch.nonzero`` of the document starts; the micro-batch
-check and the validation read small tensors right after it, when the stream is already drained).
-The layers then share that one tensor object: the ring checks it across ranks once per object.
+check and the validation read small tensors right after it, when the stream is already drained),
+and compares the CP ranks' documents there. THD batches: one synchronisation per micro-batch
+(the validation, where the ``Documents`` are built). The layers add none.
 
 Activation recompute and pipeline parallelism. THD documents ride in ``packed_seq_params``, which
 Megatron's recompute hands to the re-run forward as it did to the first (an input of the
@@ -54,21 +64,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-import weakref
 from typing import Any, Dict, Optional
 
 import torch
 
 import torch.distributed as dist
 
-from ..documents import check_documents_across_ranks, document_starts, validate_cu_seqlens
+from ..documents import Documents
 from ..layout import local_positions
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["BatchDocuments", "PackingOptions", "clear_batch_documents", "configure_packing",
            "current_batch_documents", "documents_for_attention", "documents_from_batch",
-           "packing_options", "prepare_batch", "reset_packing", "set_batch_documents", "thd_cu_seqlens",
+           "packing_options", "prepare_batch", "reset_packing", "set_batch_documents", "thd_documents",
            "thd_rope_freqs"]
 
 
@@ -144,15 +153,24 @@ def _eod_token(options: PackingOptions) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class BatchDocuments:
-    """The documents of the current micro-batch: ``cu_seqlens`` (int32, global positions, on the
-    batch's device) of a sequence of ``seq_len`` tokens, shared by its ``batch_size`` samples."""
+    """The documents of the current micro-batch (on the batch's device), shared by its
+    ``batch_size`` samples."""
 
-    cu_seqlens: torch.Tensor
-    seq_len: int
+    documents: Documents
     batch_size: int
     source: str  # "position_ids" or "eod"
 
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return self.documents.cu_seqlens
 
+    @property
+    def seq_len(self) -> int:
+        return self.documents.seq_len
+
+
+# The one global of the packed path: for [s, b, ...] batches nothing per call of ours reaches core
+# attention (module docstring). Set by every CP batch split, checked against each attention's shape.
 _CURRENT: Optional[BatchDocuments] = None
 
 
@@ -189,7 +207,7 @@ def documents_from_batch(tokens: Optional[torch.Tensor], position_ids: Optional[
     the batch's device; one host synchronisation (``torch.nonzero``). ValueError when the samples
     of the micro-batch have different documents (MTraining's ``cu_seqlens`` is shared by the batch).
     With a context-parallel ``cp_group`` the ranks' documents are compared here too, once, while
-    the stream is drained (the ring then finds this tensor checked and does not synchronise again)."""
+    the stream is drained (the layers then take the object as checked and do not synchronise)."""
     if not options.reset_attention_mask:
         return None
     if options.reset_position_ids and position_ids is not None:
@@ -217,11 +235,9 @@ def documents_from_batch(tokens: Optional[torch.Tensor], position_ids: Optional[
                          "the micro-batch; use --micro-batch-size 1, or --dataloader-inter-document-masking (one "
                          "packed THD sequence per micro-batch)")
     cu = torch.cat([begins, begins.new_full((1,), s)]).to(torch.int32)
-    if cp_group is not None:
-        check_documents_across_ranks(cu, s, cp_group)
-    else:
-        validate_cu_seqlens(cu, s, "packed documents (cu_seqlens from the batch)")
-    return BatchDocuments(cu, int(s), int(b), source)
+    documents = Documents(cu, s, "packed documents (cu_seqlens from the batch)")
+    documents.check_across_ranks(cp_group)
+    return BatchDocuments(documents, int(b), source)
 
 
 def _real_group(cp_group):
@@ -248,7 +264,7 @@ def prepare_batch(batch: Dict[str, Any], cp_group=None) -> Optional[BatchDocumen
     documents = documents_from_batch(batch.get("tokens"), batch.get("position_ids"), options, _real_group(cp_group))
     set_batch_documents(documents)
     _log_once("documents", "MTraining: packed documents (--reset-attention-mask) from %s reach every attention "
-              "layer as cu_seqlens (one host synchronisation per micro-batch)",
+              "layer as one Documents object (one host synchronisation per micro-batch)",
               "the position-id resets" if documents.source == "position_ids" else "the EOD tokens")
     if batch.get("attention_mask") is not None:
         _log_once("mask", "MTraining: the dataloader's attention_mask is ignored (documents reach MTraining "
@@ -258,13 +274,28 @@ def prepare_batch(batch: Dict[str, Any], cp_group=None) -> Optional[BatchDocumen
 
 # ------------------------------------------------------------------------------ THD batches
 
-_VALIDATED = []  # (weak references to cu_seqlens q and kv, version, seq_len) of THD batches already validated
+# Megatron attaches its own flags to tensors (``param.sequence_parallel``); this is ours: the
+# (tensor version, Documents) of a THD cu_seqlens tensor. The version makes an in-place change of
+# the tensor rebuild (and re-check) the documents instead of using stale tables.
+_THD_ATTRIBUTE = "_mtraining_documents"
 
 
-def thd_cu_seqlens(packed_seq_params, seq_len: int) -> torch.Tensor:
+def _documents_on_tensor(cu_seqlens, seq_len: int) -> Documents:
+    """The ``Documents`` of a THD ``cu_seqlens`` tensor for ``seq_len`` GLOBAL tokens: built (and
+    checked: one synchronisation on GPUs) by the first layer of the micro-batch that asks,
+    attached to the tensor Megatron hands every layer, found there by the others."""
+    attached = getattr(cu_seqlens, _THD_ATTRIBUTE, None)
+    if attached is not None and attached[0] == cu_seqlens._version and attached[1].seq_len == seq_len:
+        return attached[1]
+    documents = Documents(cu_seqlens, seq_len, "THD cu_seqlens (packed_seq_params)")
+    setattr(cu_seqlens, _THD_ATTRIBUTE, (cu_seqlens._version, documents))
+    return documents
+
+
+def thd_documents(packed_seq_params, seq_len: int) -> Documents:
     """The documents of a THD batch (``cu_seqlens_q_padded``, else ``cu_seqlens_q``, as Megatron's
-    RoPE and Transformer Engine take them) for a flat sequence of ``seq_len`` GLOBAL tokens;
-    validated once per tensor object (one synchronisation per micro-batch on GPUs)."""
+    RoPE and Transformer Engine take them) for a flat sequence of ``seq_len`` GLOBAL tokens; built
+    once per micro-batch (``_documents_on_tensor``)."""
     fmt = getattr(packed_seq_params, "qkv_format", None)
     if fmt != "thd":
         raise ValueError(f"MTrainingAttention takes packed sequences in the THD format only (packed_seq_params."
@@ -279,19 +310,15 @@ def thd_cu_seqlens(packed_seq_params, seq_len: int) -> torch.Tensor:
         q, kv = getattr(packed_seq_params, "cu_seqlens_q", None), getattr(packed_seq_params, "cu_seqlens_kv", None)
     if q is None:
         raise ValueError("MTrainingAttention: THD packed_seq_params without cu_seqlens_q")
-    if q.dim() == 2 and q.shape[0] == 1:
+    if isinstance(q, torch.Tensor) and q.dim() == 2 and q.shape[0] == 1:
         raise ValueError("MTrainingAttention: THD cu_seqlens must be 1-D (Megatron squeezes the batch dim in "
                          f"forward_step), got shape {tuple(q.shape)}")
-    kv = q if kv is None else kv
-    for ref_q, ref_kv, version, length in _VALIDATED:
-        if ref_q() is q and ref_kv() is kv and version == q._version and length == seq_len:
-            return q
-    validate_cu_seqlens(q, seq_len, "THD cu_seqlens (packed_seq_params)")
-    if kv is not q and (kv.shape != q.shape or not torch.equal(kv, q)):
-        raise ValueError("MTrainingAttention is self attention: THD cu_seqlens_q and cu_seqlens_kv must be equal")
-    _VALIDATED.append((weakref.ref(q), weakref.ref(kv), q._version, seq_len))
-    del _VALIDATED[:-8]
-    return q
+    documents = _documents_on_tensor(q, seq_len)
+    if kv is not None and kv is not q and getattr(kv, _THD_ATTRIBUTE, (None, None))[1] is not documents:
+        if not isinstance(kv, torch.Tensor) or kv.shape != q.shape or not torch.equal(kv, q):
+            raise ValueError("MTrainingAttention is self attention: THD cu_seqlens_q and cu_seqlens_kv must be equal")
+        setattr(kv, _THD_ATTRIBUTE, (kv._version, documents))
+    return documents
 
 
 # ------------------------------------------------------------------------------ the attention's documents
@@ -302,15 +329,15 @@ def _in_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
-def documents_for_attention(module, packed_seq_params, seq_len: int, batch_size: int) -> Optional[torch.Tensor]:
-    """The ``cu_seqlens`` an MTrainingAttention forward attends with (None: one causal sequence):
-    THD ``packed_seq_params``, else the current batch's documents. ``seq_len``: GLOBAL tokens.
+def documents_for_attention(module, packed_seq_params, seq_len: int, batch_size: int) -> Optional[Documents]:
+    """The ``Documents`` an MTrainingAttention forward attends with (None: one causal sequence):
+    THD ``packed_seq_params``, else the current batch's. ``seq_len``: GLOBAL tokens.
 
     Recompute: the no-grad first pass of a training forward keeps what it used on ``module``; the
     re-run (a forward inside the backward, as activation recompute does it) takes it back."""
     if packed_seq_params is not None:
         module._recompute_documents = None
-        return thd_cu_seqlens(packed_seq_params, seq_len)
+        return thd_documents(packed_seq_params, seq_len)
     in_backward = _in_backward()
     kept = getattr(module, "_recompute_documents", None)  # None, or (documents,) of a first pass
     if module.training and torch.is_grad_enabled() and in_backward and kept is not None:
@@ -326,13 +353,12 @@ def documents_for_attention(module, packed_seq_params, seq_len: int, batch_size:
         raise ValueError(f"MTraining packed documents: the current batch's documents cover {documents.batch_size} x "
                          f"{documents.seq_len} tokens, but this attention sees {batch_size} x {seq_len} (global); "
                          "the documents are set by the CP batch split (patches.install) for each micro-batch")
-    return documents.cu_seqlens
+    return documents.documents
 
 
 # ------------------------------------------------------------------------------ RoPE of THD over CP
 
-_POSITIONS: Dict[tuple, torch.Tensor] = {}
-_ROPE_ROWS = []  # (weak reference to cu_seqlens, version, key, rows): one gather index per batch
+_POSITIONS: Dict[tuple, torch.Tensor] = {}  # static position tables, per device and layout
 
 
 def _positions_on(device, seq_len: int, layout: str, world_size: int, rank: int, block_size: int) -> torch.Tensor:
@@ -350,17 +376,13 @@ def thd_rope_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor, local_tokens: 
     Megatron's ``_apply_rotary_pos_emb_thd`` picks them on one device: a token at global position
     ``p`` of a document starting at ``s`` takes row ``p - s`` of ``freqs`` (``[max_seqlen, 1, 1,
     d]``: positions restart per document); when ``freqs`` has a row per packed token (Megatron's
-    "exact mapping" case), row ``p``. No host synchronisation; the gather index is kept per batch."""
+    "exact mapping" case), row ``p``. The gather index is kept on the batch's ``Documents``; no host
+    synchronisation but the one that builds them (``_documents_on_tensor``, once per micro-batch)."""
     seq_len = local_tokens * world_size
-    key = (str(freqs.device), seq_len, layout, world_size, rank, block_size, freqs.shape[0])
-    for ref, version, k, rows in _ROPE_ROWS:
-        if ref() is cu_seqlens and version == cu_seqlens._version and k == key:
-            return freqs.index_select(0, rows)
     positions = _positions_on(freqs.device, seq_len, layout, world_size, rank, block_size)
     if freqs.shape[0] == seq_len:
-        rows = positions
-    else:
-        rows = positions - document_starts(cu_seqlens.to(freqs.device), positions).to(positions.dtype)
-    _ROPE_ROWS.append((weakref.ref(cu_seqlens), cu_seqlens._version, key, rows))
-    del _ROPE_ROWS[:-16]
+        return freqs.index_select(0, positions)
+    documents = _documents_on_tensor(cu_seqlens, seq_len)
+    key = ("rope rows", freqs.device, layout, world_size, rank, block_size)
+    rows = documents.derived(key, lambda: positions - documents.doc_start(freqs.device)[positions].to(positions.dtype))
     return freqs.index_select(0, rows)

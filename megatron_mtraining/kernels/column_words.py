@@ -39,7 +39,7 @@ def column_words_reference(col_pos: torch.Tensor, q_block_ids: torch.Tensor, sla
                            block_size: int, documents=None):
     """PyTorch definition: (words, diag) from the plan's column positions (empty slots hold a
     position after every query), the query chunk's global block ids, the slash bitmap and the
-    optional ``documents.Documents``."""
+    optional ``documents.DocumentBlocks``."""
     b, hq, max_v = col_pos.shape
     nqb, nb = q_block_ids.numel(), slash_bitmap.shape[-1]
     n_words = column_word_count(max_v)

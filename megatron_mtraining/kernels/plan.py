@@ -20,7 +20,7 @@ Two bounds derived in PyTorch keep the kernels off causally dead column work:
 blocks a column tile's gradient walks); ``StepPlan.column_words`` says which of the walked
 columns each query block sees (``column_words.py``).
 
-Packed documents (``documents.Documents``) add lower bounds of the same kind: key blocks before
+Packed documents (``documents.DocumentBlocks``) add lower bounds of the same kind: key blocks before
 a query block's first document leave the slash lists in the conversion (``key_block_floor``),
 ``StepPlan.col_start`` skips the leading columns of earlier documents, and ``query_block_ends``
 stops a column tile's gradient at the last query block of its columns' documents.
@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 
 from .. import _ext
-from ..documents import Documents
+from ..documents import DocumentBlocks
 from ..index import VSIndex
 from .column_words import column_words_reference, column_words_triton
 from .dispatch import column_words_kernel, conversion_impl
@@ -60,7 +60,7 @@ def _compact(values: torch.Tensor, valid: torch.Tensor):
 def convert_step_reference(slash, n_slash, vertical, n_vertical, q_block_ids, k_block_ids,
                            num_blocks: int, block_size: int, key_block_floor: Optional[torch.Tensor] = None):
     """PyTorch definition of the per-step conversion; returns the six tensors in module order.
-    ``key_block_floor`` (packed documents, ``documents.Documents``): int32 ``[num_blocks]``, per
+    ``key_block_floor`` (packed documents, ``documents.DocumentBlocks``): int32 ``[num_blocks]``, per
     global query block the first key block that shares a document with it; earlier blocks drop."""
     B = block_size
     # Without documents every key block is at or above block 0.
@@ -198,7 +198,7 @@ class StepPlan:
     cols: torch.Tensor
     col_pos: torch.Tensor = None    # int64 [b, hq, max_v] (``column_positions``)
     col_limit: torch.Tensor = None  # int32 [b, hq, nqb] (``column_limits``)
-    documents: Optional[Documents] = None  # packed documents (``documents.Documents``), or None
+    documents: Optional[DocumentBlocks] = None  # packed documents (``documents.DocumentBlocks``), or None
     col_start: torch.Tensor = None  # int32 [b, hq, nqb] (``column_starts``)
     _column_words: tuple = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -245,9 +245,9 @@ class StepPlan:
 
 def build_step_plan(index: VSIndex, q_block_ids: torch.Tensor, k_block_ids: torch.Tensor, num_blocks: int,
                     slash_bitmap: Optional[torch.Tensor] = None, impl: str = "auto",
-                    documents: Optional[Documents] = None) -> StepPlan:
+                    documents: Optional[DocumentBlocks] = None) -> StepPlan:
     """Convert ``index`` for one step. Pass ``slash_bitmap`` to reuse it across the steps of a ring;
-    ``documents`` (``documents.Documents`` of the global sequence) for packed documents."""
+    ``documents`` (``documents.DocumentBlocks`` of the global sequence) for packed documents."""
     dev = index.device
     q_block_ids = q_block_ids.to(device=dev, dtype=torch.int32)
     k_block_ids = k_block_ids.to(device=dev, dtype=torch.int32)
@@ -260,7 +260,7 @@ def build_step_plan(index: VSIndex, q_block_ids: torch.Tensor, k_block_ids: torc
 
 
 def single_device_plan(index: VSIndex, seq_len: int, impl: str = "auto",
-                       documents: Optional[Documents] = None) -> StepPlan:
+                       documents: Optional[DocumentBlocks] = None) -> StepPlan:
     """The plan of the full causal sequence on one device."""
     nb = seq_len // index.block_size
     ids = torch.arange(nb, dtype=torch.int32, device=index.device)

@@ -9,10 +9,11 @@ documents (``cu_seqlens``), both lie in one document; softmax over the active ke
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
+from ..documents import Documents
 from ..index import VSIndex
 
 
@@ -47,13 +48,14 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
                         k_positions: Optional[torch.Tensor] = None,
                         softmax_scale: Optional[float] = None,
                         num_blocks: Optional[int] = None,
-                        cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                        cu_seqlens: Union[Documents, torch.Tensor, None] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Masked attention of docs/design.md §1 in fp32; differentiable through autograd.
 
     q ``[b, hq, nq, d]``, k/v ``[b, hkv, nk, d]``. ``q_positions`` / ``k_positions`` (int,
     ``[nq]`` / ``[nk]``) are the tokens' global positions, so any (query chunk, key chunk)
     pair of any layout can be checked; by default both are ``0..n-1`` (the full sequence).
-    ``cu_seqlens`` (int32 ``[0, e1, ..., N]``, global positions) masks pairs across documents.
+    ``cu_seqlens`` (int32 ``[0, e1, ..., N]``, global positions, or a ``documents.Documents``)
+    masks pairs across documents.
     Returns ``(out, lse)``: out fp32 ``[b, hq, nq, d]`` and lse fp32 ``[b, hq, nq]``. Rows
     without an active key give out 0 and lse ``-inf``. Memory is O(nq * nk): a test oracle.
     """
@@ -65,6 +67,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
         q_positions = torch.arange(nq, device=q.device)
     if k_positions is None:
         k_positions = torch.arange(nk, device=q.device)
+    if isinstance(cu_seqlens, Documents):
+        cu_seqlens = cu_seqlens.cu_seqlens
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = hq // hkv

@@ -40,12 +40,17 @@ def backward_delta(backend: str, out: torch.Tensor, d_out: torch.Tensor) -> torc
     return (d_out.to(acc) * out.to(acc)).sum(-1)
 
 
-def step_backward(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float) -> None:
-    """Add this step's gradients into fp32 ``dq``, ``dk``, ``dv`` (final ``lse`` and ``delta``)."""
+def step_backward(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float,
+                  accumulate_dq: bool = True) -> None:
+    """Add this step's gradients into fp32 ``dq``, ``dk``, ``dv`` (final ``lse`` and ``delta``);
+    ``accumulate_dq=False`` (a ring's first step) writes ``dq`` instead, which may then be uninitialised."""
     if backend == "triton":
         vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale,
-                              backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size))
+                              backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size),
+                              accumulate_dq=accumulate_dq)
     else:
+        if not accumulate_dq:
+            dq.zero_()  # the PyTorch steps always add
         vs_attention_bwd_torch(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
 
 

@@ -5,9 +5,9 @@ neither torch nor the rest of the package (the package's own ``__init__`` still 
 """
 
 from .model import (Cluster, ModelShape, Prediction, Workload, approximator_ms, memory_estimate, plan,
-                    predict_dense_a2a_p2p, predict_dense_p2p, predict_mtraining, simulate_ring)
+                    predict_dense_a2a_p2p, predict_dense_p2p, predict_mtraining, simulate_ring, with_recompute)
 from .profiles import Profile, available_profiles, load_profile
 
 __all__ = ["Cluster", "ModelShape", "Prediction", "Profile", "Workload", "approximator_ms", "available_profiles",
            "load_profile", "memory_estimate", "plan", "predict_dense_a2a_p2p", "predict_dense_p2p", "predict_mtraining",
-           "simulate_ring"]
+           "simulate_ring", "with_recompute"]

@@ -7,7 +7,8 @@
 
 The model shape defaults to Qwen2.5-3B; Megatron's flags (``--hidden-size``, ``--num-attention-heads``,
 ``--num-query-groups``, ``--kv-channels``, ``--ffn-hidden-size``, ``--num-layers``, ``--seq-length``,
-``--padded-vocab-size``, ``--context-parallel-size``, ``--micro-batch-size``) are accepted as they are,
+``--padded-vocab-size``, ``--context-parallel-size``, ``--micro-batch-size``, ``--transformer-impl``,
+``--fp8-format``, ``--recompute-granularity full``) are accepted as they are,
 and Megatron flags the planner does not use are listed as ignored. See docs/scaling.md.
 """
 
@@ -78,6 +79,12 @@ def parser() -> argparse.ArgumentParser:
                    help="active / causal pairs of the sparse index (default 0.05, the paper's 95%% sparsity)")
     w.add_argument("--telemetry", default=None, help="take the density from a run: its log or telemetry JSON")
     w.add_argument("--micro-batch-size", type=int, default=1)
+    w.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
+                   help="the layers' implementation (the rest of the layer's rates; default local: the one every "
+                        "profile has; transformer_engine needs a profile calibrated on TE runs, nvidia-h200)")
+    w.add_argument("--fp8-format", default=None, help="any value: TE's FP8 GEMMs (attention stays bf16)")
+    w.add_argument("--recompute-granularity", choices=("full",), default=None,
+                   help="full: plan with full activation recompute (default: as the memory estimate needs)")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpus", "--context-parallel-size", dest="gpus", type=int, default=None,
                    help="GPUs of the context-parallel group")
@@ -113,7 +120,8 @@ def format_table(result: Dict) -> str:
     w, c, rec, mem = result["workload"], result["cluster"], result["recommendation"], result["memory"]
     s = result["shape"]
     lines = [f"{result['profile']} x {c['gpus']} (nodes of {c['gpus_per_node']}, {c['inter_gbps']:g} GB/s between), "
-             f"{w['seq_len']} tokens, density {w['density']:.3g}; model: hidden {s['hidden']}, "
+             f"{w['seq_len']} tokens, density {w['density']:.3g}, {w['layers']} layers"
+             f"{', FP8 GEMMs' if w['fp8'] else ''}; model: hidden {s['hidden']}, "
              f"{s['heads']}/{s['kv_groups']} heads, d {s['head_dim']}, {s['layers']} layers, FFN {s['ffn']}",
              "per layer and GPU (ms): attention fwd / bwd with the ring's exposed communication; step = all layers"]
     header = ["configuration", "fwd/step", "bwd/step", "attn fwd", "attn bwd", "exposed comm", "approx", "rest",
@@ -132,7 +140,7 @@ def format_table(result: Dict) -> str:
     inner = f" (inner ring {rec['inner_ring_size']})" if rec["inner_ring_size"] else ""
     versus = f", {speedup:.2f}x over {rec['best_dense']}" if speedup else ""
     lines.append(f"recommended: {rec['configuration']}{inner}, {rec['tokens_per_s']:.0f} tokens/s{versus}; "
-                 f"limited by {rec['limited_by']}")
+                 f"limited by {rec['limited_by']}; steps with {rec['recompute']} recompute")
     lines.append(f"memory per GPU: {mem['no_recompute_gib']:.1f} GiB without recompute, "
                  f"{mem['full_recompute_gib']:.1f} GiB with full recompute, of {mem['capacity_gib']:.0f}: "
                  + ("recompute needed" if mem["recompute_needed"] else "no recompute needed")
@@ -158,7 +166,10 @@ def run(argv: Optional[List[str]] = None) -> Dict:
         0.05 if args.density is None else args.density)
     profile = load_profile(args.gpu_type)
     shape = shape_from(args)
-    work = Workload(args.seq_length, density, args.micro_batch_size)
+    if args.fp8_format is not None and args.transformer_impl != "transformer_engine":
+        raise ValueError("--fp8-format needs --transformer-impl transformer_engine (FP8 GEMMs are TE's)")
+    work = Workload(args.seq_length, density, args.micro_batch_size, layers=args.transformer_impl,
+                    fp8=args.fp8_format is not None, recompute=True if args.recompute_granularity else None)
     cluster = Cluster(args.gpus, args.gpus_per_node, args.inter_gbps, args.inter_latency_us, args.intra_gbps,
                       args.intra_latency_us)
     result = plan(shape, work, cluster, profile)

@@ -105,11 +105,23 @@ class Cluster:
         return a // self.gpus_per_node == b // self.gpus_per_node
 
 
+LAYER_IMPLS = ("local", "transformer_engine")
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
+    """What one step computes, and how the rest of the layer runs.
+
+    ``layers``: Megatron's ``--transformer-impl`` (its rest-of-layer rates differ: TE fuses the
+    norms into the GEMMs); ``fp8``: TE's FP8 GEMMs (``--fp8-format``; attention stays bf16);
+    ``recompute``: full activation recompute (True), none (False), or as the memory needs (None)."""
+
     seq_len: int
     density: float = 0.05       # active pairs / causal pairs of the sparse index
     micro_batch: int = 1        # sequences per micro-batch
+    layers: str = "local"
+    fp8: bool = False
+    recompute: Optional[bool] = None
 
     def __post_init__(self):
         if not isinstance(self.seq_len, int) or self.seq_len < 1:
@@ -118,6 +130,12 @@ class Workload:
             raise ValueError(f"workload: density must be in (0, 1], got {self.density!r}")
         if not isinstance(self.micro_batch, int) or self.micro_batch < 1:
             raise ValueError(f"workload: micro_batch must be a positive integer, got {self.micro_batch!r}")
+        if self.layers not in LAYER_IMPLS:
+            raise ValueError(f"workload: layers must be one of {', '.join(LAYER_IMPLS)}, got {self.layers!r}")
+        if self.fp8 and self.layers != "transformer_engine":
+            raise ValueError("workload: FP8 GEMMs need Transformer Engine's layers (layers='transformer_engine')")
+        if self.recompute not in (None, True, False):
+            raise ValueError(f"workload: recompute must be True, False or None, got {self.recompute!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,12 +288,31 @@ def _link_fn(cluster: Cluster, profile: Profile) -> Link:
     return link
 
 
-def rest_of_layer_ms(shape: ModelShape, tokens: float, profile: Profile) -> Tuple[float, float]:
+def rest_rates(profile: Profile, layers: str = "local", fp8: bool = False) -> Tuple[float, float, float]:
+    """(layer GEMM TFLOP/s, elementwise ns per token and layer, output-layer GEMM TFLOP/s) of a layer
+    implementation; the output layer stays bf16 under FP8 (Megatron keeps it out of TE's FP8)."""
+    if layers == "local":
+        return profile.gemm_tflops, profile.elementwise_ns_per_token_layer, profile.gemm_tflops
+    precision = "fp8" if fp8 else "bf16"
+    if precision not in profile.te_rest_of_layer or "bf16" not in profile.te_rest_of_layer:
+        raise ValueError(f"profile {profile.name} has no Transformer Engine {precision} rates (no TE run calibrates "
+                         "it); plan with --transformer-impl local, or another --gpu-type")
+    gemm_tflops, elementwise = profile.te_rest_of_layer[precision]
+    return gemm_tflops, elementwise, profile.te_rest_of_layer["bf16"][0]
+
+
+def rest_of_layer_ms(shape: ModelShape, tokens: float, profile: Profile, layers: str = "local",
+                     fp8: bool = False) -> Tuple[float, float]:
     """(one layer's non-attention fwd+bwd, the output layer and loss) for ``tokens`` on one GPU."""
-    gemm = shape.layer_gemm_flops_per_token() * tokens / (profile.gemm_tflops * 1e12) * 1e3
-    elementwise = profile.elementwise_ns_per_token_layer * 1e-6 * tokens * (shape.hidden / 2048.0)
-    head = shape.head_flops_per_token() * tokens / (profile.gemm_tflops * 1e12) * 1e3
+    gemm_tflops, elementwise_ns, head_tflops = rest_rates(profile, layers, fp8)
+    gemm = shape.layer_gemm_flops_per_token() * tokens / (gemm_tflops * 1e12) * 1e3
+    elementwise = elementwise_ns * 1e-6 * tokens * (shape.hidden / 2048.0)
+    head = shape.head_flops_per_token() * tokens / (head_tflops * 1e12) * 1e3
     return gemm + elementwise, head
+
+
+def _rest(shape: ModelShape, work: Workload, tokens: float, profile: Profile) -> Tuple[float, float]:
+    return rest_of_layer_ms(shape, tokens, profile, work.layers, work.fp8)
 
 
 def _small_collective_ms(world: int, cluster: Cluster, profile: Profile) -> float:
@@ -333,7 +370,7 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
     fixed = W * (zero_ms + kernel_scale * (profile.sparse_fwd.per_call + profile.sparse_bwd.per_call
                                            + (profile.sparse_fwd.per_item + profile.sparse_bwd.per_item) * items))
     approx = approximator_ms(shape, work, W, cluster, profile)
-    rest, head = rest_of_layer_ms(shape, n_local * b, profile)
+    rest, head = _rest(shape, work, n_local * b, profile)
     layer = fwd + bwd + approx + rest
     step = shape.layers * layer + head + profile.step_fixed_ms
     name = "mtraining_flat" if inner == W else f"mtraining_hier_{inner}"
@@ -370,7 +407,7 @@ def predict_dense_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profi
     compute = W * (fwd_step + bwd_step)
     exposed = max(0.0, fwd + bwd - compute - (W - 1) * add_ms)
     fixed = W * 2 * (profile.dense_fwd.per_call + profile.dense_bwd.per_call)
-    rest, head = rest_of_layer_ms(shape, n_local * b, profile)
+    rest, head = _rest(shape, work, n_local * b, profile)
     layer = fwd + bwd + rest
     step = shape.layers * layer + head + profile.step_fixed_ms
     limit = _limit({"attention kernels (work)": compute - fixed, "per-step fixed costs": fixed,
@@ -379,13 +416,19 @@ def predict_dense_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profi
                       rest, head, step, work.seq_len * b / step * 1e3, limit)
 
 
-def predict_dense_a2a_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile) -> Prediction:
-    """Transformer Engine's ``a2a+p2p``: an all-to-all over the heads among the a = min(GPUs per node,
-    GPUs) ranks of a node (each then holds a x the tokens and 1/a of the heads), a p2p ring across
-    the nodes. K/V heads are replicated up to a when there are fewer (GQA); the all-to-alls are
-    not overlapped with compute."""
+def predict_dense_a2a_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile,
+                          a2a_size: Optional[int] = None) -> Prediction:
+    """Transformer Engine's ``a2a+p2p``: an all-to-all over the heads among groups of a consecutive
+    ranks (each then holds a x the tokens and 1/a of the heads), a p2p ring across the groups.
+    ``a2a_size`` is Megatron's first ``--hierarchical-context-parallel-sizes`` entry; by default
+    a = min(GPUs per node, GPUs): the all-to-all inside a node, the ring across nodes. K/V heads are
+    replicated up to a when there are fewer (GQA); the all-to-alls are not overlapped with compute."""
     W, B, H, d, b = cluster.gpus, profile.block_size, shape.heads, shape.head_dim, work.micro_batch
-    a = min(cluster.gpus_per_node, W)
+    a = min(cluster.gpus_per_node, W) if a2a_size is None else a2a_size
+    if not isinstance(a, int) or a < 1 or W % a:
+        raise ValueError(f"a2a+p2p: the all-to-all size {a!r} must be a positive divisor of the GPU count {W}")
+    if a > cluster.gpus_per_node:
+        raise ValueError(f"a2a+p2p: the all-to-all size {a} spans more than a node of {cluster.gpus_per_node} GPUs")
     if H % a:
         raise ValueError(f"a2a+p2p needs the heads ({H}) divisible by the all-to-all size {a}")
     nodes = W // a
@@ -409,8 +452,10 @@ def predict_dense_a2a_p2p(shape: ModelShape, work: Workload, cluster: Cluster, p
     a2a_fwd = a2a_ms(H + 2 * kv_heads) + a2a_ms(H)           # q, k, v in; out back
     a2a_bwd = a2a_ms(2 * H) + a2a_ms(H + 2 * kv_heads)       # dout (and out) in; dq, dk, dv back
 
-    def node_link(src: int, dst: int) -> Tuple[float, float]:
-        return cluster.inter_gbps, cluster.inter_latency_us / 1e3
+    link = _link_fn(cluster, profile)
+
+    def node_link(src: int, dst: int) -> Tuple[float, float]:  # ring positions are groups of a ranks
+        return link(src * a, dst * a)
 
     nbytes = {"kv": kv_bytes, "grad": grad_bytes}
     fwd = simulate_ring(nodes, nodes, [fwd_step] * nodes, nbytes, node_link) + a2a_fwd
@@ -418,15 +463,25 @@ def predict_dense_a2a_p2p(shape: ModelShape, work: Workload, cluster: Cluster, p
     compute = nodes * (fwd_step + bwd_step)
     exposed = max(0.0, fwd + bwd - compute - (nodes - 1) * add_ms)
     fixed = nodes * 2 * (profile.dense_fwd.per_call + profile.dense_bwd.per_call)
-    rest, head = rest_of_layer_ms(shape, n_local * b, profile)
+    rest, head = _rest(shape, work, n_local * b, profile)
     layer = fwd + bwd + rest
     step = shape.layers * layer + head + profile.step_fixed_ms
     limit = _limit({"attention kernels (work)": compute - fixed, "per-step fixed costs": fixed,
                     "exposed communication": exposed, "rest of the layer": rest})
-    note = f"all-to-all over {a} GPUs, ring over {nodes} nodes" + (
+    note = f"all-to-all over {a} GPUs, ring over {nodes} groups" + (
         f"; K/V heads replicated {shape.kv_groups} -> {kv_heads}" if kv_heads > shape.kv_groups else "")
     return Prediction("dense_te_a2a_p2p", "dense", a if nodes > 1 else None, fwd_step, bwd_step, fwd, bwd, compute,
                       exposed, fixed, 0.0, rest, head, step, work.seq_len * b / step * 1e3, limit, note)
+
+
+def with_recompute(p: Prediction, shape: ModelShape, work: Workload) -> Prediction:
+    """The step under full recompute: every layer's forward runs again inside the backward (the
+    attention forward with its ring, the approximator, which rebuilds the same index, and the forward
+    third of the rest of the layer)."""
+    p.step_ms += shape.layers * (p.attention_fwd_ms + p.approximator_ms + p.rest_of_layer_ms / 3)
+    p.tokens_per_s = work.seq_len * work.micro_batch / p.step_ms * 1e3
+    p.note = "; ".join(x for x in (p.note, "with full recompute") if x)
+    return p
 
 
 # ----------------------------------------------------------------------------------------------
@@ -481,13 +536,9 @@ def plan(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile) 
         except ValueError as exc:
             skipped[fn.__name__.replace("predict_", "")] = str(exc)
     memory = memory_estimate(shape, work, cluster, profile)
-    if memory["recompute_needed"]:
-        # Full recompute runs every layer's forward again inside the backward: the attention forward
-        # (with its ring) and the forward third of the rest of the layer.
-        for p in predictions:
-            p.step_ms += shape.layers * (p.attention_fwd_ms + p.rest_of_layer_ms / 3)
-            p.tokens_per_s = work.seq_len * work.micro_batch / p.step_ms * 1e3
-            p.note = "; ".join(x for x in (p.note, "with full recompute") if x)
+    recompute = memory["recompute_needed"] if work.recompute is None else work.recompute
+    if recompute:
+        predictions = [with_recompute(p, shape, work) for p in predictions]
     sparse = [p for p in predictions if p.method == "mtraining"]
     dense = [p for p in predictions if p.method == "dense"]
     best = min(sparse, key=lambda p: p.step_ms)
@@ -497,8 +548,8 @@ def plan(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile) 
         "tokens_per_s": best.tokens_per_s, "limited_by": best.limit,
         "speedup_over_best_dense": best_dense.step_ms / best.step_ms if best_dense else None,
         "best_dense": best_dense.name if best_dense else None,
-        "recompute": "full" if memory["recompute_needed"] else "none",
-        "fits": memory["fits_with_recompute"],
+        "recompute": "full" if recompute else "none",
+        "fits": memory["fits_with_recompute"] if recompute else not memory["recompute_needed"],
     }
     return {"shape": dataclasses.asdict(shape), "workload": dataclasses.asdict(work),
             "cluster": dataclasses.asdict(cluster), "profile": profile.name,

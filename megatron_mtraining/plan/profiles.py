@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
@@ -55,6 +55,9 @@ class Profile:
     sources: List[str]
     assumed: Dict[str, str]
     raw: Dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    # The rest of the layer on Transformer Engine's layers, per GEMM precision ("bf16", "fp8"): a
+    # (GEMM TFLOP/s, elementwise ns per token and layer) pair; empty where no TE run calibrates it.
+    te_rest_of_layer: Dict[str, Tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: Dict) -> "Profile":
@@ -71,7 +74,9 @@ class Profile:
                 elementwise_ns_per_token_layer=float(d["rest_of_layer"]["elementwise_ns_per_token_layer"]),
                 step_fixed_ms=float(d["rest_of_layer"]["step_fixed_ms"]),
                 kernel_generation=dict(d.get("kernel_generation", {})), sources=list(d.get("sources", [])),
-                assumed=dict(d.get("assumed", {})), raw=d)
+                assumed=dict(d.get("assumed", {})), raw=d,
+                te_rest_of_layer={precision: (float(r["gemm_tflops"]), float(r["elementwise_ns_per_token_layer"]))
+                                  for precision, r in d.get("rest_of_layer_te", {}).get("rates", {}).items()})
         except KeyError as exc:
             raise ValueError(f"profile {d.get('name', '?')!r} lacks the field {exc}; rewrite it with "
                              "benchmarks/calibrate.py") from None

@@ -5,38 +5,48 @@ go round the ring (flat or hierarchical, ``schedule.py``); at each step the inde
 for (this rank's blocks, the source rank's blocks) and the step kernel merges the partial
 result into fp32 accumulators. The backward recomputes from the saved lse; dQ stays local,
 dK/dV travel home with their K/V. The result equals ``sparse_attention`` on the full sequence.
+
+Per-step fixed costs: the plan of step 0 is built before the ring starts (a conversion error is
+raised before any transfer); the others just before their step (``SparseSteps.prepare``), so the
+host enqueues them while the GPU runs the previous step. The first step of each direction writes
+the fp32 output and dQ rather than merging into zeroed buffers. ``MTRAINING_RING_ONE_BUFFER=1`` (A/B
+switch, off by default until measured) moves K and V as one stacked buffer and dK, dV as one fp32
+buffer: one send and one receive per ring hop instead of two, one memset and one add per step
+(``ONE_BUFFER_ENV``; the results are bitwise those of the default path).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+import os
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from ..attention import check_attention_inputs, check_qkv
-from ..documents import as_documents, check_documents_across_ranks
+from ..documents import Documents
 from ..index import VSIndex, value_checks
 from ..kernels.plan import build_step_plan
 from ..kernels.dispatch import resolve_backend
 from ..kernels.step import backward_delta, step_backward, step_forward
 from ..layout import check_layout, local_block_ids
-from . import agreement
+from . import agreement, instrument
 from .agreement import checksum, host_word
 from .comm import check_inner_size, ring_topology
 from .schedule import ring_backward, ring_forward
 
 _BLOCK_IDS = {}
+ONE_BUFFER_ENV = "MTRAINING_RING_ONE_BUFFER"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _block_ids_on(device, seq_len: int, layout: str, world_size: int, block_size: int):
-    """Every rank's global block ids, on ``device``; cached so steady-state calls copy nothing
-    from the host (a host-to-device copy would synchronise)."""
+    """Every rank's global block ids, int32 on ``device`` (the plans' dtype: no cast per step);
+    cached so steady-state calls copy nothing from the host (a host-to-device copy would synchronise)."""
     key = (str(device), seq_len, layout, world_size, block_size)
     if key not in _BLOCK_IDS:
-        _BLOCK_IDS[key] = [local_block_ids(seq_len, layout, world_size, r, block_size).to(device)
+        _BLOCK_IDS[key] = [local_block_ids(seq_len, layout, world_size, r, block_size).to(device, torch.int32)
                            for r in range(world_size)]
     return _BLOCK_IDS[key]
 
@@ -56,7 +66,7 @@ def cp_group_of(group):
 
 
 def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, index: Optional[VSIndex],
-               cu_seqlens: Optional[torch.Tensor]):
+               documents: Optional[Documents]):
     """The agreement items of a ring call (``agreement.agree``): everything that changes the math."""
     dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else host_word(str(q.dtype))
     items = [("function", host_word(function), function),
@@ -67,9 +77,12 @@ def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, i
              ("layout", host_word(layout), layout),
              ("inner_size", host_word(inner_size), inner_size),
              ("softmax scale", host_word(float(softmax_scale)), softmax_scale),
-             ("cu_seqlens given", cu_seqlens is not None, cu_seqlens is not None)]
+             ("cu_seqlens given", documents is not None, documents is not None),
+             # Stacked or separate K/V change what each hop sends: ranks that differ would mismatch.
+             (ONE_BUFFER_ENV, int(one_buffer()), one_buffer())]
     # A fixed list of items (zeros for what a call does not have), so every rank names them alike.
-    given = cu_seqlens is not None
+    given = documents is not None
+    cu_seqlens = documents.cu_seqlens if given else None
     items += [("cu_seqlens length", int(cu_seqlens.numel()) if given else 0, int(cu_seqlens.numel()) if given else 0),
               ("cu_seqlens values", checksum(cu_seqlens) if given else 0, "on the device" if given else None)]
     names = ["block size", "index batch and heads", "slash capacity", "vertical capacity", "slash counts (n_slash)",
@@ -89,34 +102,81 @@ def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, i
 
 
 class SparseSteps:
-    """Ring steps of vertical-slash attention: one converted index (plan) per source rank."""
+    """Ring steps of vertical-slash attention: one converted index (plan) per source rank, built by
+    ``build_plan(source)`` on first use (``prepare``) and kept for the backward."""
 
-    def __init__(self, plans, softmax_scale: float, backend: str):
-        self.plans, self.softmax_scale, self.backend = plans, softmax_scale, backend
+    def __init__(self, build_plan: Callable, world_size: int, softmax_scale: float, backend: str):
+        self._build_plan = build_plan
+        self.plans: List = [None] * world_size
+        self.softmax_scale, self.backend = softmax_scale, backend
 
-    def forward(self, q, k, v, source, out, lse):
-        step_forward(self.backend, q, k, v, self.plans[source], out, lse, self.softmax_scale, accumulate=True)
+    def prepare(self, source: int) -> None:
+        if self.plans[source] is None:
+            self.plans[source] = self._build_plan(source)
+
+    def plan(self, source: int):
+        self.prepare(source)
+        return self.plans[source]
+
+    # The first step of each direction writes ``out``/``lse`` and ``dq`` instead of merging into them:
+    # no memset of the fp32 buffers, no read of them in that step (the merge into "nothing yet",
+    # lse -inf, gives the step's own values exactly).
+    first_step_writes = True
+
+    def forward(self, q, k, v, source, out, lse, accumulate: bool = True):
+        step_forward(self.backend, q, k, v, self.plan(source), out, lse, self.softmax_scale, accumulate=accumulate)
 
     def delta(self, out, d_out):
         return backward_delta(self.backend, out, d_out)
 
-    def backward(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv):
-        step_backward(self.backend, q, k, v, d_out, lse, delta, self.plans[source], dq, dk, dv, self.softmax_scale)
+    def backward(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv, accumulate_dq: bool = True):
+        step_backward(self.backend, q, k, v, d_out, lse, delta, self.plan(source), dq, dk, dv, self.softmax_scale,
+                      accumulate_dq=accumulate_dq)
+
+
+def one_buffer() -> bool:
+    """``MTRAINING_RING_ONE_BUFFER``: "1" moves K/V (and dK/dV) as one stacked buffer, "0" or unset
+    as two tensors."""
+    value = os.environ.get(ONE_BUFFER_ENV, "0") or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{ONE_BUFFER_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """Autograd around the ring schedules for any ``steps`` object (sparse or dense)."""
+    """Autograd around the ring schedules for any ``steps`` object (sparse or dense). Steps with
+    ``first_step_writes`` take ``accumulate``/``accumulate_dq`` and get uninitialised fp32 buffers
+    that their first step writes in full."""
 
     @staticmethod
     def forward(ctx, q, k, v, topo, steps, disagree=None):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         b, hq, n, d = q.shape
-        out = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
-        ring_forward(topo, (k, v), lambda kv, source: steps.forward(q, kv[0], kv[1], source, out, lse))
+        writes = getattr(steps, "first_step_writes", False)
+        if writes:
+            out = torch.empty(b, hq, n, d, dtype=torch.float32, device=q.device)
+            lse = torch.empty((b, hq, n), dtype=torch.float32, device=q.device)
+        else:
+            out = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
+            lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
+        done = [0]  # steps run so far
+
+        def step(k_src, v_src, source):
+            if writes:
+                steps.forward(q, k_src, v_src, source, out, lse, accumulate=done[0] > 0)
+            else:
+                steps.forward(q, k_src, v_src, source, out, lse)
+            done[0] += 1
+
+        stacked = topo.world_size > 1 and k.shape == v.shape and one_buffer()
+        prepare = getattr(steps, "prepare", None)
+        if stacked:  # one [2, b, hkv, n, d] buffer travels; its halves are contiguous views
+            ring_forward(topo, (torch.stack((k, v)),), lambda kv, source: step(kv[0][0], kv[0][1], source), prepare)
+        else:
+            ring_forward(topo, (k, v), lambda kv, source: step(kv[0], kv[1], source), prepare)
         out = agreement.poison(out, disagree).to(q.dtype)  # deferred agreement: NaN if the ranks disagreed
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.topo, ctx.steps = topo, steps
+        ctx.topo, ctx.steps, ctx.stacked = topo, steps, stacked
         return out
 
     @staticmethod
@@ -125,12 +185,31 @@ class RingAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         d_out = d_out.contiguous()
         delta = ctx.steps.delta(out, d_out)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        writes = getattr(ctx.steps, "first_step_writes", False)
+        dq = (torch.empty if writes else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
+        done = [0]
+
+        def step(k_src, v_src, source, dk, dv):
+            if writes:
+                ctx.steps.backward(q, k_src, v_src, d_out, out, lse, delta, source, dq, dk, dv,
+                                   accumulate_dq=done[0] > 0)
+            else:
+                ctx.steps.backward(q, k_src, v_src, d_out, out, lse, delta, source, dq, dk, dv)
+            done[0] += 1
+
+        if ctx.stacked:
+            def gradients(kv, source):
+                dkv = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=q.device)
+                step(kv[0][0], kv[0][1], source, dkv[0], dkv[1])
+                return (dkv,)
+
+            dkv = ring_backward(ctx.topo, (torch.stack((k, v)),), gradients)[0].to(k.dtype)
+            return dq.to(q.dtype), dkv[0], dkv[1], None, None, None
 
         def gradients(kv, source):
             dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
             dv = torch.zeros_like(dk)
-            ctx.steps.backward(q, kv[0], kv[1], d_out, out, lse, delta, source, dq, dk, dv)
+            step(kv[0], kv[1], source, dk, dv)
             return dk, dv
 
         dk, dv = ring_backward(ctx.topo, (k, v), gradients)
@@ -140,7 +219,7 @@ class RingAttentionFunction(torch.autograd.Function):
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex, group=None,
                           layout: str = "striped", inner_size: Optional[int] = None,
                           softmax_scale: Optional[float] = None, backend: str = "auto",
-                          cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          cu_seqlens: Union[Documents, torch.Tensor, None] = None) -> torch.Tensor:
     """Vertical-slash sparse attention across the context-parallel ``group`` (docs/design.md §3-4).
 
     q ``[b, hq, n_local, d]`` and k/v ``[b, hkv, n_local, d]`` hold this rank's tokens in the
@@ -148,8 +227,10 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     every rank. ``inner_size`` (ranks per node, dividing the group size) selects the
     hierarchical ring; None runs one flat ring. Returns this rank's output ``[b, hq, n_local,
     d]`` in q's dtype, equal to ``sparse_attention`` on the full sequence at these positions.
-    ``cu_seqlens``: packed documents of the GLOBAL sequence (int32 ``[0, e1, ..., N]``, the same on
-    every rank; ``documents.py``): key blocks of earlier documents are skipped in every step.
+    ``cu_seqlens``: packed documents of the GLOBAL sequence, the same on every rank: a
+    ``documents.Documents`` (built once per batch, its values checked there) or its int32 tensor
+    ``[0, e1, ..., N]`` (its values checked where that is free, as in ``sparse_attention``). Key
+    blocks of earlier documents are skipped in every step.
 
     On every call the ranks agree on everything that changes the math (shapes, dtype, layout,
     block size, inner_size, softmax scale, the index contents, cu_seqlens' presence and values)
@@ -165,6 +246,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     try:  # this rank's own checks; on failure its peers are told in the agreement below
         if cp_group is not None:
             check_inner_size(inner_size, world)
+            one_buffer()  # a bad value raises here, before the agreement
         backend = resolve_backend(backend, q.device)
         check_qkv(q, k, v, backend)
         if not isinstance(index, VSIndex):
@@ -174,10 +256,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
         check_attention_inputs(q, k, v, index, backend)
         if value_checks(q.device):  # the CPU always; a GPU with MTRAINING_VALIDATE=1 (it synchronises)
             index.validate(seq_len)
-        if cu_seqlens is not None:
-            # The full value check, once per tensor (one synchronisation per batch on GPUs); group
-            # None: no collective here, the agreement below compares the ranks' documents.
-            check_documents_across_ranks(cu_seqlens, seq_len, None)
+        # No collective here: the agreement below compares the ranks' documents.
+        documents = Documents.of(cu_seqlens, seq_len)
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     except Exception as err:
@@ -188,13 +268,18 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     if cp_group is not None:
         items = [] if local_error is not None else call_items(
             "sparse_ring_attention", q, k, v, layout, world if inner_size is None else inner_size, softmax_scale,
-            index, cu_seqlens)
+            index, documents)
         disagree = agreement.agree(cp_group, "sparse_ring_attention", items, local_error, _device_of(q))
     topo = ring_topology(group, inner_size)  # after the agreement: every rank asks for the same rings
     B, nb = index.block_size, seq_len // index.block_size
     blocks = _block_ids_on(q.device, seq_len, layout, topo.world_size, B)
     bitmap = index.slash_bitmap(nb)
-    documents = as_documents(cu_seqlens, seq_len, B, q.device)
-    plans = [build_step_plan(index, blocks[topo.rank], blocks[src], nb, slash_bitmap=bitmap, documents=documents)
-             for src in range(topo.world_size)]
-    return RingAttentionFunction.apply(q, k, v, topo, SparseSteps(plans, float(softmax_scale), backend), disagree)
+    tables = None if documents is None else documents.blocks(B, q.device)
+
+    def build_plan(source: int):
+        return build_step_plan(index, blocks[topo.rank], blocks[source], nb, slash_bitmap=bitmap, documents=tables)
+
+    steps = SparseSteps(build_plan, topo.world_size, float(softmax_scale), backend)
+    with instrument.measure("forward", "plan", 0):  # step 0's (own K/V): an error comes before any transfer
+        steps.prepare(topo.rank)
+    return RingAttentionFunction.apply(q, k, v, topo, steps, disagree)

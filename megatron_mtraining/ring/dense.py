@@ -10,16 +10,18 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ..attention import check_qkv
+from ..documents import Documents
 from ..index import VSIndex
 from ..kernels.dense import dense_attention_backward, dense_attention_forward
 from ..kernels.torch_step import merge_partials
 from . import agreement
-from .attention import RingAttentionFunction, _device_of, call_items, cp_group_of, sparse_ring_attention
+from .attention import (RingAttentionFunction, _device_of, call_items, cp_group_of, one_buffer,
+                        sparse_ring_attention)
 from .comm import check_inner_size, ring_topology
 
 
@@ -66,12 +68,13 @@ class DenseZigzagSteps:
 def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, layout: str = "zigzag",
                          inner_size: Optional[int] = None, softmax_scale: Optional[float] = None,
                          impl: str = "auto", block_size: int = 64,
-                         cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         cu_seqlens: Union[Documents, torch.Tensor, None] = None) -> torch.Tensor:
     """Dense causal attention across the context-parallel ``group`` (same conventions as
     ``sparse_ring_attention``). ``impl`` picks the dense kernel of the zigzag layout ("auto",
     "cudnn", "flash", "torch"); ``block_size`` is the stripe of the striped layout.
 
-    ``cu_seqlens`` (packed documents of the global sequence) masks attention to each document.
+    ``cu_seqlens`` (packed documents of the global sequence: a ``documents.Documents`` or its
+    tensor, as in ``sparse_ring_attention``) masks attention to each document.
     Either layout then runs the block-skipping sparse kernels with an all-blocks index: they skip
     whole key blocks of earlier documents and mask only blocks that straddle a boundary, which a
     per-step dense kernel call cannot express on these layouts (``impl`` is then unused)."""
@@ -101,6 +104,7 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
                              f"size = {2 * world}")
         if cp_group is not None:
             check_inner_size(inner_size, world)
+            one_buffer()  # a bad MTRAINING_RING_ONE_BUFFER raises here, before the agreement
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     except Exception as err:

@@ -6,11 +6,16 @@ a node. A flat ring is the case with one node (or one rank per node).
 
 Every wait names its place in the schedule (direction, step, whose K/V or gradients), so a
 transfer that fails or times out raises ``comm.RingCommunicationError`` saying where.
+
+With step timing on (``instrument.py``) every step records its ``compute`` and ``wait``; the
+forward's ``prepare`` (the step's plan, built just before its compute so that the host enqueues
+it while the GPU still runs the previous step) as ``plan``, and the backward's addition of the
+partial dK/dV that arrived into this step's as ``merge``.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -20,9 +25,11 @@ from .comm import RingTopology
 Tensors = Tuple[torch.Tensor, ...]
 
 
-def ring_forward(topo: RingTopology, kv: Sequence[torch.Tensor], compute: Callable[[Tensors, int], None]) -> None:
+def ring_forward(topo: RingTopology, kv: Sequence[torch.Tensor], compute: Callable[[Tensors, int], None],
+                 prepare: Optional[Callable[[int], None]] = None) -> None:
     """Call ``compute(kv_of_source, source_rank)`` once per source rank; the next K/V is in flight
-    during each call (double buffering), the next node's K/V during the whole inner loop."""
+    during each call (double buffering), the next node's K/V during the whole inner loop.
+    ``prepare(source_rank)``, if given, runs just before each compute (timed as ``plan``)."""
     W = topo.world_size
     outer_kv = tuple(kv)
     for so in range(topo.outer_size):
@@ -33,6 +40,9 @@ def ring_forward(topo: RingTopology, kv: Sequence[torch.Tensor], compute: Callab
             step = so * topo.inner_size + si
             inner_next = (topo.inner.exchange(inner_kv, ("forward", step, W, "K/V", topo.source(so, si + 1)))
                           if si + 1 < topo.inner_size else None)
+            if prepare is not None:
+                with instrument.measure("forward", "plan", step):
+                    prepare(topo.source(so, si))
             with instrument.measure("forward", "compute", step):
                 compute(inner_kv, topo.source(so, si))
             with instrument.measure("forward", "wait", step):
@@ -42,8 +52,16 @@ def ring_forward(topo: RingTopology, kv: Sequence[torch.Tensor], compute: Callab
                     outer_kv = outer_next.wait(("forward", step, W, "K/V", topo.source(so + 1, 0)))
 
 
-def _add(a: Tensors, b: Tensors) -> Tensors:
-    return tuple(x + y for x, y in zip(a, b))
+def _add(received: Tensors, owned: Tensors) -> Tensors:
+    """``received + owned``, added in place into ``owned`` (gradients this rank made or received
+    and holds alone): no allocation, and one fused launch for several tensors on a GPU
+    (``_foreach_add_``). x + y == y + x exactly, so the sums are those of the out-of-place add."""
+    if len(owned) > 1 and owned[0].is_cuda:
+        torch._foreach_add_(list(owned), list(received))
+    else:
+        for x, y in zip(received, owned):
+            y.add_(x)
+    return tuple(owned)
 
 
 def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
@@ -71,17 +89,24 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
                           if si + 1 < topo.inner_size else None)
             with instrument.measure("backward", "compute", step):
                 grads = compute(inner_kv, topo.source(so, si))
+            if inner_grads is not None:  # what earlier holders of this K/V contributed
+                with instrument.measure("backward", "wait", step):
+                    received = inner_grads.wait(("backward", step, W, "partial dK/dV", topo.source(so, si)))
+                with instrument.measure("backward", "merge", step):
+                    grads = _add(received, grads)
             with instrument.measure("backward", "wait", step):
-                if inner_grads is not None:  # what earlier holders of this K/V contributed
-                    grads = _add(inner_grads.wait(("backward", step, W, "partial dK/dV", topo.source(so, si))), grads)
                 inner_grads = topo.inner.exchange(grads, ("backward", step, W, "partial dK/dV", topo.source(so, si)))
                 if inner_next is not None:
                     inner_kv = inner_next.wait(("backward", step, W, "K/V", topo.source(so, si + 1)))
                 if si + 1 == topo.inner_size:
                     node_grads = inner_grads.wait(("backward", step, W, "dK/dV", topo.source(so, 0)))
                     if outer_grads is not None:
-                        node_grads = _add(outer_grads.wait(("backward", step, W, "dK/dV", topo.source(so, 0))),
-                                          node_grads)
+                        received = outer_grads.wait(("backward", step, W, "dK/dV", topo.source(so, 0)))
+            if si + 1 == topo.inner_size:
+                if outer_grads is not None:
+                    with instrument.measure("backward", "merge", step):
+                        node_grads = _add(received, node_grads)
+                with instrument.measure("backward", "wait", step):
                     outer_grads = topo.outer.exchange(node_grads, ("backward", step, W, "dK/dV", topo.source(so, 0)))
                     if outer_next is not None:
                         outer_kv = outer_next.wait(("backward", step, W, "K/V", topo.source(so + 1, 0)))
