@@ -24,8 +24,8 @@ requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a
 # on 2 pytest-xdist workers, one file per worker at a time (--dist loadfile) in collection order
 # (--no-loadscope-reorder): starting these first keeps one long file from running alone at the end.
 LONGEST_FIRST = ("test_megatron_core_0_19.py", "test_sparse_attention.py", "test_step.py", "test_documents.py",
-                 "test_faults_ring.py", "test_approx.py", "test_quality_packed.py", "test_resume.py",
-                 "test_failures.py", "test_megatron_pipeline.py", "test_ring.py")
+                 "test_faults_ring.py", "test_approx.py", "test_ring_scaling.py", "test_quality_packed.py",
+                 "test_resume.py", "test_failures.py", "test_megatron_pipeline.py", "test_ring.py")
 
 
 def pytest_collection_modifyitems(config, items):
