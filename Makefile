@@ -20,8 +20,16 @@ demo: setup
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone \
 		--nproc_per_node=$${NPROC:-$$($(PY) -c "$(COUNT_PROCS)")} examples/demo/demo.py
 
+# The suite on TEST_WORKERS pytest-xdist workers, a whole file per worker at a time (module-level
+# caches and fixtures are built once), the longest files first (tests/conftest.py orders them).
+# One thread per worker: 2 workers with torch's default 2 OpenMP threads each oversubscribe the
+# 2 cores (measured slower than 1 worker). Serial where pytest-xdist is missing (setup_env.sh
+# installs it; on GPU hosts it may have failed).
+TEST_WORKERS ?= 2
+XDIST = $$($(PY) -c "import xdist" 2>/dev/null && echo "-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder")
+
 test: setup
-	$(PY) -m pytest -q tests
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q $(XDIST) tests
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests

@@ -98,25 +98,38 @@ def apply_patch(root: Path, patch: Path = PATCH) -> None:
     assert git(["apply", "--check", str(patch)], root).returncode != 0
 
 
-def rerun_on_megatron_core_0_19(test_file: str, tmp_path: Path) -> None:
-    """Run ``test_file``'s other tests again in a subprocess on megatron-core 0.19.1 from the
-    unpacked tree (the GPU machines' version), on this Python, with the one shim its imports need
-    on Python 3.11 (``typing.override``). Its ``test_*on_megatron_core_0_19`` test calls this; the
-    rerun leaves that test out. Skips without the tarball."""
+def rerun_on_megatron_core_0_19(test_files: List[str], tmp_path: Path) -> None:
+    """Run ``test_files`` again in ONE subprocess on megatron-core 0.19.1 from the unpacked tree
+    (the GPU machines' version), on this Python, with the one shim its imports need on Python 3.11
+    (``typing.override``). One pytest run for all of them: the tree is unpacked, and pytest,
+    torch and megatron-core are imported, once. Asserts that the subprocess imported 0.19 and
+    that every file had passing tests and none skipped or failed. Skips without the tarball."""
     import sys
+    import xml.etree.ElementTree as ET
 
-    name = Path(test_file).name
-    root = unpack(require_tarball(f"{name} on megatron-core 0.19.1"), tmp_path / "tree")
+    names = [Path(f).name for f in test_files]
+    root = unpack(require_tarball(f"{', '.join(names)} on megatron-core 0.19.1"), tmp_path / "tree")
     shim = tmp_path / "shim"
     shim.mkdir()
-    (shim / "sitecustomize.py").write_text("import typing\nif not hasattr(typing, 'override'):\n"
-                                           "    typing.override = lambda function: function\n")
+    # The shim also records the megatron-core version the subprocess runs with (no second process).
+    version_file = tmp_path / "megatron_core_version.txt"
+    (shim / "sitecustomize.py").write_text(
+        "import typing\nif not hasattr(typing, 'override'):\n    typing.override = lambda function: function\n")
+    (shim / "megatron_version_probe.py").write_text(
+        "import megatron.core.package_info as p\n"
+        f"open({str(version_file)!r}, 'w').write(p.__version__)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), str(root), str(REPO)]))
-    version = subprocess.run([sys.executable, "-c", "import megatron.core.package_info as p; print(p.__version__)"],
-                             env=env, capture_output=True, text=True, timeout=120)
-    assert version.stdout.strip().startswith("0.19"), version.stdout + version.stderr
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", test_file,
-                          "-k", "not on_megatron_core_0_19"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=600)
+    report = tmp_path / "report.xml"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "megatron_version_probe",
+                          "-W", "ignore", f"--junitxml={report}", *test_files], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert version_file.is_file(), run.stdout[-3000:] + run.stderr[-3000:]
+    assert version_file.read_text().startswith("0.19"), version_file.read_text()
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
+    passed = {name: 0 for name in names}
+    for case in ET.parse(report).iter("testcase"):
+        module = (case.get("classname") or "").split(".")[-1] + ".py"
+        if module in passed and not list(case):  # no failure, error or skipped child
+            passed[module] += 1
+    assert all(passed.values()), f"files with no passing test on megatron-core 0.19: {passed}"

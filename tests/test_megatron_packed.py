@@ -431,19 +431,6 @@ def test_context_parallel_2_equals_one_device(megatron_cpu):
             assert torch.equal(g, results[0][i][2][name]), (what, name)
 
 
-# ---------------------------------------------------------------------------- megatron-core 0.19 (the Megatron-LM tree)
-
-
-def test_this_file_on_megatron_core_0_19(tmp_path):
-    """The GPU machines run megatron-core 0.19 (Python >= 3.12), whose batch split dispatches THD
-    batches to the per-document split and whose RoPE takes more arguments. The tests above, again,
-    on megatron-core 0.19.1 from the Megatron-LM tree (core_r0.19.0) on this Python (with the one shim
-    its imports need on Python 3.11: ``typing.override``)."""
-    from megatron_lm_tree import rerun_on_megatron_core_0_19
-
-    rerun_on_megatron_core_0_19(__file__, tmp_path)
-
-
 # ---------------------------------------------------------------------------- one Documents per micro-batch
 
 

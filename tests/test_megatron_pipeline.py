@@ -410,10 +410,3 @@ def test_interleaved_pipeline_2_x_virtual_2_x_context_parallel_2_equals_one_devi
     # on 0, 1, then chunk 0 on 2, 3, ...
     _check_against_references(results, refs, "interleaved", layer_numbers=[[[1], [3]], [[2], [4]]],
                               steps=[0, 0, 1, 1] * (VP_MICRO // PP))
-
-
-def test_this_file_on_megatron_core_0_19(tmp_path):
-    """The same on megatron-core 0.19.1 from the Megatron-LM tree (the GPU machines' version)."""
-    from megatron_lm_tree import rerun_on_megatron_core_0_19
-
-    rerun_on_megatron_core_0_19(__file__, tmp_path)

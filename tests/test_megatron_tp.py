@@ -150,10 +150,3 @@ def test_tensor_parallel_2_with_context_parallel_2_equals_tensor_parallel_only()
         # The two TP ranks hold different heads: their attention weight shards differ.
         qkv = [n for n in refs[0][i][2] if "linear_qkv.weight" in n][0]
         assert not torch.equal(refs[0][i][2][qkv], refs[1][i][2][qkv]), what
-
-
-def test_this_file_on_megatron_core_0_19(tmp_path):
-    """The same on megatron-core 0.19.1 from the Megatron-LM tree (the GPU machines' version)."""
-    from megatron_lm_tree import rerun_on_megatron_core_0_19
-
-    rerun_on_megatron_core_0_19(__file__, tmp_path)

@@ -19,8 +19,8 @@ megatron-core's optimizer and checkpoint code assume CUDA beyond what ``cpu_shim
 (``device='cuda'`` tensors, ``param.type() == 'torch.cuda.BFloat16Tensor'``, CUDA streams);
 ``_apply_optimizer_cpu_shims`` covers them, in the spawned worker processes only.
 
-The last test runs this file again on megatron-core 0.19.1 from the Megatron-LM tree (the GPU
-machines' version); it skips without the tarball.
+tests/test_megatron_core_0_19.py runs this file again on megatron-core 0.19.1 from the Megatron-LM
+tree (the GPU machines' version); it skips without the tarball.
 """
 
 from __future__ import annotations
@@ -322,11 +322,3 @@ def test_resume_equals_uninterrupted_run_two_ranks(tmp_path):
     format (whose load raised KeyError: 'step' on the GPU machines)."""
     _run(tmp_path, 2, [("torch_dist", "dp_reshardable"), ("torch_dist", "fully_reshardable"),
                        ("torch", "dp_zero_gather_scatter")])
-
-
-def test_this_file_on_megatron_core_0_19(tmp_path):
-    """The tests above on megatron-core 0.19.1 from the Megatron-LM tree (core_r0.19.0), the GPU
-    machines' version, with the one shim its imports need on Python 3.11 (``typing.override``)."""
-    from megatron_lm_tree import rerun_on_megatron_core_0_19
-
-    rerun_on_megatron_core_0_19(__file__, tmp_path)
