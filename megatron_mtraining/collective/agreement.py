@@ -85,9 +85,9 @@ def host_word(value) -> int:
     return int.from_bytes(digest, "little") & _MASK
 
 
-def _weights(n: int) -> torch.Tensor:
+def _weights(n: int, device=None) -> torch.Tensor:
     """Position weights in [1, 2^31): the checksum sees permutations, not only sums."""
-    return (torch.arange(n, dtype=torch.int64) * 2654435761) % 2147483647 + 1
+    return (torch.arange(n, dtype=torch.int64, device=device) * 2654435761) % 2147483647 + 1
 
 
 class _Layout(NamedTuple):
@@ -123,28 +123,30 @@ def _remember(cache: collections.OrderedDict, key, make):
 
 def _layout(parts: Sequence[Checksum], slots: Sequence[int], device, where) -> _Layout:
     """The cached ``_Layout`` of ``parts`` (their shapes and dtypes), on ``device``; slots on ``where``."""
-    def cat(pieces):
-        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    def cat(pieces, on):
+        return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=on)
 
     def make():
+        # Built on the devices themselves: a cache miss (a new call shape, e.g. another number of
+        # packed documents) copies nothing from the host, so it adds no host synchronisation.
         weights, column, count_at, slot = [], [], [], []
         counted = sum(p.values.numel() for p in parts)  # the counts follow the values
         for part, word_slot in zip(parts, slots):
             n = part.values.numel()
-            weights.append(_weights(n))
-            slot.append(torch.full((n,), word_slot, dtype=torch.int64))
+            weights.append(_weights(n, device))
+            slot.append(torch.full((n,), word_slot, dtype=torch.int64, device=where))
             if part.counts is None:
-                column.append(torch.zeros(n, dtype=torch.int64))
-                count_at.append(torch.full((n,), -1, dtype=torch.int64))  # the sentinel (set below)
+                column.append(torch.zeros(n, dtype=torch.int64, device=device))
+                count_at.append(torch.full((n,), -1, dtype=torch.int64, device=device))  # the sentinel (set below)
                 continue
             length = part.values.shape[-1]
             rows = part.counts.numel()
-            column.append(torch.arange(length, dtype=torch.int64).repeat(rows))
-            count_at.append(counted + torch.arange(rows, dtype=torch.int64).repeat_interleave(length))
+            column.append(torch.arange(length, dtype=torch.int64, device=device).repeat(rows))
+            count_at.append(counted + torch.arange(rows, dtype=torch.int64, device=device).repeat_interleave(length))
             counted += rows
-        count_at = cat(count_at)
-        count_at[count_at < 0] = counted  # the sentinel is the concatenation's last entry
-        return _Layout(cat(weights).to(device), cat(column).to(device), count_at.to(device), cat(slot).to(where))
+        count_at = cat(count_at, device)
+        count_at.masked_fill_(count_at < 0, counted)  # the sentinel is the concatenation's last entry
+        return _Layout(cat(weights, device), cat(column, device), count_at, cat(slot, where))
 
     for part in parts:
         if part.counts is not None and (part.values.dim() == 0 or part.counts.shape != part.values.shape[:-1]):
