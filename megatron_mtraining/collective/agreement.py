@@ -332,8 +332,11 @@ def agree(group, what: str, items: Sequence[Tuple[str, Word, object]], local_err
     try:
         wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
     except Exception as err:
+        # The approximator agrees too (no ring there): name the step by what it belongs to.
+        owner, first = (("MTraining ring attention", "the first ring transfer") if "ring" in what
+                        else ("MTraining", "its first collective"))
         raise RingCommunicationError(
-            f"MTraining ring attention ({what}): the agreement step before the first ring transfer failed: "
+            f"{owner} ({what}): the agreement step before {first} failed: "
             f"{type(err).__name__}: {err}\nA peer process died or stopped before this call, or does not make it "
             "(look for the first error in the other ranks' logs), or it is slower than the transfer timeout: "
             "Megatron's --distributed-timeout-minutes, init_process_group(timeout=...) or MTRAINING_RING_TIMEOUT_S. "
