@@ -112,10 +112,12 @@ class Documents:
     def __init__(self, cu_seqlens: torch.Tensor, seq_len: int, where: str = "cu_seqlens",
                  check_values: bool = True):
         _validate(cu_seqlens, int(seq_len), where, check_values)
-        object.__setattr__(self, "cu_seqlens", cu_seqlens.detach().clone())
-        object.__setattr__(self, "seq_len", int(seq_len))
-        object.__setattr__(self, "values_checked", bool(check_values))
-        object.__setattr__(self, "_derived", {})
+        self._fill(cu_seqlens.detach().clone(), int(seq_len), bool(check_values))
+
+    def _fill(self, cu_seqlens: torch.Tensor, seq_len: int, values_checked: bool) -> None:
+        for name, value in (("cu_seqlens", cu_seqlens), ("seq_len", seq_len), ("values_checked", values_checked),
+                            ("_derived", {})):
+            object.__setattr__(self, name, value)
 
     def __setattr__(self, name, value):
         raise AttributeError(f"Documents is immutable (tried to set {name!r})")
@@ -210,10 +212,8 @@ class Documents:
 
 
 def _restore(cu_seqlens: torch.Tensor, seq_len: int, values_checked: bool) -> Documents:
-    documents = object.__new__(Documents)
-    for name, value in (("cu_seqlens", cu_seqlens), ("seq_len", seq_len), ("values_checked", values_checked),
-                        ("_derived", {})):
-        object.__setattr__(documents, name, value)
+    documents = object.__new__(Documents)  # already checked: no second validation
+    documents._fill(cu_seqlens, seq_len, values_checked)
     return documents
 
 

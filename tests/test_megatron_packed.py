@@ -40,7 +40,7 @@ from megatron_mtraining.integration import attention as mt_attention  # noqa: E4
 from megatron_mtraining.integration import packing, patches  # noqa: E402
 from megatron_mtraining.testing.cpu_shims import apply_cpu_shims  # noqa: E402
 from megatron_mtraining.integration.spec import get_gpt_layer_spec  # noqa: E402
-from megatron_batch import cp_split  # noqa: E402
+from megatron_batch import FakeGroup, cp_split  # noqa: E402
 from oracle import rel_err  # noqa: E402
 
 SEQ, VOCAB, EOD, BLOCK = 512, 128, 7, 64
@@ -331,27 +331,17 @@ def test_thd_rope_over_cp_matches_megatron_on_one_device():
 
     from megatron_mtraining.layout import local_positions
 
-    class Group:
-        def __init__(self, size, rank):
-            self.s, self.r = size, rank
-
-        def size(self):
-            return self.s
-
-        def rank(self):
-            return self.r
-
     with apply_cpu_shims():
         freqs = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)(150)
     config = transformer_config()
     cu = torch.tensor(CU, dtype=torch.int32)
     t = torch.randn(SEQ, 4, 16)
-    full = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=Group(1, 0))
+    full = rope_utils.apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=FakeGroup(1, 0))
     for layout in ("striped", "zigzag"):
         patches.install(mt_config(layout=layout))
         for rank in range(2):
             pos = local_positions(SEQ, layout, 2, rank, BLOCK)
-            local = rope_utils.apply_rotary_pos_emb(t[pos], freqs, config, cu_seqlens=cu, cp_group=Group(2, rank))
+            local = rope_utils.apply_rotary_pos_emb(t[pos], freqs, config, cu_seqlens=cu, cp_group=FakeGroup(2, rank))
             assert torch.allclose(local, full[pos], atol=1e-6), (layout, rank)
         patches.uninstall()
 
