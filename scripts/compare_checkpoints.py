@@ -20,9 +20,12 @@ What is compared, each entry of A against the same entry of B:
   bit-equal (same dtype, shape and bytes; NaN and -0.0 compared as bits);
 * every sharded object (bytes entries: RNG states, optimizer step and param groups, TE extra
   state), decoded and compared value by value (tensors in them bit-equal);
-* ``common.pt`` (the unsharded rest) except ``args``, which names each run's own --save / --load.
-Entries under an ``--ignore`` prefix are compared too, but their differences are printed as notes
-and do not fail.
+* ``common.pt`` (the unsharded rest), value by value.
+Megatron's ``args`` (an ``argparse.Namespace``, in ``common.pt`` and, on Transformer Engine layers,
+in the ``common_state`` sharded object too) is the run's configuration, not its state, and names
+each run's own --save / --load / --exit-interval: its differing fields are printed as notes and do
+not fail. Entries under an ``--ignore`` prefix are compared too, but their differences are printed
+as notes and do not fail.
 Objects of classes that do not import here (Megatron's) are compared by their pickled state.
 
 One limit: megatron-core (0.19, ``dp_reshardable`` optimizer state) fills the gaps between
@@ -196,8 +199,16 @@ def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
     return text
 
 
-def same(a: Any, b: Any, path: str = "") -> Tuple[bool, str]:
-    """Values of decoded objects: (equal, where they first differ)."""
+def same(a: Any, b: Any, path: str = "", notes: Optional[List[str]] = None) -> Tuple[bool, str]:
+    """Values of decoded objects: (equal, where they first differ). A run's configuration
+    (``argparse.Namespace``) counts as equal; where its fields differ, that goes to ``notes``."""
+    if isinstance(a, argparse.Namespace) and isinstance(b, argparse.Namespace):
+        a_fields, b_fields = vars(a), vars(b)
+        differing = sorted(k for k in set(a_fields) | set(b_fields)
+                           if k not in a_fields or k not in b_fields or not same(a_fields[k], b_fields[k])[0])
+        if differing and notes is not None:
+            notes.append(f"{path}: run configuration (args) differs in {', '.join(differing)}")
+        return True, ""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False, f"{path}: {type(a).__name__} vs {type(b).__name__}"
@@ -207,7 +218,7 @@ def same(a: Any, b: Any, path: str = "") -> Tuple[bool, str]:
         if set(a) != set(b):
             return False, f"{path}: keys {sorted(map(str, set(a) ^ set(b)))} on one side only"
         for k in a:
-            ok, where = same(a[k], b[k], f"{path}[{k!r}]")
+            ok, where = same(a[k], b[k], f"{path}[{k!r}]", notes)
             if not ok:
                 return ok, where
         return True, ""
@@ -215,7 +226,7 @@ def same(a: Any, b: Any, path: str = "") -> Tuple[bool, str]:
         if type(a) is not type(b) or len(a) != len(b):
             return False, f"{path}: {type(a).__name__} of {len(a)} vs {type(b).__name__} of {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):
-            ok, where = same(x, y, f"{path}[{i}]")
+            ok, where = same(x, y, f"{path}[{i}]", notes)
             if not ok:
                 return ok, where
         return True, ""
@@ -227,7 +238,7 @@ def same(a: Any, b: Any, path: str = "") -> Tuple[bool, str]:
         # Serialized state (TE's extra state is a torch.save payload): torch.save writes a fresh
         # serialization id each time, so equal values can differ as bytes; compare what they hold.
         try:
-            return same(decode(a), decode(b), path)
+            return same(decode(a), decode(b), path, notes)
         except Exception:
             return False, f"{path}: bytes differ ({len(a)} vs {len(b)} bytes)"
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
@@ -249,6 +260,7 @@ class Report:
     compared: Dict[str, int] = field(default_factory=lambda: {"model": 0, "optimizer": 0, "object": 0, "common": 0})
     differences: List[Tuple[str, str, str]] = field(default_factory=list)  # (kind, key, what)
     notes: List[Tuple[str, str, str]] = field(default_factory=list)  # differences of --ignore'd entries
+    configuration: List[str] = field(default_factory=list)  # where the runs' args differ (never fails)
     ignore: Tuple[str, ...] = ()
 
     def add(self, kind: str, key: str, what: str) -> None:
@@ -262,7 +274,7 @@ def kind_of(key: str, meta) -> str:
 
 
 def compare(a_folder: str, b_folder: str, ignore: Tuple[str, ...] = ()) -> Report:
-    report = Report(ignore=ignore)
+    report, configuration = Report(ignore=ignore), []
     meta_a, meta_b = read_metadata(a_folder).state_dict_metadata, read_metadata(b_folder).state_dict_metadata
     for key in sorted(set(meta_a) | set(meta_b)):
         if key not in meta_b or key not in meta_a:
@@ -276,7 +288,9 @@ def compare(a_folder: str, b_folder: str, ignore: Tuple[str, ...] = ()) -> Repor
             continue
         a, b = load_entry(a_folder, key, meta_a[key]), load_entry(b_folder, key, meta_b[key])
         if kind == "object":  # megatron-core stores torch.save([object]): compared decoded (see same())
-            ok, where = same(a, b)
+            entry_notes: List[str] = []
+            ok, where = same(a, b, notes=entry_notes)
+            configuration += [f"{key} {note}" for note in entry_notes]
             if not ok:
                 report.add(kind, key, where.lstrip(": ") or "differs")
         else:
@@ -291,15 +305,14 @@ def compare(a_folder: str, b_folder: str, ignore: Tuple[str, ...] = ()) -> Repor
         else:
             a, b = (decode(open(p, "rb").read()) for p in (common_a, common_b))
             for key in sorted(set(a) | set(b), key=str):
-                if key == "args":  # each run's own --save / --load / --exit-interval
-                    continue
                 report.compared["common"] += 1
                 if key not in a or key not in b:
                     report.add("common", str(key), f"missing in {'B' if key not in b else 'A'}")
                     continue
-                ok, where = same(a[key], b[key], str(key))
+                ok, where = same(a[key], b[key], str(key), configuration)
                 if not ok:
                     report.add("common", str(key), where)
+    report.configuration = configuration
     return report
 
 
@@ -336,6 +349,8 @@ def main(argv=None) -> int:
         print(f"  ... and {len(report.differences) - args.show} more differing entries")
     for kind, key, what in report.notes[:args.show]:
         print(f"  note {kind} {key}: {what} (not counted: --ignore)")
+    for note in report.configuration:
+        print(f"  note {note} (not counted: each run's own --save / --load / ...)")
     ok = not report.differences and total > 0
     if not total:
         print("  FAIL nothing to compare")

@@ -101,7 +101,8 @@ def test_equal_checkpoints_pass(tmp_path):
     b = write_checkpoint(tmp_path / "b", save_dir="/ckpt/b")  # args differ: each run's own --save
     rc, text = run(a, b)
     assert rc == 0, text
-    assert "3 model, 3 optimizer, 2 object, 4 common entries" in text and "RESULT: PASS" in text
+    assert "3 model, 3 optimizer, 2 object, 5 common entries" in text and "RESULT: PASS" in text
+    assert "note args: run configuration (args) differs in load, save" in text, text
     rc, text = run(a / f"iter_{ITERATION:07d}", b, "--iteration", str(ITERATION))  # an iter folder, or the root
     assert rc == 0 and "RESULT: PASS" in text, text
 
@@ -178,6 +179,22 @@ def test_sharded_objects_and_common_are_compared(tmp_path):
     assert rc == 0 and "note common opt_param_scheduler: opt_param_scheduler['num_steps']: 6 vs 5" in text, text
     rc, text = run(a, b, "--ignore", "rng_state")
     assert rc == 0 and f"note object {RNG}: [0]['cuda_rng_state']: 1 of 8" in text, text
+
+
+def test_run_configuration_in_a_sharded_object_is_noted_not_failed(tmp_path):
+    """On TE layers megatron-core also saves the args inside the ``common_state`` sharded object;
+    they differ between the resumed and the uninterrupted run (--load, --save) and do not fail,
+    while a state value beside them still does."""
+    def objects(save_dir, step):
+        return {"common_state/shard_0_1": {"args": Namespace(save=save_dir, load=None, seed=1234), "step": step}}
+    a = write_checkpoint(tmp_path / "a", objects=objects("/ckpt/a_resume", 6))
+    b = write_checkpoint(tmp_path / "b", objects=objects("/ckpt/a_full", 6))
+    c = write_checkpoint(tmp_path / "c", objects=objects("/ckpt/a_full", 5))
+    rc, text = run(a, b)
+    assert rc == 0 and "RESULT: PASS" in text, text
+    assert "note common_state/shard_0_1 [0]['args']: run configuration (args) differs in save" in text, text
+    rc, text = run(a, c)
+    assert rc == 1 and "FAIL object common_state/shard_0_1: [0]['step']: 6 vs 5" in text, text
 
 
 def test_classes_that_do_not_import_are_compared_by_state(tmp_path):
