@@ -88,3 +88,16 @@ def test_own_checks_raise_without_peers_and_record_with_them():
         with agreement.OwnChecks(object()):
             raise KeyboardInterrupt
     assert agreement.OwnChecks(None).agree("f", lambda: 1 / 0, torch.device("cpu")) is None  # items not built
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_poison_is_the_cast_itself(dtype):
+    """A good call's output is bit for bit ``out.to(dtype)`` (signed zeros, infinities, rounding);
+    a disagreement makes every entry NaN; the cast and the poison are one result."""
+    out = torch.randn(2, 3, 40, 8, generator=torch.Generator().manual_seed(0)) * 300
+    out[0, 0, 0, :3] = torch.tensor([-0.0, float("inf"), -float("inf")])
+    good = agreement.poison(out.clone(), torch.tensor(False), dtype)
+    assert good.dtype == dtype and torch.equal(good.view(torch.uint8), out.to(dtype).view(torch.uint8))
+    bad = agreement.poison(out.clone(), torch.tensor(True), dtype)
+    assert bad.dtype == dtype and bool(torch.isnan(bad).all())
+    assert torch.equal(agreement.poison(out.clone(), None, dtype), out.to(dtype))

@@ -175,7 +175,7 @@ class RingAttentionFunction(torch.autograd.Function):
             ring_forward(topo, (torch.stack((k, v)),), lambda kv, source: step(kv[0][0], kv[0][1], source), prepare)
         else:
             ring_forward(topo, (k, v), lambda kv, source: step(kv[0], kv[1], source), prepare)
-        out = agreement.poison(out, disagree).to(q.dtype)  # deferred agreement: NaN if the ranks disagreed
+        out = agreement.poison(out, disagree, q.dtype)  # deferred agreement: NaN if the ranks disagreed
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.topo, ctx.steps, ctx.stacked = topo, steps, stacked
         return out
