@@ -219,9 +219,8 @@ def same_setup_times(results: List[Result]) -> Dict[Tuple, Tuple[float, str]]:
     for path, data in results:
         meta = data.get("meta", {})
         config = data.get("config", {})
-        if config.get("slow_link_gbps") or config.get("ring_one_buffer") or meta.get("dirty") \
-                or short_commit(data) == "unknown":
-            continue  # another link, the ring's A/B switch, or code that no commit names
+        if config.get("slow_link_gbps") or meta.get("dirty") or short_commit(data) == "unknown":
+            continue  # another link, or code that no commit names
         device = meta.get("device", "?")
         for run in data.get("runs", []):
             for name, section in run.get("variants", {}).items():
@@ -256,7 +255,7 @@ def causal_work_ratio(tokens_per_gpu: int, world: int) -> float:
 
 def weak_scaling_points(results: List[Result]) -> List[Dict]:
     """Weak-scaling efficiency at fixed tokens per GPU T, pairing only runs of one device and one
-    commit (plain links, no A/B switch):
+    commit (plain links):
 
         efficiency = T_1(S = T) * (W*T + 1) / (T + 1) / T_W(S = W*T)
 
@@ -311,8 +310,6 @@ def render_ring(results: List[Result], heading: str = "**Ring attention, one lay
         device = data.get("meta", {}).get("device", "?")
         gbps = data.get("config", {}).get("slow_link_gbps")
         link = f"emulated {gbps:g} GB/s between nodes" if gbps else ""
-        if data.get("config", {}).get("ring_one_buffer"):
-            link = "; ".join(x for x in (link, "K/V as one buffer (MTRAINING_RING_ONE_BUFFER=1)") if x)
         # The index conversion ran in PyTorch where the compiled extension was not built.
         conversion = "" if data.get("meta", {}).get("extension", "built with CUDA") == "built with CUDA" \
             else "conversion in PyTorch"
@@ -628,8 +625,6 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
     for path, data in results.get("ring", []):
         if data.get("config", {}).get("slow_link_gbps"):  # emulated slow link: its own key below
             continue
-        if data.get("config", {}).get("ring_one_buffer"):  # the ring's A/B switch: tabled, not a headline
-            continue
         for run in data.get("runs", []):
             if run["seq_len"] != 524288 or run["world_size"] != 4:
                 continue
@@ -944,36 +939,26 @@ def update_section(path: str, section: str, check: bool) -> bool:
 def ring_scaling_report(results: List[Result]) -> str:
     """The scaling figures of one device call's ring files (``scripts/gpu_ring_scaling.sh``): taken
     as one commit whatever their metadata says, strong and weak efficiency by the formulas above, the
-    per-step timeline of every run (ms summed over steps, mean over ranks, fwd+bwd) and the A/B
-    switch's runs against the default runs of their world size."""
+    per-step timeline of every run (ms summed over steps, mean over ranks, fwd+bwd)."""
     one_call = []
     commit = short_commit(results[0][1]) if results else "unknown"
     for path, data in results:
         meta = dict(data.get("meta", {}), commit=commit, dirty=None)
         one_call.append((path, dict(data, meta=meta)))
-    rows, default_ms = [], {}
+    rows = []
     for path, data in one_call:
-        for run in data.get("runs", []):
-            section = run.get("variants", {}).get("sparse_striped", {})
-            if not data.get("config", {}).get("ring_one_buffer"):
-                default_ms[(run["world_size"], run["seq_len"])] = section.get("fwdbwd_ms")
-    for path, data in one_call:
-        one_buffer = bool(data.get("config", {}).get("ring_one_buffer"))
         for run in data.get("runs", []):
             section = run.get("variants", {}).get("sparse_striped", {})
             line = section.get("steps", {}).get("timeline", {}).get("fwd_bwd", {})
             imbalance = section.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {})
-            base = default_ms.get((run["world_size"], run["seq_len"])) if one_buffer else None
-            ms = section.get("fwdbwd_ms")
             rows.append([str(run["world_size"]), tokens(run["seq_len"]), tokens(run["tokens_per_rank"]),
-                         "one buffer" if one_buffer else "default", num(ms),
+                         num(section.get("fwdbwd_ms")),
                          " / ".join(num(line.get(f"{kind}_ms", {}).get("mean"), 1)
                                     for kind in ("compute", "wait", "plan", "merge")),
                          num(imbalance.get("computation_ratio")),
-                         num(base / ms, 3) if base and ms else "",
                          "; ".join(str(e)[:60] for e in section.get("errors", {}).values())])
-    timeline = table(["W", "S", "per GPU", "ring", "fwd+bwd ms", "steps: compute / wait / plan / merge ms",
-                      "compute ratio", "default / this", "error"], rows)
+    timeline = table(["W", "S", "per GPU", "fwd+bwd ms", "steps: compute / wait / plan / merge ms",
+                      "compute ratio", "error"], rows)
     return "\n\n".join(x for x in (ring_scaling(one_call), weak_scaling_table(one_call), timeline) if x)
 
 

@@ -100,7 +100,6 @@ class Config:
     slow_link_latency_us: float = 0.0
     documents: bool = False  # pack common.DOCUMENT_MIX_128K (scaled) into every sequence
     tokens_per_gpu: Sequence[int] = ()  # weak scaling: these tokens per GPU (S = T x W), beside seq_lens
-    ring_one_buffer: bool = False  # MTRAINING_RING_ONE_BUFFER=1 (ring/attention.py's A/B switch) was set
 
 
 # ----------------------------------------------------------------------------------------------
@@ -618,8 +617,7 @@ def make_config(args, world_size: int) -> Config:
     seq_lens = sorted(set(explicit) | {t * world_size for t in tokens_per_gpu}) or \
         parse_lengths(DEFAULT_SEQ_LENS, "--seq-lens")
     common = dict(world_size=world_size, density=args.density, tokens_per_gpu=tuple(tokens_per_gpu),
-                  ring_one_buffer=os.environ.get("MTRAINING_RING_ONE_BUFFER", "0") == "1", seed=args.seed,
-                  inner_size=args.inner_size,
+                  seed=args.seed, inner_size=args.inner_size,
                   native_rotate=args.native_rotate, native_sdpa=tuple(s for s in args.native_sdpa.split(",") if s),
                   forward_only=not args.no_fwd, variants=tuple(variants), scaling=args.scaling,
                   slow_link_gbps=args.slow_link_gbps, slow_link_latency_us=args.slow_link_latency_us,
@@ -677,10 +675,6 @@ def main(argv=None) -> int:
     result: Dict = {"benchmark": "ring", "smoke": cfg.smoke, "meta": meta, "config": dataclasses.asdict(cfg),
                     "notes": list(NOTES), "runs": []}
     result["config"]["index_kind"] = "fixed"
-    if cfg.ring_one_buffer:
-        result["notes"].insert(0, "MTRAINING_RING_ONE_BUFFER=1: K/V and dK/dV travel as one stacked buffer "
-                               "(ring/attention.py's A/B switch); make_tables.py keeps such runs out of the "
-                               "scaling figures.")
     if cfg.slow_link_gbps:
         result["notes"].insert(0, f"Emulated slow link between nodes of {cfg.inner_size} GPUs: "
                                f"{cfg.slow_link_gbps:g} GB/s, {cfg.slow_link_latency_us:g} us (ring/slow_link.py); "

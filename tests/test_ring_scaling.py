@@ -1,7 +1,7 @@
 """The ring at small work per GPU, on the CPU: benchmarks/ring.py's weak-scaling mode and per-step
-timeline (smoke run, gloo), make_tables.py's weak-scaling figures, and the ring's per-step paths
-(plans built step by step, in-place dK/dV merge, ``MTRAINING_RING_ONE_BUFFER``) against the
-default path and the single-device reference."""
+timeline (smoke run, gloo), make_tables.py's weak-scaling figures, and scripts/gpu_ring_scaling.sh
+(its dry run, and its shell logic end to end on CPU ranks). The ring's results against the
+single-device reference are tests/test_ring.py's."""
 
 from __future__ import annotations
 
@@ -11,32 +11,22 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
-from dist_utils import run_distributed
-from megatron_mtraining import VSIndex, sparse_attention
-from megatron_mtraining.layout import gather_sequence, shard_sequence
-from oracle import rel_err
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import make_tables  # noqa: E402
 
-B = 16
-ONE_BUFFER = "MTRAINING_RING_ONE_BUFFER"
-
 
 # ----------------------------------------------------------------------------- make_tables
 
 
-def _ring_file(commit, world, times, one_buffer=False, active=None):
+def _ring_file(commit, world, times, active=None):
     """A ring result: {seq_len: sparse striped fwd+bwd ms}; ``active``: {seq_len: active pairs}."""
     runs = [{"seq_len": n, "world_size": world, "tokens_per_rank": n // world,
              "index": {"active_pairs": (active or {}).get(n)},
              "variants": {"sparse_striped": {"fwdbwd_ms": ms}}} for n, ms in times.items()]
-    config = {"ring_one_buffer": True} if one_buffer else {}
-    return {"meta": {"device": "GPU", "commit": commit}, "config": config, "runs": runs}
+    return {"meta": {"device": "GPU", "commit": commit}, "config": {}, "runs": runs}
 
 
 def test_weak_scaling_divides_out_the_causal_work():
@@ -45,8 +35,6 @@ def test_weak_scaling_divides_out_the_causal_work():
                                           active={T: 1000.0})),
                ("r/4gpu.json", _ring_file("aaaaaaa", 4, {4 * T: 440.0, 512 * K: 160.0},
                                           active={4 * T: 16000.0})),
-               # The A/B switch's run, faster: neither a weak nor a strong figure may come from it.
-               ("r/4gpu_ab.json", _ring_file("aaaaaaa", 4, {4 * T: 300.0, 512 * K: 100.0}, one_buffer=True)),
                ("r/2gpu_old.json", _ring_file("bbbbbbb", 2, {2 * T: 100.0}))]  # no 1-GPU run of its commit
     # An earlier file with the dense baseline: the scaling files (sparse only) keep its speedup.
     with_dense = _ring_file("ccccccc", 4, {512 * K: 170.0})
@@ -65,7 +53,6 @@ def test_weak_scaling_divides_out_the_causal_work():
     assert summary["ring_speedup_vs_dense_512k_4gpu"] == 9.0
     table = make_tables.weak_scaling_table(results)
     assert "| GPU | aaaaaaa | 32K | sparse ring, striped | 4 | 100.00 | 440.00 | 4.000 | 4.000 | 0.91 |" in table
-    assert "K/V as one buffer" in make_tables.render_ring(results)
 
 
 # ----------------------------------------------------------------------------- benchmarks/ring.py
@@ -84,7 +71,7 @@ def test_ring_benchmark_weak_scaling_smoke(tmp_path):
     result = json.loads(out.read_text())
     assert [r["seq_len"] for r in result["runs"]] == [128, 256, 512]
     assert [r["tokens_per_rank"] for r in result["runs"]] == [64, 128, 256]
-    assert result["config"]["tokens_per_gpu"] == [64, 128] and result["config"]["ring_one_buffer"] is False
+    assert result["config"]["tokens_per_gpu"] == [64, 128]
     assert result["scaling"]["tokens_per_gpu"] == [64, 128] and len(result["scaling"]["points"]) == 6
     steps = result["runs"][0]["variants"]["sparse_striped"]["steps"]
     for phase in ("forward", "backward", "fwd_bwd"):
@@ -112,112 +99,6 @@ def test_ring_benchmark_rejects_bad_lengths():
     assert ring_benchmark.make_config(ring_benchmark.parse_args([]), 4).seq_lens == [262144, 524288]
 
 
-# ----------------------------------------------------------------------------- the ring's paths
-
-CASES = {  # name: (layout, global length, inner_size, q heads, kv heads, dense ring)
-    "striped-flat": ("striped", 128, None, 4, 2, False),
-    "zigzag-flat": ("zigzag", 256, None, 4, 1, False),
-    "striped-hier2": ("striped", 128, 2, 4, 2, False),
-    "dense-zigzag": ("zigzag", 256, None, 4, 2, True),
-}
-
-
-def _inputs(seq_len, hq, hkv, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, hq, seq_len, 16, generator=g)
-    k, v = (torch.randn(2, hkv, seq_len, 16, generator=g) for _ in range(2))
-    grad = torch.randn(2, hq, seq_len, 16, generator=g)
-    index = VSIndex.random(2, hq, seq_len, B, max_slash=5, max_vertical=24, generator=g)
-    return q, k, v, grad, index
-
-
-def _paths_worker(rank: int, world_size: int) -> dict:
-    """Every case under both settings of the switch: local out/dq/dk/dv, the tensors per exchange."""
-    from megatron_mtraining import dense_ring_attention, sparse_ring_attention
-    from megatron_mtraining.ring import comm
-
-    sent = []
-    exchange = comm.Ring.exchange
-
-    def counting(self, tensors, context=None):
-        if self.size > 1:
-            sent.append(len(tensors))
-        return exchange(self, tensors, context)
-
-    comm.Ring.exchange = counting
-    results = {}
-    for setting in ("0", "1"):
-        os.environ[ONE_BUFFER] = setting
-        for name, (layout, n, inner, hq, hkv, dense) in CASES.items():
-            q, k, v, grad, index = _inputs(n, hq, hkv)
-
-            def shard(x):
-                return shard_sequence(x, 2, layout, world_size, rank, B)
-
-            q, k, v = (shard(x).requires_grad_() for x in (q, k, v))
-            del sent[:]
-            if dense:
-                out = dense_ring_attention(q, k, v, layout=layout, inner_size=inner, impl="torch")
-            else:
-                out = sparse_ring_attention(q, k, v, index, layout=layout, inner_size=inner, backend="torch")
-            dq, dk, dv = torch.autograd.grad(out, (q, k, v), shard(grad))
-            results[(setting, name)] = {"out": out, "dq": dq, "dk": dk, "dv": dv, "sent": sorted(set(sent))}
-    os.environ.pop(ONE_BUFFER)
-    return results
-
-
-@pytest.fixture(scope="module")
-def path_results():
-    return run_distributed(_paths_worker, 4, timeout=240)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_one_buffer_is_bitwise_the_default_path(path_results, name):
-    layout, n, _, hq, hkv, dense = CASES[name]
-    for rank, per_rank in enumerate(path_results):
-        two, one = per_rank[("0", name)], per_rank[("1", name)]
-        assert (two["sent"], one["sent"]) == ([2], [1]), f"rank {rank}: tensors per hop {two['sent']}, {one['sent']}"
-        for what in ("out", "dq", "dk", "dv"):
-            assert torch.equal(two[what], one[what]), f"{name}: rank {rank} {what} differs with {ONE_BUFFER}=1"
-    if dense:
-        return
-    # And both equal the single-device attention (the plans are built step by step now).
-    q, k, v, grad, index = _inputs(n, hq, hkv)
-    q, k, v = (x.requires_grad_() for x in (q, k, v))
-    want_out = sparse_attention(q, k, v, index, backend="torch")
-    want = dict(zip(("out", "dq", "dk", "dv"), (want_out,) + torch.autograd.grad(want_out, (q, k, v), grad)))
-    for what, ref in want.items():
-        got = gather_sequence([r[("1", name)][what] for r in path_results], 2, layout, B)
-        assert rel_err(got, ref.detach()) < 1e-5, f"{name}: {what}"
-
-
-def _mismatch_worker(rank: int, world_size: int) -> list:
-    """Ranks that disagree on the switch, then a bad value on one rank: every rank raises."""
-    from megatron_mtraining import sparse_ring_attention
-
-    q, k, v, _, index = _inputs(64, 4, 2)
-    q, k, v = (shard_sequence(x, 2, "striped", world_size, rank, B) for x in (q, k, v))
-    outcomes = []
-    for values in (("1", "0"), ("0", "yes")):
-        os.environ[ONE_BUFFER] = values[rank]
-        try:
-            sparse_ring_attention(q, k, v, index, backend="torch")
-            outcomes.append(("no error", ""))
-        except Exception as err:  # noqa: BLE001 (checked in the parent)
-            outcomes.append((type(err).__name__, str(err)))
-    os.environ.pop(ONE_BUFFER)
-    return outcomes
-
-
-def test_ranks_that_differ_on_the_switch_all_raise():
-    per_rank = run_distributed(_mismatch_worker, 2, timeout=120)
-    for rank in (0, 1):
-        kind, message = per_rank[rank][0]
-        assert kind == "RingAgreementError" and ONE_BUFFER in message, (rank, kind, message)
-    assert per_rank[1][1][0] == "ValueError" and "'yes'" in per_rank[1][1][1]
-    assert per_rank[0][1][0] == "RingAgreementError", per_rank[0][1]
-
-
 # ----------------------------------------------------------------------------- scripts/gpu_ring_scaling.sh
 
 
@@ -229,10 +110,10 @@ def test_gpu_script_dry_run_lists_every_call(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert "tests/ring_gpu_worker.py" in lines[0] and "--nproc_per_node 4" in lines[0]  # the check comes first
     calls = lines[1:]
-    assert [c.split("--nproc_per_node ")[1].split()[0] for c in calls] == ["1", "2", "4", "4"]
+    assert [c.split("--nproc_per_node ")[1].split()[0] for c in calls] == ["1", "2", "4"]
     assert all("--seq-lens 524288 --tokens-per-gpu 16384,32768,131072" in c for c in calls)
-    assert [c.split()[1] for c in calls] == ["MTRAINING_RING_ONE_BUFFER=0"] * 3 + ["MTRAINING_RING_ONE_BUFFER=1"]
-    assert calls[-1].split("--out ")[1].split()[0].endswith("ring_gpu_4gpu_onebuffer.json")
+    assert [c.split("--out ")[1].split()[0].rsplit("/", 1)[1] for c in calls] == [
+        "ring_gpu_1gpu_scaling.json", "ring_gpu_2gpu_scaling.json", "ring_gpu_4gpu_scaling.json"]
 
 
 def test_gpu_script_runs_on_the_cpu(tmp_path):
@@ -256,11 +137,12 @@ def test_gpu_script_runs_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "skipping 4 GPUs: this machine has 2" in proc.stdout
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["gpu.txt", "ring_gpu_1gpu_scaling.json", "ring_gpu_2gpu_onebuffer.json",
-                     "ring_gpu_2gpu_scaling.json", "ring_scaling_logs.tgz"], names
-    onebuffer = json.loads((out / "ring_gpu_2gpu_onebuffer.json").read_text())
-    assert onebuffer["config"]["ring_one_buffer"] is True
+    assert names == ["gpu.txt", "ring_gpu_1gpu_scaling.json", "ring_gpu_2gpu_scaling.json",
+                     "ring_scaling_logs.tgz"], names
     table = proc.stdout.split("Weak scaling")[1]
     weak_rows = [line for line in table.splitlines() if line.startswith("| cpu")]
     assert [row.split(" | ")[2] for row in weak_rows] == ["64", "128"]  # T per GPU, paired with the 1-CPU runs
-    assert "| 2 | 512 | 256 | one buffer |" in proc.stdout
+    # The per-run timeline: one row per (W, S), its fwd+bwd time and step breakdown filled in.
+    timeline = [line for line in proc.stdout.splitlines() if line.startswith("| 2 | 512 | 256 |")]
+    assert len(timeline) == 1, proc.stdout[-2000:]
+    assert float(timeline[0].split(" | ")[3]) > 0.0

@@ -9,16 +9,12 @@ dK/dV travel home with their K/V. The result equals ``sparse_attention`` on the 
 Per-step fixed costs: the plan of step 0 is built before the ring starts (a conversion error is
 raised before any transfer); the others just before their step (``SparseSteps.prepare``), so the
 host enqueues them while the GPU runs the previous step. The first step of each direction writes
-the fp32 output and dQ rather than merging into zeroed buffers. ``MTRAINING_RING_ONE_BUFFER=1`` (A/B
-switch, off by default until measured) moves K and V as one stacked buffer and dK, dV as one fp32
-buffer: one send and one receive per ring hop instead of two, one memset and one add per step
-(``ONE_BUFFER_ENV``; the results are bitwise those of the default path).
+the fp32 output and dQ rather than merging into zeroed buffers.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from typing import Callable, List, Optional, Union
 
 import torch
@@ -38,7 +34,6 @@ from .comm import check_inner_size, ring_topology
 from .schedule import ring_backward, ring_forward
 
 _BLOCK_IDS = {}
-ONE_BUFFER_ENV = "MTRAINING_RING_ONE_BUFFER"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -78,9 +73,7 @@ def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, i
              ("layout", host_word(layout), layout),
              ("inner_size", host_word(inner_size), inner_size),
              ("softmax scale", host_word(float(softmax_scale)), softmax_scale),
-             ("cu_seqlens given", documents is not None, documents is not None),
-             # Stacked or separate K/V change what each hop sends: ranks that differ would mismatch.
-             (ONE_BUFFER_ENV, int(one_buffer()), one_buffer())]
+             ("cu_seqlens given", documents is not None, documents is not None)]
     # A fixed list of items (zeros for what a call does not have), so every rank names them alike.
     given = documents is not None
     cu_seqlens = documents.cu_seqlens if given else None
@@ -135,15 +128,6 @@ class SparseSteps:
                       accumulate_dq=accumulate_dq)
 
 
-def one_buffer() -> bool:
-    """``MTRAINING_RING_ONE_BUFFER``: "1" moves K/V (and dK/dV) as one stacked buffer, "0" or unset
-    as two tensors."""
-    value = os.environ.get(ONE_BUFFER_ENV, "0") or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{ONE_BUFFER_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
 class RingAttentionFunction(torch.autograd.Function):
     """Autograd around the ring schedules for any ``steps`` object (sparse or dense). Steps with
     ``first_step_writes`` take ``accumulate``/``accumulate_dq`` and get uninitialised fp32 buffers
@@ -169,15 +153,11 @@ class RingAttentionFunction(torch.autograd.Function):
                 steps.forward(q, k_src, v_src, source, out, lse)
             done[0] += 1
 
-        stacked = topo.world_size > 1 and k.shape == v.shape and one_buffer()
         prepare = getattr(steps, "prepare", None)
-        if stacked:  # one [2, b, hkv, n, d] buffer travels; its halves are contiguous views
-            ring_forward(topo, (torch.stack((k, v)),), lambda kv, source: step(kv[0][0], kv[0][1], source), prepare)
-        else:
-            ring_forward(topo, (k, v), lambda kv, source: step(kv[0], kv[1], source), prepare)
+        ring_forward(topo, (k, v), lambda kv, source: step(kv[0], kv[1], source), prepare)
         out = agreement.poison(out, disagree, q.dtype)  # deferred agreement: NaN if the ranks disagreed
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.topo, ctx.steps, ctx.stacked = topo, steps, stacked
+        ctx.topo, ctx.steps = topo, steps
         return out
 
     @staticmethod
@@ -197,15 +177,6 @@ class RingAttentionFunction(torch.autograd.Function):
             else:
                 ctx.steps.backward(q, k_src, v_src, d_out, out, lse, delta, source, dq, dk, dv)
             done[0] += 1
-
-        if ctx.stacked:
-            def gradients(kv, source):
-                dkv = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=q.device)
-                step(kv[0][0], kv[0][1], source, dkv[0], dkv[1])
-                return (dkv,)
-
-            dkv = ring_backward(ctx.topo, (torch.stack((k, v)),), gradients)[0].to(k.dtype)
-            return dq.to(q.dtype), dkv[0], dkv[1], None, None, None
 
         def gradients(kv, source):
             dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
@@ -246,7 +217,6 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     with agreement.OwnChecks(cp_group) as checks:  # on failure the peers are told in the agreement below
         if cp_group is not None:
             check_inner_size(inner_size, world)
-            one_buffer()  # a bad value raises here, before the agreement
         backend = resolve_backend(backend, q.device)
         check_qkv(q, k, v, backend)
         if not isinstance(index, VSIndex):

@@ -20,8 +20,7 @@ from ..documents import Documents
 from ..index import VSIndex
 from ..kernels.dense import dense_attention_backward, dense_attention_forward
 from ..kernels.torch_step import merge_partials
-from .attention import (RingAttentionFunction, _device_of, call_items, cp_group_of, one_buffer,
-                        sparse_ring_attention)
+from .attention import RingAttentionFunction, _device_of, call_items, cp_group_of, sparse_ring_attention
 from .comm import check_inner_size, ring_topology
 
 
@@ -101,7 +100,6 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
                              f"size = {2 * world}")
         if cp_group is not None:
             check_inner_size(inner_size, world)
-            one_buffer()  # a bad MTRAINING_RING_ONE_BUFFER raises here, before the agreement
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     disagree = checks.agree("dense_ring_attention", lambda: call_items(

@@ -54,9 +54,9 @@ def ring_forward(topo: RingTopology, kv: Sequence[torch.Tensor], compute: Callab
 
 def _add(received: Tensors, owned: Tensors) -> Tensors:
     """``received + owned``, added in place into ``owned`` (gradients this rank made or received
-    and holds alone): no allocation, and one fused launch for several tensors on a GPU
+    and holds alone): no allocation, and one fused launch for dK and dV on a GPU
     (``_foreach_add_``). x + y == y + x exactly, so the sums are those of the out-of-place add."""
-    if len(owned) > 1 and owned[0].is_cuda:
+    if owned[0].is_cuda:
         torch._foreach_add_(list(owned), list(received))
     else:
         for x, y in zip(received, owned):
