@@ -17,7 +17,7 @@ from megatron_mtraining.plan import (Cluster, ModelShape, Workload, load_profile
                                      with_recompute)
 from megatron_mtraining.plan.cli import main as cli_main
 from megatron_mtraining.plan.cli import read_telemetry
-from megatron_mtraining.plan.profiles import PROFILE_DIR, HostFloor
+from megatron_mtraining.plan.profiles import PROFILE_DIR, HostFloor, Profile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
@@ -173,6 +173,9 @@ def test_host_floor_rejects_negative_times():
         HostFloor(-1.0, 2.0)
     with pytest.raises(ValueError, match="bwd must be >= 0"):
         HostFloor(1.0, float("nan"))
+    raw = {k: v for k, v in H200.raw.items() if k != "ring"}
+    with pytest.raises(ValueError, match="lacks the field 'ring'"):
+        Profile.from_dict(raw)
 
 
 def test_hierarchical_beats_flat_over_a_slow_link_as_measured():
@@ -314,6 +317,7 @@ def test_cli_says_where_the_host_floor_binds(capsys):
     flat = next(line for line in text.splitlines() if line.startswith("mtraining_flat"))
     assert flat.endswith("host/launch floor") and "*" in flat
     assert "limited by host/launch floor" in text
+    assert "note: dense_te_p2p (dense) is predicted faster here (MTraining's ring is host-bound" in text
     assert cli_main(["--gpus", "8", "--seq-length", "524288"]) == 0
     flat = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("mtraining_flat"))
     assert "*" not in flat and flat.endswith("attention kernels (work)")
@@ -498,7 +502,6 @@ def test_profile_from_a_measurement():
     assert profile["sparse"]["fwd"]["per_item"] == pytest.approx(1e-5, rel=1e-6)
     assert profile["sparse"]["bwd"]["per_call"] == pytest.approx(0.3, rel=1e-6)
     assert profile["p2p"] == {"intra_gbps": 150.0, "intra_latency_us": 12.0}
-    from megatron_mtraining.plan.profiles import Profile
     loaded = Profile.from_dict(profile)
     assert loaded.memory_gib == 139.8
     assert (loaded.ring_host_floor.fwd, loaded.ring_host_floor.bwd) == (pytest.approx(1.5), pytest.approx(3.0))

@@ -145,6 +145,10 @@ def format_table(result: Dict) -> str:
     versus = f", {speedup:.2f}x over {rec['best_dense']}" if speedup else ""
     lines.append(f"recommended: {rec['configuration']}{inner}, {rec['tokens_per_s']:.0f} tokens/s{versus}; "
                  f"limited by {rec['limited_by']}; steps with {rec['recompute']} recompute")
+    if speedup and speedup < 1:
+        lines.append(f"note: {rec['best_dense']} (dense) is predicted faster here"
+                     + (" (MTraining's ring is host-bound: fewer GPUs, or fewer launches per ring step, e.g. CUDA "
+                        "graphs)" if rec["limited_by"] == "host/launch floor" else ""))
     lines.append(f"memory per GPU: {mem['no_recompute_gib']:.1f} GiB without recompute, "
                  f"{mem['full_recompute_gib']:.1f} GiB with full recompute, of {mem['capacity_gib']:.0f}: "
                  + ("recompute needed" if mem["recompute_needed"] else "no recompute needed")
