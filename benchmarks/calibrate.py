@@ -15,7 +15,9 @@ What a profile holds (``plan/profiles.py``): the sparse kernels' forward and bac
 B x B blocks), fitted by relative least squares over one-GPU runs at several lengths and densities;
 the dense (cuDNN) kernel's cost in the same units; the approximator's local rate; NCCL
 point-to-point bandwidth and latency; the rest of the layer as a GEMM rate plus elementwise time per
-token and layer. Figures no committed result holds are listed under "assumed" with the reason.
+token and layer; the sparse ring's host/launch floor per ring step (the time the host needs to
+enqueue a step, which the step cannot undercut however little work it holds), from a one-GPU ring
+call at small work. Figures no committed result holds are listed under "assumed" with the reason.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ SPEC = {"nvidia-h200": {"memory_gib": 141.0, "hbm_gbps": 4800.0},
 # The approximator's collectives per layer (megatron_mtraining/approx.py): all-reduces of the last
 # queries, the row maxima, the normaliser and the slash masses; two all-gathers of candidates.
 APPROX_COLLECTIVES = 6
+# The host/launch floor is identified only where the kernels would take at most this share of the
+# measured call: there the call's time is the host's, not the GPU's.
+HOST_BOUND_SHARE = 0.5
+# The ring benchmark's per-step telemetry kinds (benchmarks/ring.py: steps.timeline).
+STEP_KINDS = ("compute", "wait", "plan", "merge")
 # NCCL point-to-point inside a node: no committed result holds it (see "assumed").
 INTRA_GBPS_DOCUMENTED = 161.0
 INTRA_LATENCY_US_ASSUMED = 10.0
@@ -137,6 +144,72 @@ def _cost_ms(cost: Dict, items: float, tiles: float) -> float:
     return cost["per_call"] + cost["per_item"] * items + cost["per_tile"] * tiles
 
 
+def one_gpu_ring_points(results_dir: str, device: str = "nvidia-h200") -> List[Dict]:
+    """Every one-GPU run of the sparse striped ring (``benchmarks/ring.py``) among the committed results:
+    its length, measured forward+backward ms, the forward's share of the per-step telemetry (None
+    without it), items and tiles, and where it came from."""
+    points = []
+    prefix = f"ring_{device}_"
+    for name in sorted(f for f in os.listdir(results_dir) if f.startswith(prefix) and f.endswith(".json")):
+        d = _load(results_dir, name)
+        cfg = d["config"]
+        if cfg.get("world_size") != 1 or cfg.get("slow_link_gbps"):
+            continue
+        B, H = cfg["block_size"], cfg["heads"]
+        for run in d["runs"]:
+            section = run["variants"].get("sparse_striped", {})
+            if not section.get("fwdbwd_ms"):
+                continue
+            timeline = section.get("steps", {}).get("timeline")
+            share = None
+            if timeline:
+                phase = {p: sum(timeline[p].get(f"{k}_ms", {}).get("mean", 0.0) for k in STEP_KINDS)
+                         for p in ("forward", "backward")}
+                share = phase["forward"] / (phase["forward"] + phase["backward"])
+            points.append({"file": name, "commit": str(d["meta"].get("commit")), "seq_len": run["seq_len"],
+                           "fwdbwd_ms": section["fwdbwd_ms"], "forward_share": share,
+                           "items": H * run["seq_len"] / B, "tiles": run["index"]["active_pairs"] / B ** 2,
+                           "kv_heads": cfg["kv_heads"], "head_dim": cfg["head_dim"]})
+    return points
+
+
+def host_floor(fwdbwd_ms: float, forward_share: float, kernels_ms: float, what: str) -> Dict:
+    """The host/launch floor per ring step from a one-GPU ring call (one step) at small work: the
+    call's forward+backward time, split by the forward's share of it. Refused where the kernels
+    (``kernels_ms``, the profile's fits at that work) would take more than ``HOST_BOUND_SHARE`` of the
+    call: there the time is not the host's alone."""
+    if not 0 < forward_share < 1:
+        raise ValueError(f"{what}: the forward's share of the ring call must be in (0, 1), got {forward_share!r}")
+    if kernels_ms > HOST_BOUND_SHARE * fwdbwd_ms:
+        raise ValueError(f"{what}: the kernels would take {kernels_ms:.2f} of the call's {fwdbwd_ms:.2f} ms, more "
+                         f"than {HOST_BOUND_SHARE:.0%}: not host-bound, so it does not measure the host/launch floor "
+                         "(a one-GPU ring run at 8-16K tokens does)")
+    return {"fwd": fwdbwd_ms * forward_share, "bwd": fwdbwd_ms * (1 - forward_share)}
+
+
+def derive_ring_floor(results_dir: str, device: str, sparse_fwd: Dict, sparse_bwd: Dict) -> Optional[Dict]:
+    """The floor from the device's shortest one-GPU sparse ring run with per-step telemetry (one ring
+    step; forward and backward split as its per-step telemetry splits them); None without such a run."""
+    points = [p for p in one_gpu_ring_points(results_dir, device) if p["forward_share"] is not None]
+    if not points:
+        return None
+    hbm_gbps = SPEC[device]["hbm_gbps"]
+    p = min(points, key=lambda q: q["seq_len"])
+    # The kernels at that work, as the model has them (the backward also zeroes its fp32 dK/dV).
+    zero_ms = 2 * p["seq_len"] * p["kv_heads"] * p["head_dim"] * 4 / (hbm_gbps * 1e9) * 1e3
+    kernels = _cost_ms(sparse_fwd, p["items"], p["tiles"]) + _cost_ms(sparse_bwd, p["items"], p["tiles"]) + zero_ms
+    what = f"{p['file']} at {p['seq_len'] // 1024}K"
+    floor = host_floor(p["fwdbwd_ms"], p["forward_share"], kernels, what)
+    return {"host_floor_ms_per_step": floor,
+            "source": {"file": p["file"], "seq_len": p["seq_len"], "commit": p["commit"],
+                       "measured_fwdbwd_ms": p["fwdbwd_ms"], "kernels_ms": kernels,
+                       "forward_share": p["forward_share"]},
+            "how": f"the one-GPU ring call (one step) at {p['seq_len'] // 1024}K, whose kernels would take "
+                   f"{kernels:.2f} of its {p['fwdbwd_ms']:.2f} ms: its whole time is taken as the per-step floor, "
+                   "split between forward and backward as its per-step telemetry (compute, wait, plan, merge) "
+                   "splits them"}
+
+
 def derive_h200(results_dir: str) -> Dict:
     sparse, dense, sources = kernel_points(results_dir)
     sparse_fwd, sparse_bwd = fit_cost(sparse, "fwd"), fit_cost(sparse, "bwd")
@@ -167,6 +240,14 @@ def derive_h200(results_dir: str) -> Dict:
     sources.append("benchmarks/results/e2e_nvidia-h200_1gpu.json (the dense run: step minus predicted attention)")
     sources.append("benchmarks/results/profile_e2e_nvidia-h100-80gb-hbm3_1gpu.json (GEMM share of the rest)")
 
+    ring_floor = derive_ring_floor(results_dir, "nvidia-h200", sparse_fwd["cost"], sparse_bwd["cost"])
+    if ring_floor is None:
+        raise FileNotFoundError(f"calibration needs a one-GPU sparse ring result with per-step telemetry in "
+                                f"{results_dir} (benchmarks/ring.py --scaling on one GPU at 16K tokens)")
+    sources.append(f"benchmarks/results/{ring_floor['source']['file']} (one GPU, "
+                   f"{ring_floor['source']['seq_len'] // 1024}K: the ring's host/launch floor; "
+                   f"commit {ring_floor['source']['commit']})")
+
     te_rest = te_rest_rates(results_dir)
     sources.extend(te_rest["sources"])
     profile = _profile("nvidia-h200", "NVIDIA H200", sparse_fwd, sparse_bwd, dense_fwd, dense_bwd, approx_rate,
@@ -176,6 +257,7 @@ def derive_h200(results_dir: str) -> Dict:
                         "kernel_128k_fwdbwd_ms": run128["ours"]["fwdbwd_ms"]},
                        fits={"sparse": sparse, "dense": dense, "rest_total_ms": rest_total, "gemm_share": gemm_share})
     profile["rest_of_layer_te"] = {"rates": te_rest["rates"]}
+    profile["ring"] = ring_floor
     return profile
 
 
@@ -266,6 +348,19 @@ def derive_h100(results_dir: str, h200: Dict) -> Dict:
                              "telemetry_density": tel["density"]})
     profile["assumed"]["p2p"] = ("NVLink figures of the H200 machines (same NV18 NVLink); no H100 point-to-point "
                                  "measurement is committed")
+    ring_floor = derive_ring_floor(results_dir, "nvidia-h100", profile["sparse"]["fwd"], profile["sparse"]["bwd"])
+    if ring_floor is None:
+        # The floor is the host's enqueue time, not the GPU's speed: borrowed, and said so.
+        ring_floor = {"host_floor_ms_per_step": dict(h200["ring"]["host_floor_ms_per_step"]),
+                      "borrowed_from": "nvidia-h200"}
+        profile["assumed"]["ring.host_floor_ms_per_step"] = (
+            "borrowed from nvidia-h200: no one-H100 ring run at small work is committed, and the floor is "
+            "host-bound (plan conversion and kernel launches), so it depends on the host and the launch path more "
+            "than on the GPU")
+    else:
+        profile["sources"].append(f"benchmarks/results/{ring_floor['source']['file']} (one GPU: the ring's "
+                                  "host/launch floor)")
+    profile["ring"] = ring_floor
     return profile
 
 
@@ -402,6 +497,8 @@ def measure(smoke: bool, block_size: int = 64) -> Dict:
         ms = median(time_ms(lambda: approximate_index(q, k, config, backend=backend), [()], device, warmup, reps))
         result["approximator"] = {"seq_len": S, "heads": heads, "ms": ms}
         result["rest_of_layer"] = measure_rest(device, dtype, smoke, warmup, reps)
+        result["ring_floor"] = measure_ring_floor(device, dtype, smoke, warmup, reps, B, heads, kv, d, backend,
+                                                  distributed)
         result["device_slug"] = device_slug(device)
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(device)
@@ -410,6 +507,39 @@ def measure(smoke: bool, block_size: int = 64) -> Dict:
         dist.barrier()
         dist.destroy_process_group()
     return result
+
+
+def measure_ring_floor(device, dtype, smoke: bool, warmup: int, reps: int, B: int, heads: int, kv: int, d: int,
+                       backend: str, distributed: bool) -> Dict:
+    """The sparse ring on one rank (one ring step) at small work, forward and forward+backward: where
+    the kernels are short, the call's time is the host's (the ring's host/launch floor)."""
+    import torch
+    import torch.distributed as dist
+
+    from common import fixed_vs_index, median, time_ms
+
+    from megatron_mtraining import sparse_ring_attention
+
+    S, density = (512, 0.4) if smoke else (16384, 0.05)
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    q, k, v = (torch.randn(1, h, S, d, generator=gen).to(device=device, dtype=dtype) for h in (heads, kv, kv))
+    index = fixed_vs_index(1, heads, S, B, density, device)
+    pairs = float(index.density(S).sum()) * S * (S + 1) / 2
+    # Under torchrun this runs on rank 0 alone: a group of that one rank (created by its member only).
+    group = dist.new_group([dist.get_rank()], use_local_synchronization=True) if distributed else None
+
+    def fwd():
+        with torch.no_grad():
+            sparse_ring_attention(q, k, v, index, group=group, backend=backend)
+
+    def fwdbwd():
+        qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+        sparse_ring_attention(qq, kk, vv, index, group=group, backend=backend).sum().backward()
+
+    f = median(time_ms(lambda: fwd(), [()], device, warmup, reps))
+    fb = median(time_ms(lambda: fwdbwd(), [()], device, warmup, reps))
+    return {"seq_len": S, "fwd_ms": f, "fwdbwd_ms": fb, "items": heads * S / B, "tiles": pairs / B ** 2,
+            "kv_heads": kv, "head_dim": d}
 
 
 def measure_p2p(device, smoke: bool) -> Dict:
@@ -496,6 +626,20 @@ def profile_from_measurement(m: Dict, name: Optional[str] = None) -> Dict:
         m["rest_of_layer"]["gemm_tflops"], m["rest_of_layer"]["elementwise_ns_per_token_layer"],
         [f"measured by benchmarks/calibrate.py --gpu at commit {m['meta'].get('commit')}"],
         {"code_commit": m["meta"].get("commit"), "note": "measured directly"}, fits={"measurement": m})
+    if "ring_floor" not in m:
+        raise ValueError("the measurement has no 'ring_floor' (the one-rank ring call at small work): rerun "
+                         "calibrate.py --gpu")
+    ring = m["ring_floor"]
+    zero_ms = 2 * ring["seq_len"] * ring["kv_heads"] * ring["head_dim"] * 4 / (spec["hbm_gbps"] * 1e9) * 1e3
+    kernels = (_cost_ms(profile["sparse"]["fwd"], ring["items"], ring["tiles"])
+               + _cost_ms(profile["sparse"]["bwd"], ring["items"], ring["tiles"]) + zero_ms)
+    # The smoke run's CPU "kernels" are never host-bound: its floor only exercises the path.
+    floor = host_floor(ring["fwdbwd_ms"], ring["fwd_ms"] / ring["fwdbwd_ms"], 0.0 if m.get("smoke") else kernels,
+                       f"the one-rank ring call at {ring['seq_len']} tokens")
+    profile["ring"] = {"host_floor_ms_per_step": floor,
+                       "source": {"measured": "calibrate.py --gpu", "seq_len": ring["seq_len"],
+                                  "measured_fwdbwd_ms": ring["fwdbwd_ms"], "measured_fwd_ms": ring["fwd_ms"],
+                                  "kernels_ms": kernels}}
     profile["name"], profile["memory_gib"] = name, m.get("memory_gib", spec["memory_gib"])
     profile["sparse"]["block_size"] = m["block_size"]
     profile["assumed"] = {"hbm_gbps": "vendor specification"}

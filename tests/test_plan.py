@@ -3,6 +3,7 @@ derivation of the committed profiles from the committed results, the validation 
 errors on bad inputs."""
 
 import ast
+import dataclasses
 import json
 import math
 import os
@@ -16,7 +17,7 @@ from megatron_mtraining.plan import (Cluster, ModelShape, Workload, load_profile
                                      with_recompute)
 from megatron_mtraining.plan.cli import main as cli_main
 from megatron_mtraining.plan.cli import read_telemetry
-from megatron_mtraining.plan.profiles import PROFILE_DIR
+from megatron_mtraining.plan.profiles import PROFILE_DIR, HostFloor, Profile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
@@ -110,6 +111,71 @@ def test_ring_simulation_limits():
     assert flat == pytest.approx(8.0) and hier == pytest.approx(8.0)
     with pytest.raises(ValueError, match="does not divide"):
         simulate_ring(8, 3, [1.0] * 8, {"kv": 1.0, "grad": 1.0}, link)
+
+
+def _without_floor(profile):
+    return dataclasses.replace(profile, ring_host_floor=HostFloor(0.0, 0.0))
+
+
+def test_host_floor_binds_at_small_work_and_not_at_large():
+    """A ring step lasts max(its kernels, the host's enqueue time): at 16K on one GPU (kernels ~1.2 ms)
+    the call is the floor (4.3 ms, as measured); at 128K the kernels outlast it and it changes nothing."""
+    ring = ModelShape(layers=1, vocab=8192)
+    floor = H200.ring_host_floor
+    small = predict_mtraining(ring, Workload(16384, 0.05), Cluster(1, 1), H200)
+    assert small.attention_compute_ms < floor.per_step / 2
+    assert small.attention_ms == pytest.approx(floor.per_step)
+    assert small.host_wait_ms == pytest.approx(floor.per_step - small.attention_compute_ms)
+    assert small.host_floor_ms == pytest.approx(floor.per_step)
+    large = predict_mtraining(ring, Workload(131072, 0.05), Cluster(1, 1), H200)
+    assert large.host_wait_ms == 0
+    assert large.attention_ms == predict_mtraining(ring, Workload(131072, 0.05), Cluster(1, 1),
+                                                   _without_floor(H200)).attention_ms
+    # Per step, not per call: W steps of 8K tokens each cost at least W floors (64 H100s at 512K) ...
+    many = predict_mtraining(QWEN, Workload(524288, 0.05), Cluster(64, 8), H100)
+    assert many.attention_ms >= 64 * H100.ring_host_floor.per_step and many.limit == "host/launch floor"
+    # ... while 64K tokens per GPU (8 GPUs) are kernel-bound: there the floor changes nothing.
+    few = predict_mtraining(QWEN, Workload(524288, 0.05), Cluster(8, 8), H100)
+    assert few.host_wait_ms == 0 and few.limit == "attention kernels (work)"
+    assert few.step_ms == predict_mtraining(QWEN, Workload(524288, 0.05), Cluster(8, 8), _without_floor(H100)).step_ms
+
+
+def test_host_floor_is_a_max_per_direction_and_counts_once_per_layer_call():
+    """The floor replaces the kernels' time where it binds (it is not added to their fixed costs), in
+    each direction apart; a training step pays it in every layer's ring call, forward and backward."""
+    ring = ModelShape(layers=1, vocab=8192)
+    work, cluster = Workload(131072, 0.05), Cluster(1, 1)
+    bare = predict_mtraining(ring, work, cluster, _without_floor(H200))
+    forward_only = dataclasses.replace(H200, ring_host_floor=HostFloor(bare.fwd_step_ms + 5.0, 0.0))
+    p = predict_mtraining(ring, work, cluster, forward_only)
+    assert p.attention_fwd_ms == pytest.approx(bare.fwd_step_ms + 5.0)
+    assert p.attention_bwd_ms == pytest.approx(bare.attention_bwd_ms)
+    assert p.host_wait_ms == pytest.approx(5.0) and p.fixed_cost_ms == bare.fixed_cost_ms
+    shape = ModelShape(layers=4, vocab=8192)
+    floored = predict_mtraining(shape, Workload(65536, 0.05), Cluster(4, 4), H200)
+    unfloored = predict_mtraining(shape, Workload(65536, 0.05), Cluster(4, 4), _without_floor(H200))
+    assert floored.host_wait_ms > 0
+    assert floored.step_ms - unfloored.step_ms == pytest.approx(4 * (floored.attention_ms - unfloored.attention_ms))
+    assert floored.rest_of_layer_ms == unfloored.rest_of_layer_ms and floored.head_ms == unfloored.head_ms
+    # Full recompute runs every layer's ring forward again, floor included.
+    work = Workload(65536, 0.05, recompute=True)
+    p = predict_mtraining(shape, work, Cluster(4, 4), H200)
+    forward = p.attention_fwd_ms + p.approximator_ms + p.rest_of_layer_ms / 3
+    before = p.step_ms
+    assert with_recompute(p, shape, work).step_ms == pytest.approx(before + 4 * forward)
+    # The dense baselines have no measured floor.
+    dense = predict_dense_p2p(shape, Workload(65536, 1.0), Cluster(4, 4), H200)
+    assert dense.host_floor_ms == 0 and dense.host_wait_ms == 0
+
+
+def test_host_floor_rejects_negative_times():
+    with pytest.raises(ValueError, match="fwd must be >= 0"):
+        HostFloor(-1.0, 2.0)
+    with pytest.raises(ValueError, match="bwd must be >= 0"):
+        HostFloor(1.0, float("nan"))
+    raw = {k: v for k, v in H200.raw.items() if k != "ring"}
+    with pytest.raises(ValueError, match="lacks the field 'ring'"):
+        Profile.from_dict(raw)
 
 
 def test_hierarchical_beats_flat_over_a_slow_link_as_measured():
@@ -238,10 +304,23 @@ def test_cli_table_and_json_end_to_end(capsys):
                          capture_output=True, text=True, env=_env(), timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "recommended: mtraining_" in out.stdout and "dense_te_p2p" in out.stdout and "memory per GPU" in out.stdout
+    assert "host floor" in out.stdout
     assert cli_main(["--gpus", "16", "--seq-length", "524288", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["cluster"]["gpus"] == 16 and result["profile"] == "nvidia-h100"
     assert {"predictions", "memory", "recommendation"} <= set(result)
+
+
+def test_cli_says_where_the_host_floor_binds(capsys):
+    assert cli_main(["--gpus", "64", "--seq-length", "524288"]) == 0
+    text = capsys.readouterr().out
+    flat = next(line for line in text.splitlines() if line.startswith("mtraining_flat"))
+    assert flat.endswith("host/launch floor") and "*" in flat
+    assert "limited by host/launch floor" in text
+    assert "note: dense_te_p2p (dense) is predicted faster here (MTraining's ring is host-bound" in text
+    assert cli_main(["--gpus", "8", "--seq-length", "524288"]) == 0
+    flat = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("mtraining_flat"))
+    assert "*" not in flat and flat.endswith("attention kernels (work)")
 
 
 def test_cli_help_names_the_inputs(capsys):
@@ -339,6 +418,61 @@ def test_committed_profiles_are_the_derivation_of_the_committed_results(tmp_path
     assert max(h200.values()) < 0.07  # one-GPU kernel points from 64K to 512K, 1.2-10% density
 
 
+def _ring_result(world: int, runs, commit: str = "abc1234") -> dict:
+    """A ring.py result of the sparse striped ring: runs of (S, fwd+bwd ms, forward and backward
+    telemetry ms or None)."""
+    def timeline(ms):
+        return {"compute_ms": {"mean": ms, "max": ms}, "wait_ms": {"mean": 0.0, "max": 0.0},
+                "plan_ms": {"mean": 0.0, "max": 0.0}, "merge_ms": {"mean": 0.0, "max": 0.0}}
+    out = []
+    for S, ms, telemetry in runs:
+        section = {"fwdbwd_ms": ms}
+        if telemetry:
+            section["steps"] = {"timeline": {"forward": timeline(telemetry[0]), "backward": timeline(telemetry[1])}}
+        out.append({"seq_len": S, "world_size": world, "variants": {"sparse_striped": section},
+                    "index": {"active_pairs": 0.05 * S * (S + 1) / 2 * 16}})
+    return {"meta": {"commit": commit}, "runs": out,
+            "config": {"world_size": world, "block_size": 64, "heads": 16, "kv_heads": 2, "head_dim": 128}}
+
+
+def test_calibrate_derives_the_floor_from_the_shortest_one_gpu_ring_run(tmp_path):
+    import calibrate
+
+    sp = json.load(open(os.path.join(PROFILE_DIR, "nvidia-h200.json")))["sparse"]
+    files = {"ring_nvidia-h200_1gpu_a.json": _ring_result(1, [(16384, 5.0, (1.0, 3.0)), (131072, 38.0, (9.0, 28.0))]),
+             # Shorter, but not one GPU (a multi-GPU point never calibrates) ...
+             "ring_nvidia-h200_2gpu_a.json": _ring_result(2, [(8192, 9.0, (2.0, 6.0))]),
+             # ... and shorter, on one GPU, but without per-step telemetry (no forward/backward split).
+             "ring_nvidia-h200_1gpu_b.json": _ring_result(1, [(8192, 4.0, None)])}
+    for name, data in files.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    ring = calibrate.derive_ring_floor(str(tmp_path), "nvidia-h200", sp["fwd"], sp["bwd"])
+    assert ring["host_floor_ms_per_step"] == {"fwd": pytest.approx(5.0 * 0.25), "bwd": pytest.approx(5.0 * 0.75)}
+    assert ring["source"]["file"] == "ring_nvidia-h200_1gpu_a.json" and ring["source"]["seq_len"] == 16384
+    assert ring["source"]["kernels_ms"] < 2.5
+    assert calibrate.derive_ring_floor(str(tmp_path), "nvidia-h100", sp["fwd"], sp["bwd"]) is None
+    # Where the kernels would take most of the call, it does not measure the host: refused.
+    (tmp_path / "ring_nvidia-h200_1gpu_a.json").write_text(json.dumps(
+        _ring_result(1, [(131072, 38.0, (9.0, 28.0))])))
+    with pytest.raises(ValueError, match="not host-bound"):
+        calibrate.derive_ring_floor(str(tmp_path), "nvidia-h200", sp["fwd"], sp["bwd"])
+    with pytest.raises(ValueError, match="share of the ring call"):
+        calibrate.host_floor(4.0, 1.0, 1.0, "x")
+
+
+def test_committed_floor_is_the_one_gpu_16k_ring_call_and_h100_borrows_it():
+    h200 = json.load(open(os.path.join(PROFILE_DIR, "nvidia-h200.json")))["ring"]
+    source = h200["source"]
+    with open(os.path.join(RESULTS, source["file"])) as fh:
+        result = json.load(fh)
+    assert result["config"]["world_size"] == 1
+    run = next(r for r in result["runs"] if r["seq_len"] == source["seq_len"])
+    assert H200.ring_host_floor.per_step == pytest.approx(run["variants"]["sparse_striped"]["fwdbwd_ms"], rel=1e-5)
+    assert H100.ring_host_floor == H200.ring_host_floor
+    h100 = json.load(open(os.path.join(PROFILE_DIR, "nvidia-h100.json")))
+    assert h100["ring"]["borrowed_from"] == "nvidia-h200" and "borrowed" in h100["assumed"]["ring.host_floor_ms_per_step"]
+
+
 def test_fit_drops_negative_coefficients():
     import calibrate
 
@@ -361,13 +495,21 @@ def test_profile_from_a_measurement():
     m = {"meta": {"device": "NVIDIA H200", "commit": "abc"}, "block_size": 64, "sparse": sparse, "dense": dense,
          "approximator": {"seq_len": 131072, "heads": 16, "ms": 2.0},
          "rest_of_layer": {"gemm_tflops": 600.0, "elementwise_ns_per_token_layer": 300.0},
-         "p2p": {"intra_gbps": 150.0, "intra_latency_us": 12.0}, "memory_gib": 139.8}
+         "p2p": {"intra_gbps": 150.0, "intra_latency_us": 12.0}, "memory_gib": 139.8,
+         "ring_floor": {"seq_len": 16384, "fwd_ms": 1.5, "fwdbwd_ms": 4.5, "items": 4096.0, "tiles": 4e4,
+                        "kv_heads": 2, "head_dim": 128}}
     profile = calibrate.profile_from_measurement(m, "nvidia-h200")
     assert profile["sparse"]["fwd"]["per_item"] == pytest.approx(1e-5, rel=1e-6)
     assert profile["sparse"]["bwd"]["per_call"] == pytest.approx(0.3, rel=1e-6)
     assert profile["p2p"] == {"intra_gbps": 150.0, "intra_latency_us": 12.0}
-    from megatron_mtraining.plan.profiles import Profile
-    assert Profile.from_dict(profile).memory_gib == 139.8
+    loaded = Profile.from_dict(profile)
+    assert loaded.memory_gib == 139.8
+    assert (loaded.ring_host_floor.fwd, loaded.ring_host_floor.bwd) == (pytest.approx(1.5), pytest.approx(3.0))
+    # A ring call whose kernels take most of it does not measure the floor; none at all is refused too.
+    with pytest.raises(ValueError, match="not host-bound"):
+        calibrate.profile_from_measurement(dict(m, ring_floor=dict(m["ring_floor"], fwdbwd_ms=1.0, fwd_ms=0.3)))
+    with pytest.raises(ValueError, match="no 'ring_floor'"):
+        calibrate.profile_from_measurement({k: v for k, v in m.items() if k != "ring_floor"})
 
 
 def test_validation_file_is_current_and_meets_the_targets_on_planned_configurations():
@@ -396,6 +538,15 @@ def test_validation_file_is_current_and_meets_the_targets_on_planned_configurati
     assert all(c["variant"] == "te_cp" for c in te if c["role"] == "calibration")
     assert result["summary"]["transformer_engine_runs"]["predictions"] == len(te) - 2
     assert any("recompute" in c["setup"] for c in te) and any("FP8" in c["setup"] for c in te)
+    # The host/launch floor: its one-GPU source is held out; the other small-work rings are predictions.
+    floor_source = H200.raw["ring"]["source"]
+    ring_calibration = [c for c in result["cases"] if c["kind"] == "ring" and c["role"] == "calibration"]
+    assert [(c["source"], c["seq_len"], c["gpus"]) for c in ring_calibration] == [
+        (floor_source["file"], floor_source["seq_len"], 1)]
+    small = [c for c in result["cases"] if c["kind"] == "ring" and c["seq_len"] // c["gpus"] <= 32768
+             and c["role"] == "prediction"]
+    assert {(c["gpus"], c["seq_len"]) for c in small} >= {(1, 32768), (2, 32768), (2, 65536)}
+    assert all(abs(c["error"]) <= 0.10 and c["predicted_host_wait_ms"] > 0 for c in small), small
 
 
 def test_density_of_runs_without_telemetry():

@@ -123,14 +123,18 @@ def format_table(result: Dict) -> str:
              f"{w['seq_len']} tokens, density {w['density']:.3g}, {w['layers']} layers"
              f"{', FP8 GEMMs' if w['fp8'] else ''}; model: hidden {s['hidden']}, "
              f"{s['heads']}/{s['kv_groups']} heads, d {s['head_dim']}, {s['layers']} layers, FFN {s['ffn']}",
-             "per layer and GPU (ms): attention fwd / bwd with the ring's exposed communication; step = all layers"]
-    header = ["configuration", "fwd/step", "bwd/step", "attn fwd", "attn bwd", "exposed comm", "approx", "rest",
-              "step ms", "tokens/s", "limited by"]
+             "per layer and GPU (ms): attention fwd / bwd with the ring's exposed communication; fwd/bwd per step: "
+             "the kernels alone; host floor: the host's time to enqueue the ring's steps (* where it binds: the GPU "
+             "waits for the host); step = all layers"]
+    header = ["configuration", "fwd/step", "bwd/step", "attn fwd", "attn bwd", "exposed comm", "host floor", "approx",
+              "rest", "step ms", "tokens/s", "limited by"]
     rows = []
     for p in result["predictions"]:
+        floor = (f"{p['host_floor_ms']:.1f}" + ("*" if p["host_wait_ms"] > 0 else "")) if p["host_floor_ms"] else "-"
         rows.append([p["name"], f"{p['fwd_step_ms']:.2f}", f"{p['bwd_step_ms']:.2f}", f"{p['attention_fwd_ms']:.1f}",
-                     f"{p['attention_bwd_ms']:.1f}", f"{p['exposed_comm_ms']:.1f}", f"{p['approximator_ms']:.2f}",
-                     f"{p['rest_of_layer_ms']:.1f}", f"{p['step_ms']:.0f}", f"{p['tokens_per_s']:.0f}", p["limit"]])
+                     f"{p['attention_bwd_ms']:.1f}", f"{p['exposed_comm_ms']:.1f}", floor,
+                     f"{p['approximator_ms']:.2f}", f"{p['rest_of_layer_ms']:.1f}", f"{p['step_ms']:.0f}",
+                     f"{p['tokens_per_s']:.0f}", p["limit"]])
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         lines.append("  ".join(x.ljust(wd) for x, wd in zip(row, widths)).rstrip())
@@ -141,6 +145,10 @@ def format_table(result: Dict) -> str:
     versus = f", {speedup:.2f}x over {rec['best_dense']}" if speedup else ""
     lines.append(f"recommended: {rec['configuration']}{inner}, {rec['tokens_per_s']:.0f} tokens/s{versus}; "
                  f"limited by {rec['limited_by']}; steps with {rec['recompute']} recompute")
+    if speedup and speedup < 1:
+        lines.append(f"note: {rec['best_dense']} (dense) is predicted faster here"
+                     + (" (MTraining's ring is host-bound: fewer GPUs, or fewer launches per ring step, e.g. CUDA "
+                        "graphs)" if rec["limited_by"] == "host/launch floor" else ""))
     lines.append(f"memory per GPU: {mem['no_recompute_gib']:.1f} GiB without recompute, "
                  f"{mem['full_recompute_gib']:.1f} GiB with full recompute, of {mem['capacity_gib']:.0f}: "
                  + ("recompute needed" if mem["recompute_needed"] else "no recompute needed")

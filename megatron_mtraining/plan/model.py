@@ -8,6 +8,11 @@ What a step costs, per GPU (``docs/scaling.md`` explains it with its validation)
   gives every (rank, step) an equal share of the active pairs, so a step holds 1 / W^2 of them
   while every step still walks all of the rank's items: the per-item and per-call costs do not
   shrink with more GPUs, which is what ends strong scaling;
+* the host/launch floor: the host needs a fixed time to enqueue a ring step (plan conversion, ~100
+  small launches per step and direction), whatever the step's work, and the GPU cannot run a step
+  before it is enqueued; so a step takes max(its kernels, the floor), forward and backward apart
+  (``profiles.HostFloor``, measured on one GPU at small work). At 8-16K tokens per GPU the floor,
+  not the kernels, sets the attention time;
 * the ring: the schedule of ``ring/schedule.py`` (flat, or hierarchical with an inner ring of
   ``inner`` ranks and an outer ring over the groups) simulated rank by rank: a transfer starts
   when both ends have posted it and the link it crosses (NVLink inside a node, the inter-node
@@ -265,6 +270,8 @@ class Prediction:
     tokens_per_s: float
     limit: str = ""
     note: str = ""
+    host_floor_ms: float = 0.0    # per layer: the host's enqueue time of the ring (W steps x the floor)
+    host_wait_ms: float = 0.0     # per layer: the GPU waiting for the host (steps where the floor binds)
 
     @property
     def attention_ms(self) -> float:
@@ -360,24 +367,39 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
     add_ms = 3 * grad_bytes / (profile.hbm_gbps * 1e9) * 1e3
     zero_ms = grad_bytes / (profile.hbm_gbps * 1e9) * 1e3
     bwd_step += zero_ms
+    fixed_fwd = kernel_scale * (profile.sparse_fwd.per_call + profile.sparse_fwd.per_item * items)
+    fixed_bwd = zero_ms + kernel_scale * (profile.sparse_bwd.per_call + profile.sparse_bwd.per_item * items)
+    # A step lasts max(its kernels, the host's enqueue time): the floor replaces the GPU time where it
+    # binds (it is not added to the kernels' own fixed costs, which it hides).
+    floor = profile.ring_host_floor
+    fwd_span, bwd_span = max(fwd_step, floor.fwd), max(bwd_step, floor.bwd)
     link = _link_fn(cluster, profile)
     nbytes = {"kv": kv_bytes, "grad": grad_bytes}
-    fwd = simulate_ring(W, inner, [fwd_step] * W, nbytes, link)
-    bwd = simulate_ring(W, inner, [bwd_step] * W, nbytes, link, add_ms=add_ms, backward=True)
+    fwd = simulate_ring(W, inner, [fwd_span] * W, nbytes, link)
+    bwd = simulate_ring(W, inner, [bwd_span] * W, nbytes, link, add_ms=add_ms, backward=True)
     compute = W * (fwd_step + bwd_step)
+    host_wait = W * (fwd_span - fwd_step + bwd_span - bwd_step)
     adds = (W - 1) * add_ms if W > 1 else 0.0
-    exposed = max(0.0, fwd + bwd - compute - adds)
-    fixed = W * (zero_ms + kernel_scale * (profile.sparse_fwd.per_call + profile.sparse_bwd.per_call
-                                           + (profile.sparse_fwd.per_item + profile.sparse_bwd.per_item) * items))
+    exposed = max(0.0, fwd + bwd - compute - host_wait - adds)
+    fixed = W * (fixed_fwd + fixed_bwd)
+    # What the attention's time is made of: per direction, the kernels (work and fixed costs) where
+    # they outlast the floor, the floor where it binds.
+    parts = {"attention kernels (work)": 0.0, "per-step fixed costs": adds, "host/launch floor": 0.0}
+    for kernels, fixed_part, floor_ms in ((fwd_step, fixed_fwd, floor.fwd), (bwd_step, fixed_bwd, floor.bwd)):
+        if floor_ms > kernels:
+            parts["host/launch floor"] += W * floor_ms
+        else:
+            parts["attention kernels (work)"] += W * (kernels - fixed_part)
+            parts["per-step fixed costs"] += W * fixed_part
     approx = approximator_ms(shape, work, W, cluster, profile)
     rest, head = _rest(shape, work, n_local * b, profile)
     layer = fwd + bwd + approx + rest
     step = shape.layers * layer + head + profile.step_fixed_ms
     name = "mtraining_flat" if inner == W else f"mtraining_hier_{inner}"
-    limit = _limit({"attention kernels (work)": compute - fixed, "per-step fixed costs": fixed + adds,
-                    "exposed communication": exposed, "rest of the layer": rest, "approximator": approx})
+    limit = _limit({**parts, "exposed communication": exposed, "rest of the layer": rest, "approximator": approx})
     return Prediction(name, "mtraining", None if inner == W else inner, fwd_step, bwd_step, fwd, bwd, compute,
-                      exposed, fixed, approx, rest, head, step, work.seq_len * b / step * 1e3, limit)
+                      exposed, fixed, approx, rest, head, step, work.seq_len * b / step * 1e3, limit,
+                      host_floor_ms=W * floor.per_step, host_wait_ms=host_wait)
 
 
 def _dense_step(profile: Profile, calls: int, tiles: float, d: int) -> Tuple[float, float]:

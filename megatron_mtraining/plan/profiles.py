@@ -34,6 +34,26 @@ class KernelCost:
 
 
 @dataclasses.dataclass(frozen=True)
+class HostFloor:
+    """Milliseconds the host needs to enqueue one step of the sparse ring, forward and backward: the
+    plan conversion and the step's ~100 small launches, whatever the step's work. A step takes at
+    least this long even when its kernels would finish sooner (the GPU waits for the host)."""
+
+    fwd: float
+    bwd: float
+
+    def __post_init__(self):
+        for name in ("fwd", "bwd"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"host floor: {name} must be >= 0 ms, got {value!r}")
+
+    @property
+    def per_step(self) -> float:
+        return self.fwd + self.bwd
+
+
+@dataclasses.dataclass(frozen=True)
 class Profile:
     name: str
     device: str
@@ -51,6 +71,7 @@ class Profile:
     gemm_tflops: float                    # the rest of the layer: projections and MLP
     elementwise_ns_per_token_layer: float  # norms, RoPE, activations, residuals (per token, per layer)
     step_fixed_ms: float                  # optimizer step and the rest that does not scale with tokens
+    ring_host_floor: HostFloor            # the sparse ring's host/launch floor per ring step
     kernel_generation: Dict
     sources: List[str]
     assumed: Dict[str, str]
@@ -73,6 +94,8 @@ class Profile:
                 gemm_tflops=float(d["rest_of_layer"]["gemm_tflops"]),
                 elementwise_ns_per_token_layer=float(d["rest_of_layer"]["elementwise_ns_per_token_layer"]),
                 step_fixed_ms=float(d["rest_of_layer"]["step_fixed_ms"]),
+                ring_host_floor=HostFloor(fwd=float(d["ring"]["host_floor_ms_per_step"]["fwd"]),
+                                          bwd=float(d["ring"]["host_floor_ms_per_step"]["bwd"])),
                 kernel_generation=dict(d.get("kernel_generation", {})), sources=list(d.get("sources", [])),
                 assumed=dict(d.get("assumed", {})), raw=d,
                 te_rest_of_layer={precision: (float(r["gemm_tflops"]), float(r["elementwise_ns_per_token_layer"]))
