@@ -113,3 +113,43 @@ def test_chunked_steps_equal_full_attention(backend, layout, world, kind):
         assert rel_err(got, exp) < 1e-5, name
     if kind == "without_diagonal":  # the case reached the token-level causal path of the column words
         assert any(bool(build_step_plan(index, c, c, nb).column_words[1].any()) for c in chunks)
+
+
+def test_column_scatter_launches_only_its_index_adds_per_gqa_position():
+    """The backward's column dK/dV scatter runs once per ring step, where launches bound small
+    steps: each more GQA position adds its two ``index_add_`` (dK, dV) and views, no copies or
+    arithmetic (counted as dispatched ops, Triton kernels under the interpreter on CPU)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            schema = func._schema
+            is_view = not schema.is_mutable and any(r.alias_info is not None for r in schema.returns)
+            if not is_view:  # a view launches nothing
+                self.ops[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    def ops(hq):
+        g = torch.Generator().manual_seed(0)
+        B, n, d = 16, 256, 16
+        index = VSIndex.random(1, hq, n, B, max_slash=3, max_vertical=40, generator=g)
+        nb = n // B
+        plan = build_step_plan(index, torch.arange(0, nb, 2), torch.arange(1, nb, 2), nb)
+        q, do = (torch.randn(1, hq, n // 2, d, generator=g) for _ in range(2))
+        k, v = (torch.randn(1, 1, n // 2, d, generator=g) for _ in range(2))
+        lse, delta = (torch.randn(1, hq, n // 2, generator=g) for _ in range(2))
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        with Count() as count:
+            step_backward("triton", q, k, v, do, lse, delta, plan, dq, dk, dv, 0.25)
+        assert dk.abs().sum() > 0 and dv.abs().sum() > 0  # the columns did scatter
+        return count.ops
+
+    two, eight = ops(2), ops(8)
+    grown = {name: eight[name] - two[name] for name in set(two) | set(eight) if eight[name] != two[name]}
+    assert grown == {"aten.index_add_": 2 * (8 - 2)}, grown

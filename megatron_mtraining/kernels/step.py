@@ -141,17 +141,23 @@ def vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_sca
                      doc_start, docs, int64, strides, qk_scale, softmax_scale, splits)
     # Fixed-order reduction over splits, then one scatter per GQA position: within one
     # index_add_ every real target row is distinct (padding slots add exact zeros), so the
-    # result does not depend on the order of the adds.
-    dk_cols = dk_part.sum(0)[:, :max_v].view(b, hkv, group, max_v, d)
-    dv_cols = dv_part.sum(0)[:, :max_v].view(b, hkv, group, max_v, d)
-    slot_ok = torch.arange(max_v, device=q.device) < plan.col_count[..., None]
-    target = torch.where(slot_ok, plan.cols.long(), 0).view(b, hkv, group, max_v)
-    row_base = (torch.arange(b * hkv, device=q.device) * nk).view(b, hkv, 1)
+    # result does not depend on the order of the adds. The per-position sources and rows are laid
+    # out GQA-position-major once, so the loop launches only its index_adds (no per-position
+    # copies): this glue runs once per ring step, where launches are what bounds small steps.
     dk_flat = dk.view(-1, d) if dk.is_contiguous() else None
     dv_flat = dv.view(-1, d) if dv.is_contiguous() else None
     if dk_flat is None or dv_flat is None:
         raise ValueError("vs_attention_backward: dk and dv accumulators must be contiguous")
+
+    def by_position(part):  # [splits, b*hq, max_v_pad, d] -> [group, b*hkv*max_v, d]
+        summed = part.sum(0)[:, :max_v].view(b, hkv, group, max_v, d)
+        return summed.permute(2, 0, 1, 3, 4).reshape(group, -1, d)
+
+    dk_cols, dv_cols = by_position(dk_part), by_position(dv_part)
+    slot_ok = torch.arange(max_v, device=q.device) < plan.col_count[..., None]
+    target = torch.where(slot_ok, plan.cols.long(), 0).view(b, hkv, group, max_v)
+    row_base = (torch.arange(b * hkv, device=q.device) * nk).view(b, hkv, 1, 1)
+    rows = (target + row_base).permute(2, 0, 1, 3).reshape(group, -1)
     for g in range(group):
-        rows = (row_base + target[:, :, g]).reshape(-1)
-        dk_flat.index_add_(0, rows, dk_cols[:, :, g].reshape(-1, d))
-        dv_flat.index_add_(0, rows, dv_cols[:, :, g].reshape(-1, d))
+        dk_flat.index_add_(0, rows[g], dk_cols[g])
+        dv_flat.index_add_(0, rows[g], dv_cols[g])
