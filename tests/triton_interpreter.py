@@ -1,0 +1,59 @@
+"""Triton's CPU interpreter for the tests: ``triton.language`` patched once per kernel launch.
+
+Triton 3.6's interpreter rebinds the builtins of ``triton.language`` to itself around each kernel
+launch (``GridExecutor.__call__`` calls ``_patch_lang``, restoring the modules afterwards), and
+again at every call of a ``@triton.jit`` helper inside the kernel (``InterpretedFunction.__call__``),
+while the modules are still patched by the launch: that second patch rebinds nothing new (a builtin
+already rebound no longer counts as one) but scans the modules with ``inspect.getmembers`` each
+time, tens of thousands of scans per test, about a third of an interpreted kernel's time here.
+
+``install()`` skips the helpers' patch while a launch has patched every language module the helper
+sees (it still runs when the helper sees one the launch did not). What runs, on which values, is
+Triton's own code. It changes nothing where Triton's interpreter is not in use, and it leaves a
+Triton whose interpreter differs from 3.6's as it is (``install`` returns False).
+"""
+
+from __future__ import annotations
+
+_MARK = "__mtraining_tests_patch_once__"
+
+
+def install() -> bool:
+    """Patch the interpreter (once per process); True when it is (now or already) patched."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    current = getattr(interpreter, "_patch_lang", None)
+    if getattr(current, _MARK, False):
+        return True
+    if current is None or not all(hasattr(interpreter, name) for name in ("GridExecutor", "InterpretedFunction", "tl")):
+        return False
+    original = current
+    languages = (interpreter.tl, interpreter.tl.core)
+    langs_of = {}   # function -> the language modules in its globals (what _patch_lang patches)
+    launches = []   # the language modules patched by the launch running now (a launch at a time)
+
+    class _LaunchScope:
+        """The launch's scope: restoring it also ends the launch."""
+
+        def __init__(self, scope):
+            self.scope = scope
+
+        def restore(self):
+            launches.pop()
+            self.scope.restore()
+
+    def patch_lang(fn):
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if any(v is m for m in languages))
+        if launches:  # a helper called inside a launch: Triton drops the scope it gets
+            return None if langs <= launches[-1] else original(fn)
+        scope = original(fn)
+        launches.append(langs)
+        return _LaunchScope(scope)
+
+    setattr(patch_lang, _MARK, True)
+    interpreter._patch_lang = patch_lang
+    return True
