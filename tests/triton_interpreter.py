@@ -7,9 +7,11 @@ while the modules are still patched by the launch: that second patch rebinds not
 already rebound no longer counts as one) but scans the modules with ``inspect.getmembers`` each
 time, tens of thousands of scans per test, about a third of an interpreted kernel's time here.
 
-``install()`` skips the helpers' patch while a launch has patched every language module the helper
-sees (it still runs when the helper sees one the launch did not). What runs, on which values, is
-Triton's own code. It changes nothing where Triton's interpreter is not in use, and it leaves a
+``install()`` skips the helpers' patch while every language module the helper sees is patched: by
+the launch, or by an earlier helper's patch in the same launch (one that saw a module the launch did
+not, such as Triton's own ``tl.zeros``, which sees ``triton.language.core``: Triton never restores
+that patch, so it is in place until the launch ends). What runs, on which values, is Triton's own
+code. It changes nothing where Triton's interpreter is not in use, and it leaves a
 Triton whose interpreter differs from 3.6's as it is (``install`` returns False).
 """
 
@@ -49,7 +51,10 @@ def install() -> bool:
         if langs is None:
             langs = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if any(v is m for m in languages))
         if launches:  # a helper called inside a launch: Triton drops the scope it gets
-            return None if langs <= launches[-1] else original(fn)
+            if not langs <= launches[-1]:
+                original(fn)  # its patch, never restored, stays in place for the rest of the launch
+                launches[-1] = launches[-1] | langs
+            return None
         scope = original(fn)
         launches.append(langs)
         return _LaunchScope(scope)
