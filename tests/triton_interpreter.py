@@ -1,21 +1,27 @@
-"""Triton's CPU interpreter for the tests: ``triton.language`` patched once per kernel launch.
+"""Triton's CPU interpreter for the tests, without two of its costs that compute nothing.
 
-Triton 3.6's interpreter rebinds the builtins of ``triton.language`` to itself around each kernel
-launch (``GridExecutor.__call__`` calls ``_patch_lang``, restoring the modules afterwards), and
-again at every call of a ``@triton.jit`` helper inside the kernel (``InterpretedFunction.__call__``),
-while the modules are still patched by the launch: that second patch rebinds nothing new (a builtin
-already rebound no longer counts as one) but scans the modules with ``inspect.getmembers`` each
-time, tens of thousands of scans per test, about a third of an interpreted kernel's time here.
+1. Triton 3.6's interpreter rebinds the builtins of ``triton.language`` to itself around each kernel
+   launch (``GridExecutor.__call__`` calls ``_patch_lang`` and restores the modules afterwards), and
+   again at every call of a ``@triton.jit`` helper inside the kernel (``InterpretedFunction.__call__``)
+   while the modules are still patched: that second patch rebinds nothing new (a builtin already
+   rebound no longer counts as one) but scans the modules with ``inspect.getmembers`` each time,
+   tens of thousands of scans per test. It is skipped while every language module the helper sees
+   is patched: by the launch, or by an earlier helper's patch in the same launch (one that saw a
+   module the launch did not, as Triton's own ``tl.zeros`` sees ``triton.language.core``: Triton
+   never restores that patch, so it is in place until the launch ends).
+2. Every integer ``+``, ``-`` and ``*`` of a kernel also computes an overflow check in int64
+   (``sanitize_overflow``) whose only use is a ``device_assert``, which the interpreter drops
+   (its options have ``debug`` False, and it never sets them otherwise). The check is not computed
+   while ``debug`` is False, so nothing that could fail is dropped.
 
-``install()`` skips the helpers' patch while every language module the helper sees is patched: by
-the launch, or by an earlier helper's patch in the same launch (one that saw a module the launch did
-not, such as Triton's own ``tl.zeros``, which sees ``triton.language.core``: Triton never restores
-that patch, so it is in place until the launch ends). What runs, on which values, is Triton's own
-code. It changes nothing where Triton's interpreter is not in use, and it leaves a
-Triton whose interpreter differs from 3.6's as it is (``install`` returns False).
+What runs, on which values, is Triton's own code: outputs and gradients are bitwise the same.
+``install()`` changes nothing where the interpreter is not in use, and it leaves a Triton whose
+interpreter differs from 3.6's as it is (it returns False).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 _MARK = "__mtraining_tests_patch_once__"
 
@@ -29,12 +35,15 @@ def install() -> bool:
     current = getattr(interpreter, "_patch_lang", None)
     if getattr(current, _MARK, False):
         return True
-    if current is None or not all(hasattr(interpreter, name) for name in ("GridExecutor", "InterpretedFunction", "tl")):
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if current is None or not all(hasattr(interpreter, name) for name in ("GridExecutor", "InterpretedFunction", "tl")) \
+            or not dataclasses.is_dataclass(options) or not hasattr(options, "sanitize_overflow"):
         return False
     original = current
     languages = (interpreter.tl, interpreter.tl.core)
     langs_of = {}   # function -> the language modules in its globals (what _patch_lang patches)
-    launches = []   # the language modules patched by the launch running now (a launch at a time)
+    launches = []   # the language modules patched during the launch running now (one at a time)
 
     class _LaunchScope:
         """The launch's scope: restoring it also ends the launch."""
@@ -61,4 +70,6 @@ def install() -> bool:
 
     setattr(patch_lang, _MARK, True)
     interpreter._patch_lang = patch_lang
+    if not options.debug:  # the overflow check only feeds device_assert, a no-op without debug
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
     return True
