@@ -37,8 +37,9 @@ def install() -> bool:
         return True
     builder = getattr(interpreter, "interpreter_builder", None)
     options = getattr(builder, "options", None)
-    if current is None or not all(hasattr(interpreter, name) for name in ("GridExecutor", "InterpretedFunction", "tl")) \
-            or not dataclasses.is_dataclass(options) or not hasattr(options, "sanitize_overflow"):
+    expected = all(hasattr(interpreter, name) for name in ("GridExecutor", "InterpretedFunction", "tl"))
+    if current is None or not expected or not dataclasses.is_dataclass(options) \
+            or not hasattr(options, "sanitize_overflow"):
         return False
     original = current
     languages = (interpreter.tl, interpreter.tl.core)
