@@ -16,6 +16,12 @@ for _folder in (os.path.join(REPO, "benchmarks"), os.path.join(REPO, "examples",
 # any kernel is decorated, so before megatron_mtraining's kernels are imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # One language patch per interpreted kernel launch instead of one per helper call (the same
+    # computation, about a quarter less time: tests/triton_interpreter.py).
+    from triton_interpreter import install as _patch_interpreter_once
+
+    _patch_interpreter_once()
 
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -23,9 +29,10 @@ requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a
 # The files that take longest on a 2-core CPU machine, longest first. `make test` runs the suite
 # on 2 pytest-xdist workers, one file per worker at a time (--dist loadfile) in collection order
 # (--no-loadscope-reorder): starting these first keeps one long file from running alone at the end.
-LONGEST_FIRST = ("test_megatron_core_0_19.py", "test_sparse_attention.py", "test_step.py", "test_documents.py",
-                 "test_faults_ring.py", "test_approx.py", "test_ring_scaling.py", "test_quality_packed.py",
-                 "test_resume.py", "test_failures.py", "test_megatron_pipeline.py", "test_ring.py")
+LONGEST_FIRST = ("test_megatron_core_0_19.py", "test_faults_ring.py", "test_approx.py", "test_resume.py",
+                 "test_ring_scaling.py", "test_sparse_attention.py", "test_megatron_pipeline.py",
+                 "test_quality_packed.py", "test_documents.py", "test_megatron_tp.py", "test_failures.py",
+                 "test_quality_benchmark.py", "test_ring.py", "test_real_megatron_lm.py")
 
 
 def pytest_collection_modifyitems(config, items):
