@@ -274,7 +274,7 @@ def kind_of(key: str, meta) -> str:
 
 
 def compare(a_folder: str, b_folder: str, ignore: Tuple[str, ...] = ()) -> Report:
-    report, configuration = Report(ignore=ignore), []
+    report = Report(ignore=ignore)
     meta_a, meta_b = read_metadata(a_folder).state_dict_metadata, read_metadata(b_folder).state_dict_metadata
     for key in sorted(set(meta_a) | set(meta_b)):
         if key not in meta_b or key not in meta_a:
@@ -290,7 +290,7 @@ def compare(a_folder: str, b_folder: str, ignore: Tuple[str, ...] = ()) -> Repor
         if kind == "object":  # megatron-core stores torch.save([object]): compared decoded (see same())
             entry_notes: List[str] = []
             ok, where = same(a, b, notes=entry_notes)
-            configuration += [f"{key} {note}" for note in entry_notes]
+            report.configuration += [f"{key} {note}" for note in entry_notes]
             if not ok:
                 report.add(kind, key, where.lstrip(": ") or "differs")
         else:
@@ -309,10 +309,9 @@ def compare(a_folder: str, b_folder: str, ignore: Tuple[str, ...] = ()) -> Repor
                 if key not in a or key not in b:
                     report.add("common", str(key), f"missing in {'B' if key not in b else 'A'}")
                     continue
-                ok, where = same(a[key], b[key], str(key), configuration)
+                ok, where = same(a[key], b[key], str(key), report.configuration)
                 if not ok:
                     report.add("common", str(key), where)
-    report.configuration = configuration
     return report
 
 

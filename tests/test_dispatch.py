@@ -47,6 +47,11 @@ def _qkv(dtype=torch.bfloat16, d=128):
 # ------------------------------------------------------------------------------------------ backend
 
 
+# The approximator's statistics kernels (approx_kernel) are resolved as the attention's backend.
+CHOOSERS = [dispatch.resolve_backend, dispatch.approx_kernel]
+
+
+@pytest.mark.parametrize("choose", CHOOSERS, ids=lambda f: f.__name__)
 @pytest.mark.parametrize("device, interpreted, asked, want", [
     (CUDA, False, "auto", "triton"),
     (CPU, False, "auto", "torch"),
@@ -55,36 +60,18 @@ def _qkv(dtype=torch.bfloat16, d=128):
     (CUDA, False, "torch", "torch"),
     (CPU, False, "torch", "torch"),
 ])
-def test_backend(monkeypatch, device, interpreted, asked, want):
+def test_backend(monkeypatch, choose, device, interpreted, asked, want):
     monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
-    assert dispatch.resolve_backend(asked, device) == want
+    assert choose(asked, device) == want
 
 
-def test_backend_errors(monkeypatch):
+@pytest.mark.parametrize("choose", CHOOSERS, ids=lambda f: f.__name__)
+def test_backend_errors(monkeypatch, choose):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
-        dispatch.resolve_backend("triton", CPU)
+        choose("triton", CPU)
     with pytest.raises(ValueError, match="backend must be one of"):
-        dispatch.resolve_backend("cuda", CUDA)
-
-
-@pytest.mark.parametrize("device, interpreted, asked, want", [
-    (CUDA, False, "auto", "triton"),
-    (CPU, False, "auto", "torch"),
-    (CPU, True, "triton", "triton"),
-    (CUDA, False, "torch", "torch"),
-])
-def test_approximator_statistics_kernel(monkeypatch, device, interpreted, asked, want):
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
-    assert dispatch.approx_kernel(asked, device) == want
-
-
-def test_approximator_statistics_kernel_errors(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
-        dispatch.approx_kernel("triton", CPU)
-    with pytest.raises(ValueError, match="backend must be one of"):
-        dispatch.approx_kernel("gpu", CUDA)
+        choose("cuda", CUDA)
 
 
 def test_the_approximator_runs_the_kernels_dispatch_picks(monkeypatch):
