@@ -12,7 +12,8 @@
 # STAGES (space separated, in order): check tests (every GPU test, TE's included; TESTS= a subset of
 #   files: all of them take ~12 minutes on 2 H200s, over one call's limit, so split them, e.g.
 #   TESTS="tests/test_convert.py tests/test_dense.py tests/test_documents.py" then the rest) rope packed equivalence fp8_tracking e2e e2e_fp8 e2e_4gpu
-#   e2e_fp8_4gpu e2e_1m_4gpu (activation recompute on both sides)
+#   e2e_fp8_4gpu e2e_1m_4gpu (activation recompute on both sides); e2e and e2e_fp8 use every visible GPU, so
+#   on a 4-GPU machine CUDA_VISIBLE_DEVICES=0,1 and =2,3 run the 2-GPU pair beside each other
 #   resume (exact resume on TE layers: scripts/gpu_megatron_lm.sh at CP=2, the launcher entry;
 #   carry .carry with the Megatron-LM tarball, see that script)
 # Results land under $OUT (the device tool's folder), one log per stage; the built
@@ -50,6 +51,9 @@ install_te() {
   return 0
 }
 
+# The GPUs this process sees (CUDA_VISIBLE_DEVICES splits one machine between two 2-GPU runs).
+visible_gpus() { "$PY" -c "import torch; print(torch.cuda.device_count())"; }
+
 run_stage() {
   local stage=$1 rc
   echo "== $stage"
@@ -68,13 +72,13 @@ print('TE', te.__version__, 'megatron-core', mc.__version__, '->', c(required=Tr
         | grep -E "^(run|pair|RESULT|wrote)" ;;
     e2e|e2e_fp8) timeout 580 "$PY" benchmarks/e2e.py --seq-length 262144 --runs te_cp,mtraining \
         ${E2E_ARGS:-} $([ "$stage" = e2e_fp8 ] && echo --fp8) --train-iters 12 --profile-iteration 11 \
-        --out "$OUT/e2e_te${stage#e2e}_${DEVICE_SLUG}_$(nvidia-smi -L | wc -l)gpu.json" 2>&1 | tee "$OUT/$stage.log" \
+        --out "$OUT/e2e_te${stage#e2e}_${DEVICE_SLUG}_$(visible_gpus)gpu.json" 2>&1 | tee "$OUT/$stage.log" \
         | grep -E "rc=|speedup|tokens/s|wrote" ;;
     e2e_1m_4gpu) timeout 580 "$PY" benchmarks/e2e.py --seq-length 1048576 --runs te_cp,mtraining --recompute \
         ${E2E_ARGS:-} --train-iters 6 --out "$OUT/e2e_te_1m_${DEVICE_SLUG}.json" 2>&1 | tee "$OUT/$stage.log" \
         | grep -E "rc=|speedup|tokens/s|wrote" ;;
     e2e_4gpu|e2e_fp8_4gpu) timeout 580 "$PY" benchmarks/e2e.py --seq-length 524288 --runs te_cp,te_cp_a2a_p2p,mtraining \
-        ${E2E_ARGS:-} $([ "$stage" = e2e_fp8_4gpu ] && echo --fp8) --train-iters 7 \
+        ${E2E_ARGS:-} $([ "$stage" = e2e_fp8_4gpu ] && echo --fp8) --train-iters 9 --profile-iteration 9 \
         --out "$OUT/e2e_te${stage#e2e}_${DEVICE_SLUG}.json" 2>&1 | tee "$OUT/$stage.log" | grep -E "rc=|speedup|tokens/s|wrote" ;;
     resume) ENTRIES=${ENTRIES:-launcher} CP_SIZES=${CP_SIZES:-2} REUSE_VENV=1 TE_SITE=$TE_SITE \
         bash scripts/gpu_megatron_lm.sh 2>&1 | tee "$OUT/resume.log" | tail -25 ;;

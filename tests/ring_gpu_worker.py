@@ -8,6 +8,7 @@ synchronise with the host. Prints one line per check; exits non-zero on any fail
 
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -20,15 +21,29 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def check(rank, world, layout, inner, seq_len, hq=8, hkv=2, d=128, B=64):
+def megatron_views(x):
+    """x ``[b, h, s, d]`` as the Megatron layer hands it to the ring: a permuted view of an [s, b, h, d]
+    leaf (whose .grad is then the gradient in that layout)."""
+    leaf = x.permute(2, 0, 1, 3).contiguous().requires_grad_()
+    return leaf, leaf.permute(1, 2, 0, 3)
+
+
+def check(rank, world, layout, inner, seq_len, hq=8, hkv=2, d=128, B=64, batch=1, megatron_layout=False):
     g = torch.Generator(device="cuda").manual_seed(seq_len + world)
-    q, k, v, do = (torch.randn(1, h, seq_len, d, device="cuda", generator=g) for h in (hq, hkv, hkv, hq))
-    index = mm.VSIndex.random(1, hq, seq_len, B, max_slash=24, max_vertical=256,
+    q, k, v, do = (torch.randn(batch, h, seq_len, d, device="cuda", generator=g) for h in (hq, hkv, hkv, hq))
+    index = mm.VSIndex.random(batch, hq, seq_len, B, max_slash=24, max_vertical=256,
                               generator=torch.Generator().manual_seed(seq_len), device="cuda")
     shard = lambda x: mm.shard_sequence(x, 2, layout, world, rank, B)
-    ql, kl, vl = (shard(x).bfloat16().requires_grad_() for x in (q, k, v))
-    out = mm.sparse_ring_attention(ql, kl, vl, index, layout=layout, inner_size=inner)
-    out.backward(shard(do).bfloat16())
+    if megatron_layout:  # strided q/k/v in, the output in q's layout, gradients in the leaves' layout
+        leaves, views = zip(*(megatron_views(shard(x).bfloat16()) for x in (q, k, v)))
+        out = mm.sparse_ring_attention(*views, index, layout=layout, inner_size=inner)
+        out.backward(shard(do).bfloat16())
+        assert out.permute(2, 0, 1, 3).is_contiguous(), "the ring's output is not in q's [s, b, h, d] layout"
+        ql, kl, vl = (SimpleNamespace(grad=x.grad.permute(1, 2, 0, 3)) for x in leaves)
+    else:
+        ql, kl, vl = (shard(x).bfloat16().requires_grad_() for x in (q, k, v))
+        out = mm.sparse_ring_attention(ql, kl, vl, index, layout=layout, inner_size=inner)
+        out.backward(shard(do).bfloat16())
     qf, kf, vf = (x.bfloat16().float().requires_grad_() for x in (q, k, v))
     ref = mm.sparse_attention(qf, kf, vf, index, backend="torch")
     ref.backward(do.bfloat16().float())
@@ -37,11 +52,12 @@ def check(rank, world, layout, inner, seq_len, hq=8, hkv=2, d=128, B=64):
     ok = max(errs) < 2e-2
     # Steady state: no host synchronisation inside a ring forward+backward.
     grad = shard(do).bfloat16()  # sharding copies positions to the GPU: outside the checked region
+    inputs = views if megatron_layout else (ql, kl, vl)
     torch.cuda.synchronize()
     dist.barrier()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out2 = mm.sparse_ring_attention(ql, kl, vl, index, layout=layout, inner_size=inner)
+        out2 = mm.sparse_ring_attention(*inputs, index, layout=layout, inner_size=inner)
         out2.backward(grad)
         sync_ok = True
     except RuntimeError as exc:
@@ -50,7 +66,8 @@ def check(rank, world, layout, inner, seq_len, hq=8, hkv=2, d=128, B=64):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    print(f"[rank {rank}] W={world} {layout} inner={inner} N={seq_len}: out/dq/dk/dv rel err "
+    what = f"{layout} inner={inner} N={seq_len}" + (f" b={batch} Megatron's [s, b, h, d] views" if megatron_layout else "")
+    print(f"[rank {rank}] W={world} {what}: out/dq/dk/dv rel err "
           + " ".join(f"{e:.2e}" for e in errs) + f" -> {'ok' if ok else 'FAIL'}; no host sync: {sync_ok}",
           flush=True)
     return ok and sync_ok
@@ -64,6 +81,7 @@ def main():
     if world == 4:
         configs += [("striped", 2), ("zigzag", 2)]
     results = [check(rank, world, layout, inner, 8192 * world // 2) for layout, inner in configs]
+    results.append(check(rank, world, "striped", None, 4096 * world, batch=2, megatron_layout=True))
     flag = torch.tensor([int(all(results))], device="cuda")
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     dist.destroy_process_group()

@@ -49,6 +49,7 @@ class Case:
     backend: str = "torch"
     group: str = "world"           # world (group=None) | explicit (new_group of all) | halves (2 CP groups)
     seed: int = 0
+    megatron_layout: bool = False  # q/k/v as Megatron hands them: [b, h, s, d] views of [s, b, h, d] tensors
 
     def cp_size(self, world_size: int) -> int:
         return world_size // 2 if self.group == "halves" else world_size
@@ -108,11 +109,25 @@ def _run_case(case: Case, rank: int, world_size: int) -> dict:
     def shard(x):
         return shard_sequence(x, 2, case.layout, cp_size, cp_rank, B)
 
-    q, k, v = (shard(x).requires_grad_() for x in (q, k, v))
+    if not case.megatron_layout:
+        q, k, v = (shard(x).requires_grad_() for x in (q, k, v))
+        out = sparse_ring_attention(q, k, v, index, group=group, layout=case.layout, inner_size=case.inner_size,
+                                    softmax_scale=case.softmax_scale, backend=case.backend)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), shard(grad))
+        return {"out": out, "dq": dq, "dk": dk, "dv": dv}
+    # As the Megatron layer calls it: permuted views in, the output permuted back and flattened (a
+    # view only if the ring returned it in q's [s, b, h, d] layout), the gradient arriving that way.
+    leaves = [shard(x).permute(2, 0, 1, 3).contiguous().requires_grad_() for x in (q, k, v)]
+    q, k, v = (x.permute(1, 2, 0, 3) for x in leaves)
     out = sparse_ring_attention(q, k, v, index, group=group, layout=case.layout, inner_size=case.inner_size,
                                 softmax_scale=case.softmax_scale, backend=case.backend)
-    dq, dk, dv = torch.autograd.grad(out, (q, k, v), shard(grad))
-    return {"out": out, "dq": dq, "dk": dk, "dv": dv}
+    flat = out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+    d_flat = shard(grad).permute(2, 0, 1, 3).reshape(flat.shape)
+    grads = torch.autograd.grad(flat, leaves, d_flat)
+    dq, dk, dv = (x.permute(1, 2, 0, 3) for x in grads)
+    return {"out": out, "dq": dq, "dk": dk, "dv": dv,
+            "layouts": {"out is a view of the flat output": flat._base is not None,
+                        "dq in q's layout": grads[0].is_contiguous()}}
 
 
 def _ring_worker(rank: int, world_size: int, cases) -> dict:
@@ -173,6 +188,8 @@ SPAWNS = {
     "w2": (2, with_seeds(standard_cases(2) + [
         Case("striped-random-scale0.3", "striped", 96, softmax_scale=0.3),
         Case("zigzag-random-explicit-group", "zigzag", 128, group="explicit"),
+        Case("striped-random-megatron-layout", "striped", 128, megatron_layout=True),
+        Case("zigzag-dense-megatron-layout", "zigzag", 128, index="dense", megatron_layout=True),
     ], 200)),
     "w3": (3, with_seeds(standard_cases(3) + [
         Case("striped-random-explicit-group", "striped", 96, group="explicit"),
@@ -185,6 +202,8 @@ SPAWNS = {
     "w2-triton": (2, with_seeds([
         Case("triton-striped-random", "striped", 64, batch=1, hq=2, hkv=1, backend="triton"),
         Case("triton-zigzag-random", "zigzag", 64, batch=1, hq=2, hkv=1, backend="triton"),
+        Case("triton-striped-megatron-layout", "striped", 64, batch=2, hq=2, hkv=1, backend="triton",
+             megatron_layout=True),
     ], 500)),
 }
 
@@ -265,6 +284,9 @@ def test_ring_matches_single_device(spawn, case):
     per_rank = spawn_results(spawn)
     for ranks, seed in cp_groups(case, world_size):
         got = gathered(case, per_rank, ranks)
+        if case.megatron_layout:  # the layer's permutes stay views: no transposes around the ring
+            for r in ranks:
+                assert all(per_rank[r][case.name]["layouts"].values()), (r, per_rank[r][case.name]["layouts"])
         want, (q, k, v, grad) = reference(case, seed)
         assert_close(case, got, want, f"ranks {ranks} vs sparse_attention")
         if case.index == "dense":
