@@ -187,10 +187,37 @@ def host_floor(fwdbwd_ms: float, forward_share: float, kernels_ms: float, what: 
     return {"fwd": fwdbwd_ms * forward_share, "bwd": fwdbwd_ms * (1 - forward_share)}
 
 
-def derive_ring_floor(results_dir: str, device: str, sparse_fwd: Dict, sparse_bwd: Dict) -> Optional[Dict]:
+def multi_rank_call_cost(results_dir: str, device: str, floor_point: Dict, floor_per_step: float) -> Dict:
+    """What a ring call over W > 1 ranks costs the host beyond W steps at the floor (the agreement's
+    all-reduce, the first transfer's posting, the last merge): measured where the floor binds, i.e.
+    the runs of the floor's own commit (same machine, same session) at its tokens per GPU, as
+    ``T_W - W x floor``, averaged over their W. 0 without such runs (then said in ``how``)."""
+    excess = []
+    prefix = f"ring_{device}_"
+    for name in sorted(f for f in os.listdir(results_dir) if f.startswith(prefix) and f.endswith(".json")):
+        d = _load(results_dir, name)
+        cfg = d["config"]
+        if cfg.get("world_size", 1) < 2 or cfg.get("slow_link_gbps") or \
+                str(d["meta"].get("commit")) != floor_point["commit"]:
+            continue
+        W = cfg["world_size"]
+        for run in d["runs"]:
+            ms = run["variants"].get("sparse_striped", {}).get("fwdbwd_ms")
+            if ms and run["seq_len"] == W * floor_point["seq_len"]:
+                excess.append({"file": name, "world_size": W, "fwdbwd_ms": ms, "excess_ms": ms - W * floor_per_step})
+    if not excess:
+        return {"host_call_ms_multi_rank": 0.0, "multi_rank_source": []}
+    return {"host_call_ms_multi_rank": max(0.0, sum(e["excess_ms"] for e in excess) / len(excess)),
+            "multi_rank_source": excess}
+
+
+def derive_ring_floor(results_dir: str, device: str, sparse_fwd: Dict, sparse_bwd: Dict,
+                      commit: Optional[str] = None) -> Optional[Dict]:
     """The floor from the device's shortest one-GPU sparse ring run with per-step telemetry (one ring
-    step; forward and backward split as its per-step telemetry splits them); None without such a run."""
-    points = [p for p in one_gpu_ring_points(results_dir, device) if p["forward_share"] is not None]
+    step; forward and backward split as its per-step telemetry splits them); None without such a run.
+    ``commit``: only that commit's runs (one session's machine: the floor is its host's)."""
+    points = [p for p in one_gpu_ring_points(results_dir, device)
+              if p["forward_share"] is not None and commit in (None, p["commit"])]
     if not points:
         return None
     hbm_gbps = SPEC[device]["hbm_gbps"]
@@ -200,14 +227,16 @@ def derive_ring_floor(results_dir: str, device: str, sparse_fwd: Dict, sparse_bw
     kernels = _cost_ms(sparse_fwd, p["items"], p["tiles"]) + _cost_ms(sparse_bwd, p["items"], p["tiles"]) + zero_ms
     what = f"{p['file']} at {p['seq_len'] // 1024}K"
     floor = host_floor(p["fwdbwd_ms"], p["forward_share"], kernels, what)
-    return {"host_floor_ms_per_step": floor,
+    call = multi_rank_call_cost(results_dir, device, p, floor["fwd"] + floor["bwd"])
+    return {"host_floor_ms_per_step": floor, **call,
             "source": {"file": p["file"], "seq_len": p["seq_len"], "commit": p["commit"],
                        "measured_fwdbwd_ms": p["fwdbwd_ms"], "kernels_ms": kernels,
                        "forward_share": p["forward_share"]},
             "how": f"the one-GPU ring call (one step) at {p['seq_len'] // 1024}K, whose kernels would take "
                    f"{kernels:.2f} of its {p['fwdbwd_ms']:.2f} ms: its whole time is taken as the per-step floor, "
                    "split between forward and backward as its per-step telemetry (compute, wait, plan, merge) "
-                   "splits them"}
+                   "splits them; a call over W > 1 ranks adds host_call_ms_multi_rank where the floor binds "
+                   "(the same commit's W-GPU runs at the same tokens per GPU, less W steps at the floor)"}
 
 
 def derive_h200(results_dir: str) -> Dict:
@@ -352,6 +381,7 @@ def derive_h100(results_dir: str, h200: Dict) -> Dict:
     if ring_floor is None:
         # The floor is the host's enqueue time, not the GPU's speed: borrowed, and said so.
         ring_floor = {"host_floor_ms_per_step": dict(h200["ring"]["host_floor_ms_per_step"]),
+                      "host_call_ms_multi_rank": h200["ring"].get("host_call_ms_multi_rank", 0.0),
                       "borrowed_from": "nvidia-h200"}
         profile["assumed"]["ring.host_floor_ms_per_step"] = (
             "borrowed from nvidia-h200: no one-H100 ring run at small work is committed, and the floor is "

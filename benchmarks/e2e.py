@@ -220,6 +220,11 @@ def main():
                    help="trace this iteration on rank 0 and record its GPU time by category (0: off)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.profile_iteration and args.profile_iteration >= args.train_iters:
+        # The profiler writes its trace during the next iteration; a traced last iteration never gets
+        # written, and every process then died at exit (SIGSEGV, 4 H200, ad8c1fa).
+        p.error(f"--profile-iteration {args.profile_iteration} needs a later iteration to write its trace: "
+                f"at most --train-iters - 1 = {args.train_iters - 1}")
     te_version = transformer_engine_version()
     args.transformer_impl = resolve_transformer_impl(args.transformer_impl, te_version)
     te = args.transformer_impl == "transformer_engine"

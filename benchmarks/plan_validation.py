@@ -32,6 +32,7 @@ of session 2 (an approximator implementation replaced since, with no one-GPU run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -44,8 +45,10 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
 
+import calibrate  # noqa: E402
 from calibrate import telemetry  # noqa: E402
 
+from megatron_mtraining.plan.profiles import HostFloor  # noqa: E402
 from megatron_mtraining.plan import (Cluster, ModelShape, Workload, approximator_ms, load_profile,  # noqa: E402
                                      predict_dense_a2a_p2p, predict_dense_p2p, predict_mtraining, with_recompute)
 
@@ -100,14 +103,30 @@ def _commit(d: Dict) -> str:
     return str(d["meta"].get("commit", "")).split("+")[0]
 
 
+def session_floor(profile, commit: str):
+    """``profile`` with the host/launch floor of the session that measured ``commit`` (its own one-GPU
+    ring call at small work, and its W-GPU calls at the same work), where that session has one: the
+    floor is the host's, and the sessions ran on different machines. Also the floor's source."""
+    try:
+        ring = calibrate.derive_ring_floor(RESULTS, "nvidia-h200", profile.raw["sparse"]["fwd"],
+                                           profile.raw["sparse"]["bwd"], commit=commit)
+    except ValueError:  # that session's shortest one-GPU run is not host-bound
+        ring = None
+    if ring is None:
+        return profile, profile.raw.get("ring", {}).get("source", {})
+    floor = HostFloor(ring["host_floor_ms_per_step"]["fwd"], ring["host_floor_ms_per_step"]["bwd"],
+                      ring["host_call_ms_multi_rank"] or profile.ring_host_floor.call_multi_rank)
+    return dataclasses.replace(profile, ring_host_floor=floor), ring["source"]
+
+
 def ring_cases(profile, gens, reference_ms) -> List[Dict]:
-    floor_source = profile.raw.get("ring", {}).get("source", {})
     cases = []
     files = sorted(f for f in os.listdir(RESULTS) if f.startswith("ring_nvidia-h200_") and f.endswith(".json"))
     for name in files:
         d = _load(name)
         cfg = d["config"]
         gen = generation_of(_commit(d), gens)
+        profile_here, floor_source = session_floor(profile, _commit(d))
         scale = gen["fwdbwd_128k_ms"] / reference_ms
         link = cfg.get("slow_link_gbps")
         for run in d["runs"]:
@@ -122,9 +141,9 @@ def ring_cases(profile, gens, reference_ms) -> List[Dict]:
                 if not measured:
                     continue
                 if variant in ("sparse_striped", "sparse_zigzag"):
-                    p = predict_mtraining(RING_SHAPE, work, cluster, profile, kernel_scale=scale)
+                    p = predict_mtraining(RING_SHAPE, work, cluster, profile_here, kernel_scale=scale)
                 elif variant == "sparse_striped_hier":
-                    p = predict_mtraining(RING_SHAPE, work, cluster, profile, inner=cfg["inner_size"],
+                    p = predict_mtraining(RING_SHAPE, work, cluster, profile_here, inner=cfg["inner_size"],
                                           kernel_scale=scale)
                 elif variant in ("dense_zigzag", "torch_native_cp"):
                     p = predict_dense_p2p(RING_SHAPE, work, cluster, profile, grad_bytes_per_value=4)
@@ -140,7 +159,7 @@ def ring_cases(profile, gens, reference_ms) -> List[Dict]:
                         "predicted_host_wait_ms": p.host_wait_ms, "note": note}
                 if (name, S, W, variant) == (floor_source.get("file"), floor_source.get("seq_len"), 1,
                                              "sparse_striped"):
-                    case.update(role="calibration", note="defines the ring's host/launch floor: not a prediction")
+                    case.update(role="calibration", note="defines its session's host/launch floor: not a prediction")
                 cases.append(case)
     return cases
 

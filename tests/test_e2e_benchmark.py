@@ -24,6 +24,12 @@ def test_unknown_run_is_refused_before_anything_starts():
     assert "--runs: unknown ['cudnn']" in proc.stderr and "dense_sparse_kernels" in proc.stderr
 
 
+def test_a_traced_last_iteration_is_refused_before_anything_starts():
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "e2e.py"), "--train-iters", "9",
+                           "--profile-iteration", "9"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "at most --train-iters - 1 = 8" in proc.stderr
+
+
 def test_gpu_time_breakdown_sorts_kernels_into_categories(tmp_path):
     """--profile-iteration's summary of a torch.profiler trace: our kernels (whose names contain
     "attn" and "sm90" too) count as MTraining's, cuDNN's as dense attention, GEMMs, NCCL, the rest;

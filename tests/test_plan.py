@@ -441,7 +441,10 @@ def test_calibrate_derives_the_floor_from_the_shortest_one_gpu_ring_run(tmp_path
     sp = json.load(open(os.path.join(PROFILE_DIR, "nvidia-h200.json")))["sparse"]
     files = {"ring_nvidia-h200_1gpu_a.json": _ring_result(1, [(16384, 5.0, (1.0, 3.0)), (131072, 38.0, (9.0, 28.0))]),
              # Shorter, but not one GPU (a multi-GPU point never calibrates) ...
-             "ring_nvidia-h200_2gpu_a.json": _ring_result(2, [(8192, 9.0, (2.0, 6.0))]),
+             # (its 2 x 16K run, the floor's work per GPU, gives the per-call cost over ranks: 12 - 2 x 5 ms)
+             "ring_nvidia-h200_2gpu_a.json": _ring_result(2, [(8192, 9.0, (2.0, 6.0)), (32768, 12.0, None)]),
+             # another session's (commit) 2-GPU run never sets this session's call cost
+             "ring_nvidia-h200_2gpu_b.json": _ring_result(2, [(32768, 30.0, None)], commit="def5678"),
              # ... and shorter, on one GPU, but without per-step telemetry (no forward/backward split).
              "ring_nvidia-h200_1gpu_b.json": _ring_result(1, [(8192, 4.0, None)])}
     for name, data in files.items():
@@ -450,6 +453,10 @@ def test_calibrate_derives_the_floor_from_the_shortest_one_gpu_ring_run(tmp_path
     assert ring["host_floor_ms_per_step"] == {"fwd": pytest.approx(5.0 * 0.25), "bwd": pytest.approx(5.0 * 0.75)}
     assert ring["source"]["file"] == "ring_nvidia-h200_1gpu_a.json" and ring["source"]["seq_len"] == 16384
     assert ring["source"]["kernels_ms"] < 2.5
+    assert ring["host_call_ms_multi_rank"] == pytest.approx(2.0)
+    assert [e["file"] for e in ring["multi_rank_source"]] == ["ring_nvidia-h200_2gpu_a.json"]
+    # One session's floor: that commit's runs only (none of def5678's is on one GPU).
+    assert calibrate.derive_ring_floor(str(tmp_path), "nvidia-h200", sp["fwd"], sp["bwd"], commit="def5678") is None
     assert calibrate.derive_ring_floor(str(tmp_path), "nvidia-h100", sp["fwd"], sp["bwd"]) is None
     # Where the kernels would take most of the call, it does not measure the host: refused.
     (tmp_path / "ring_nvidia-h200_1gpu_a.json").write_text(json.dumps(
@@ -538,11 +545,14 @@ def test_validation_file_is_current_and_meets_the_targets_on_planned_configurati
     assert all(c["variant"] == "te_cp" for c in te if c["role"] == "calibration")
     assert result["summary"]["transformer_engine_runs"]["predictions"] == len(te) - 2
     assert any("recompute" in c["setup"] for c in te) and any("FP8" in c["setup"] for c in te)
-    # The host/launch floor: its one-GPU source is held out; the other small-work rings are predictions.
+    # The host/launch floor is each session's (machine's) own: its one-GPU small-work call is held out
+    # (the profile's among them); the other small-work rings are predictions.
     floor_source = H200.raw["ring"]["source"]
     ring_calibration = [c for c in result["cases"] if c["kind"] == "ring" and c["role"] == "calibration"]
-    assert [(c["source"], c["seq_len"], c["gpus"]) for c in ring_calibration] == [
-        (floor_source["file"], floor_source["seq_len"], 1)]
+    held_out = [(c["source"], c["seq_len"], c["gpus"]) for c in ring_calibration]
+    assert (floor_source["file"], floor_source["seq_len"], 1) in held_out
+    assert all(gpus == 1 and seq_len <= 16384 for _, seq_len, gpus in held_out), held_out
+    assert len({source.rsplit("_", 1)[-1] for source, _, _ in held_out}) == len(held_out)  # one per session
     small = [c for c in result["cases"] if c["kind"] == "ring" and c["seq_len"] // c["gpus"] <= 32768
              and c["role"] == "prediction"]
     assert {(c["gpus"], c["seq_len"]) for c in small} >= {(1, 32768), (2, 32768), (2, 65536)}
@@ -600,3 +610,15 @@ def test_calibrate_gpu_mode_smoke(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     profile = load_profile(str(out))
     assert profile.sparse_bwd.per_tile >= 0 and profile.block_size == 64
+
+
+def test_a_call_over_several_ranks_pays_its_set_up_once_where_the_host_binds():
+    """HostFloor.call_multi_rank: added once per layer call over W > 1 ranks where the floor binds
+    (small work per GPU), never on one GPU and never where the kernels outlast the floor."""
+    base = dataclasses.replace(H200, ring_host_floor=dataclasses.replace(H200.ring_host_floor, call_multi_rank=0.0))
+    paid = dataclasses.replace(H200, ring_host_floor=dataclasses.replace(H200.ring_host_floor, call_multi_rank=2.5))
+    shape = ModelShape(layers=1, vocab=8192)
+    for W, S, extra in ((4, 4 * 16384, 2.5), (1, 16384, 0.0), (4, 524288, 0.0)):
+        a, b = (predict_mtraining(shape, Workload(S), Cluster(W, W), p) for p in (base, paid))
+        assert b.attention_ms - a.attention_ms == pytest.approx(extra), (W, S)
+        assert b.host_wait_ms - a.host_wait_ms == pytest.approx(extra), (W, S)

@@ -11,8 +11,9 @@ What a step costs, per GPU (``docs/scaling.md`` explains it with its validation)
 * the host/launch floor: the host needs a fixed time to enqueue a ring step (plan conversion, ~100
   small launches per step and direction), whatever the step's work, and the GPU cannot run a step
   before it is enqueued; so a step takes max(its kernels, the floor), forward and backward apart
-  (``profiles.HostFloor``, measured on one GPU at small work). At 8-16K tokens per GPU the floor,
-  not the kernels, sets the attention time;
+  (``profiles.HostFloor``, measured on one GPU at small work), and a call over W > 1 ranks adds
+  its own set-up once (the agreement, the first posting: measured on W GPUs at the same work). At
+  8-16K tokens per GPU the floor, not the kernels, sets the attention time;
 * the ring: the schedule of ``ring/schedule.py`` (flat, or hierarchical with an inner ring of
   ``inner`` ranks and an outer ring over the groups) simulated rank by rank: a transfer starts
   when both ends have posted it and the link it crosses (NVLink inside a node, the inter-node
@@ -377,14 +378,19 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
     nbytes = {"kv": kv_bytes, "grad": grad_bytes}
     fwd = simulate_ring(W, inner, [fwd_span] * W, nbytes, link)
     bwd = simulate_ring(W, inner, [bwd_span] * W, nbytes, link, add_ms=add_ms, backward=True)
+    # Where the host binds, a call over several ranks also waits for its own set-up (the agreement,
+    # the first transfer's posting): once per call, not per step.
+    call_ms = floor.call_multi_rank if W > 1 and (floor.fwd > fwd_step or floor.bwd > bwd_step) else 0.0
+    fwd += call_ms
     compute = W * (fwd_step + bwd_step)
-    host_wait = W * (fwd_span - fwd_step + bwd_span - bwd_step)
+    host_wait = W * (fwd_span - fwd_step + bwd_span - bwd_step) + call_ms
     adds = (W - 1) * add_ms if W > 1 else 0.0
     exposed = max(0.0, fwd + bwd - compute - host_wait - adds)
     fixed = W * (fixed_fwd + fixed_bwd)
     # What the attention's time is made of: per direction, the kernels (work and fixed costs) where
     # they outlast the floor, the floor where it binds.
     parts = {"attention kernels (work)": 0.0, "per-step fixed costs": adds, "host/launch floor": 0.0}
+    parts["host/launch floor"] += call_ms
     for kernels, fixed_part, floor_ms in ((fwd_step, fixed_fwd, floor.fwd), (bwd_step, fixed_bwd, floor.bwd)):
         if floor_ms > kernels:
             parts["host/launch floor"] += W * floor_ms

@@ -41,9 +41,10 @@ class HostFloor:
 
     fwd: float
     bwd: float
+    call_multi_rank: float = 0.0  # per ring call over W > 1 ranks: the agreement, the first posting, the merge
 
     def __post_init__(self):
-        for name in ("fwd", "bwd"):
+        for name in ("fwd", "bwd", "call_multi_rank"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"host floor: {name} must be >= 0 ms, got {value!r}")
@@ -95,7 +96,8 @@ class Profile:
                 elementwise_ns_per_token_layer=float(d["rest_of_layer"]["elementwise_ns_per_token_layer"]),
                 step_fixed_ms=float(d["rest_of_layer"]["step_fixed_ms"]),
                 ring_host_floor=HostFloor(fwd=float(d["ring"]["host_floor_ms_per_step"]["fwd"]),
-                                          bwd=float(d["ring"]["host_floor_ms_per_step"]["bwd"])),
+                                          bwd=float(d["ring"]["host_floor_ms_per_step"]["bwd"]),
+                                          call_multi_rank=float(d["ring"].get("host_call_ms_multi_rank", 0.0))),
                 kernel_generation=dict(d.get("kernel_generation", {})), sources=list(d.get("sources", [])),
                 assumed=dict(d.get("assumed", {})), raw=d,
                 te_rest_of_layer={precision: (float(r["gemm_tflops"]), float(r["elementwise_ns_per_token_layer"]))
