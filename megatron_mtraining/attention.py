@@ -60,7 +60,7 @@ class _SparseAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan, softmax_scale, backend):
         b, hq, n, _ = q.shape
         q, k, v = _contiguous_last(q), _contiguous_last(k), _contiguous_last(v)
-        out = torch.empty_like(q)  # in q's layout (a dense view stays one): Megatron's permute back is a view
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
         step_forward(backend, q, k, v, plan, out, lse, softmax_scale, accumulate=False)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -71,8 +71,7 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, _d_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        if d_out.stride() != out.stride():  # it arrives in the output's layout when the caller only permuted
-            d_out = torch.empty_like(out).copy_(d_out)
+        d_out = d_out.contiguous()
         delta = backward_delta(ctx.backend, out, d_out)
         dq, dk, dv = single_step_backward(ctx.backend, q, k, v, d_out, lse, delta, ctx.plan, ctx.softmax_scale)
         return dq, dk, dv, None, None, None

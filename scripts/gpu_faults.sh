@@ -6,7 +6,8 @@
 #   FAULT_PG_TIMEOUT_S  the process group's timeout (NCCL watchdog bound), default 30
 #   TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC  PyTorch's wait for debug dumps (x4 after a timeout), default here 2000
 #   FAULT_CASES         the cases to run (default: all, see the worker's docstring)
-#   COST_SEQ_LEN        the cost case's sequence length, default 524288
+#   COST_SEQ_LEN        the cost cases' sequence length, default 524288 (cost: the ring benchmark's 16/2
+#                       heads and ~5% index; cost_sparse: 16/4 heads and the worker's sparse test index)
 # shellcheck source=SCRIPTDIR/gpu_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
@@ -18,21 +19,23 @@ export FAULT_PG_TIMEOUT_S=${FAULT_PG_TIMEOUT_S:-30}
 # 60 s by default, which made a dead-peer case last timeout + 60 s. 2 s keeps the run short; the
 # bound it shows is then timeout + 8 s (docs/troubleshooting.md).
 export TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=${TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC:-2000}
-CASES=${FAULT_CASES:-"disagree_index disagree_length_eager local_failure_eager die_before_forward die_between_forward_and_backward stall_between_forward_and_backward stall_blocking_wait cost"}
+CASES=${FAULT_CASES:-"disagree_index disagree_length_eager local_failure_eager die_before_forward die_between_forward_and_backward stall_between_forward_and_backward stall_blocking_wait cost cost_sparse"}
 LIMIT=$(( ${FAULT_PG_TIMEOUT_S%.*} * 2 + 90 ))  # a case that outlives this is reported as a HANG
 WORLDS=$([ "$NGPU" -ge 4 ] && echo "2 4" || echo "2")
 mkdir -p "$OUT/faults"
 for case in $CASES; do
   for world in $WORLDS; do
-    [ "$case" = cost ] && [ "$world" != "${WORLDS##* }" ] && continue  # cost: the largest world only
+    case $case in cost*) [ "$world" != "${WORLDS##* }" ] && continue ;; esac  # cost: the largest world only
     dir=$OUT/faults/${case}_${world}gpu
     rm -rf "$dir" && mkdir -p "$dir"
     env=()
     case $case in
       *_eager) env+=(MTRAINING_RING_AGREEMENT=eager) ;;
       stall_blocking_wait) env+=(TORCH_NCCL_BLOCKING_WAIT=1 MTRAINING_RING_TIMEOUT_S=10) ;;
+      cost_sparse) env+=(COST_INDEX=sparse) ;;  # the worker's short test-index ring (cost: the benchmark's)
     esac
     worker_case=${case/stall_blocking_wait/stall_between_forward_and_backward}
+    worker_case=${worker_case/cost_sparse/cost}
     start=$(date +%s.%N)
     env "${env[@]}" timeout -k 10 "$LIMIT" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$world" \
       tests/faults_gpu_worker.py "$worker_case" "$dir" > "$dir/log.txt" 2>&1
@@ -67,8 +70,9 @@ for d in sorted(glob.glob(os.path.join(out, "faults", "*gpu"))):
             outcome += f" (nan output: {rec['nan_output']})"
         entry["ranks"].append({"rank": rank, **rec})
         rows.append((case, world, rank, outcome, rec.get("seconds", "")))
-        if case == "cost" and rec["status"] == "ok" and rank == 0:
+        if case.startswith("cost") and rec["status"] == "ok" and rank == 0:
             rows.append(("  cost", world, 0, f"ring fwd+bwd {rec['ring_fwd_bwd_ms']:.1f} ms at {rec['seq_len']} "
+                         f"({rec['index']} index, density {rec['index_density']:.3f}, heads {rec['heads']}) "
                          f"({rec['ring_without_agreement_ms']:.1f} without the agreement: "
                          f"{100 * rec['agreement_share_of_ring']:+.2f}%); one agreement alone {rec['agreement_us']:.0f} us "
                          f"of host time ({rec['mode']})", ""))

@@ -24,7 +24,11 @@ timeout, i.e. the NCCL watchdog's bound):
   ``MTRAINING_RING_TIMEOUT_S=10`` (set by the script): ``RingCommunicationError`` naming the step;
 * ``cost``: no fault; one ring forward+backward at ``COST_SEQ_LEN`` (default 512K) tokens with its
   agreement and without it (``agreement.agree`` a no-op), for the "at most 1% of the ring" budget,
-  and the host time of one agreement alone.
+  and the host time of one agreement alone (in steady state: each call first reads the verdicts
+  that are ready, as a ring call does). ``COST_INDEX``: ``benchmark`` (default: the ring
+  benchmark's configuration, 16/2 heads and its ~5% fixed index, the ring whose time the budget
+  is of) or ``sparse`` (16/4 heads and this worker's test index: a short, host-bound ring, the
+  worst case for a per-call cost).
 """
 
 import json
@@ -129,8 +133,18 @@ def cost(rank, world):
     so the GPU time the agreement adds is what shows, not host time that a training step overlaps
     with earlier GPU work); and, apart, one agreement alone in a loop (its host time)."""
     seq_len = int(os.environ.get("COST_SEQ_LEN", SEQ_LEN if CPU else 524288))
-    q, k, v = inputs(rank, world, seq_len, hq=16, hkv=4)
-    idx = index(seq_len, hq=16)
+    kind = os.environ.get("COST_INDEX", "benchmark")
+    if kind == "benchmark":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+        from common import fixed_vs_index  # the ring benchmark's index
+
+        q, k, v = inputs(rank, world, seq_len, hq=16, hkv=2)
+        idx = fixed_vs_index(1, 16, seq_len, B, 0.05, DEVICE, seed=0)
+    elif kind == "sparse":
+        q, k, v = inputs(rank, world, seq_len, hq=16, hkv=4)
+        idx = index(seq_len, hq=16)
+    else:
+        raise ValueError(f"COST_INDEX must be 'benchmark' or 'sparse', got {kind!r}")
     items = call_items("sparse_ring_attention", q, k, v, "striped", world, 0.088, idx, None)
     group = dist.group.WORLD
 
@@ -149,6 +163,7 @@ def cost(rank, world):
         mm.sparse_ring_attention(q, k, v, idx).sum().backward()
 
     def agree_only():
+        agreement.check_deferred()  # as a ring call does: ready verdicts give their host buffers back
         items = call_items("sparse_ring_attention", q, k, v, "striped", world, 0.088, idx, None)
         agreement.agree(group, "cost", items, None, q.device)
 
@@ -164,7 +179,8 @@ def cost(rank, world):
     ring_s, bare_s = min(with_s), min(without_s)
     agree_s = timed(agree_only, 50)
     agreement._DEFERRED.clear()
-    return {"seq_len": seq_len, "ring_fwd_bwd_ms": ring_s * 1e3, "ring_without_agreement_ms": bare_s * 1e3,
+    return {"seq_len": seq_len, "index": kind, "index_density": float(idx.density(seq_len).mean()),
+            "heads": [q.shape[1], k.shape[1]], "ring_fwd_bwd_ms": ring_s * 1e3, "ring_without_agreement_ms": bare_s * 1e3,
             "agreement_share_of_ring": (ring_s - bare_s) / bare_s, "agreement_us": agree_s * 1e6,
             "agreement_host_share_of_ring": agree_s / ring_s, "mode": agreement.mode(q.device, group),
             "items": len(items)}

@@ -355,9 +355,10 @@ class MTrainingAttention(MegatronModule):
         group = self.cp_group()
         # Packed documents (THD packed_seq_params, or the current batch's): one Documents per batch, or None.
         documents = packing.documents_for_attention(self, packed_seq_params, sq * _group_size(group), b)
-        # [s, b, heads, hn] -> [b, heads, s, hn] as views: the kernels take strides, and the ring
-        # makes its own dense k/v to send and returns its output in q's layout.
+        # [s, b, heads, hn] -> [b, heads, s, hn]; the ring sends k/v, so give it dense tensors.
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        if group is not None:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
 
         tele = telemetry.get_telemetry()
         # Telemetry counts training forwards that build autograd graphs: not eval forwards, and
@@ -393,6 +394,6 @@ class MTrainingAttention(MegatronModule):
             record.record_index(self.layer_number, index, sq * _group_size(group))
             record.time_backward(out, q, cuda)
 
-        # [b, np, sq, hn] -> [sq, b, np * hn]: a view where the output came back in q's [s, b, h, d] layout
+        # [b, np, sq, hn] -> [sq, b, np * hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
 

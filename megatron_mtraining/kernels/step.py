@@ -62,12 +62,12 @@ def single_step_backward(backend: str, q, k, v, do, lse, delta, plan, softmax_sc
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     if backend == "triton":
-        dq = torch.empty_like(q)  # in q's layout: a caller's permuted view gets its gradient without a copy
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale,
                               backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size),
                               accumulate_dq=False)
     else:
-        dq = torch.zeros_like(q, dtype=acc)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         step_backward(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

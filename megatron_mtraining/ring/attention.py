@@ -135,20 +135,14 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, topo, steps, disagree=None):
-        # The ring sends k/v: dense tensors. q stays in the caller's layout (Megatron's [s, b, h, d]
-        # seen as [b, h, s, d]): the kernels take its strides, and the output and dq are allocated
-        # in that layout, so the layer's permutes in and out are views, not copies
-        # (docs/performance.md: ~10 ms per iteration of transposes at 256K over 2 GPUs).
-        k, v = k.contiguous(), v.contiguous()
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         b, hq, n, d = q.shape
         writes = getattr(steps, "first_step_writes", False)
         if writes:
-            out = torch.empty_like(q, dtype=torch.float32)  # q's layout where q is dense, else contiguous
+            out = torch.empty(b, hq, n, d, dtype=torch.float32, device=q.device)
             lse = torch.empty((b, hq, n), dtype=torch.float32, device=q.device)
         else:
-            out = torch.zeros_like(q, dtype=torch.float32)
+            out = torch.zeros(b, hq, n, d, dtype=torch.float32, device=q.device)
             lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=q.device)
         done = [0]  # steps run so far
 
@@ -170,11 +164,10 @@ class RingAttentionFunction(torch.autograd.Function):
     def backward(ctx, d_out):
         agreement.check_deferred()  # a disagreement found since the forward: raise it (never waits)
         q, k, v, out, lse = ctx.saved_tensors
-        if d_out.stride() != out.stride():  # the layer's gradient arrives in the output's layout: no copy
-            d_out = torch.empty_like(out).copy_(d_out)
+        d_out = d_out.contiguous()
         delta = ctx.steps.delta(out, d_out)
         writes = getattr(ctx.steps, "first_step_writes", False)
-        dq = (torch.empty_like if writes else torch.zeros_like)(q, dtype=torch.float32)  # q's layout
+        dq = (torch.empty if writes else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
         done = [0]
 
         def step(k_src, v_src, source, dk, dv):
