@@ -34,11 +34,10 @@ def check(rank, world, layout, inner, seq_len, hq=8, hkv=2, d=128, B=64, batch=1
     index = mm.VSIndex.random(batch, hq, seq_len, B, max_slash=24, max_vertical=256,
                               generator=torch.Generator().manual_seed(seq_len), device="cuda")
     shard = lambda x: mm.shard_sequence(x, 2, layout, world, rank, B)
-    if megatron_layout:  # strided q/k/v in, the output in q's layout, gradients in the leaves' layout
+    if megatron_layout:  # strided q/k/v in (Megatron's views), gradients in the leaves' layout
         leaves, views = zip(*(megatron_views(shard(x).bfloat16()) for x in (q, k, v)))
         out = mm.sparse_ring_attention(*views, index, layout=layout, inner_size=inner)
         out.backward(shard(do).bfloat16())
-        assert out.permute(2, 0, 1, 3).is_contiguous(), "the ring's output is not in q's [s, b, h, d] layout"
         ql, kl, vl = (SimpleNamespace(grad=x.grad.permute(1, 2, 0, 3)) for x in leaves)
     else:
         ql, kl, vl = (shard(x).bfloat16().requires_grad_() for x in (q, k, v))
