@@ -96,7 +96,7 @@ class Config:
     variants: Sequence[str] = VARIANTS
     scaling: bool = False
     smoke: bool = False
-    slow_link_gbps: Optional[float] = None  # emulated inter-node link (ring/slow_link.py); None: off
+    slow_link_gbps: Optional[float] = None  # emulated inter-node link (benchmarks/slow_link.py); None: off
     slow_link_latency_us: float = 0.0
     documents: bool = False  # pack common.DOCUMENT_MIX_128K (scaled) into every sequence
     tokens_per_gpu: Sequence[int] = ()  # weak scaling: these tokens per GPU (S = T x W), beside seq_lens
@@ -664,7 +664,7 @@ def main(argv=None) -> int:
     cfg = make_config(args, dist.get_world_size())
     path = output_path(args, device, cfg.world_size)
     if cfg.slow_link_gbps:
-        from megatron_mtraining.ring.slow_link import SlowLink, set_slow_link
+        from slow_link import SlowLink, set_slow_link
 
         # Nodes of inner_size GPUs: the hierarchical variant's inner rings stay on "one node".
         set_slow_link(SlowLink(cfg.inner_size, cfg.slow_link_gbps, cfg.slow_link_latency_us))
@@ -677,7 +677,7 @@ def main(argv=None) -> int:
     result["config"]["index_kind"] = "fixed"
     if cfg.slow_link_gbps:
         result["notes"].insert(0, f"Emulated slow link between nodes of {cfg.inner_size} GPUs: "
-                               f"{cfg.slow_link_gbps:g} GB/s, {cfg.slow_link_latency_us:g} us (ring/slow_link.py); "
+                               f"{cfg.slow_link_gbps:g} GB/s, {cfg.slow_link_latency_us:g} us (benchmarks/slow_link.py); "
                                "every variant pays it on its cross-node hops.")
     else:
         result["notes"].insert(0, "All ranks share one host's NVLink: sparse_striped_hier shows the two-level "

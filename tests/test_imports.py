@@ -17,9 +17,8 @@ Layers, lowest first (a module may import its own layer and the ones below):
   4 approximator approx: scores over the CP group, agrees through collective/ (never the ring's)
   5 ring         ring/ (ring/agreement.py is only the old name of collective/agreement.py)
   6 integration  integration/ (Megatron)
-  7 entry        the package facade (__init__), launch, checkpointing, plan/ (the step-time
-                 planner's CLI), tools/, testing/
-Nothing outside tools/ imports tools/.
+  7 entry        the package facade (__init__), launch, plan/ (the step-time planner's CLI),
+                 testing/ (shims the tests share)
 
 Inside kernels/, tiers (a module imports only kernels modules of a LOWER tier, so the kernels of
 tier 3 never import one another; they share code through tiers 0-2):
@@ -46,7 +45,7 @@ TOP_LEVEL = {
     "attention": "functions",
     "collective": "collective", "approx": "approximator", "ring": "ring",
     "integration": "integration",
-    "launch": "entry", "checkpointing": "entry", "plan": "entry", "tools": "entry", "testing": "entry",
+    "launch": "entry", "plan": "entry", "testing": "entry",
 }
 KERNEL_TIERS = {
     "common": 0,
@@ -166,15 +165,13 @@ def kernel_tier(module: str) -> int:
 
 
 def violations(graph: dict) -> list:
-    """Upward imports between layers, kernels tier breaches, and imports of tools/ from outside."""
+    """Upward imports between layers and kernels tier breaches."""
     found = []
     for module, edges in sorted(graph.items()):
         for target, line in sorted(edges.items()):
             where = f"{module}:{line} imports {target}"
             if layer_of(target) > layer_of(module):
                 found.append(f"{where} (upward: layer {layer_of(module)} -> {layer_of(target)})")
-            if target.startswith(f"{PACKAGE}.tools") and not module.startswith(f"{PACKAGE}.tools"):
-                found.append(f"{where} (tools/ is imported only by tools/)")
             in_kernels = [m.startswith(f"{PACKAGE}.kernels") for m in (module, target)]
             if all(in_kernels) and kernel_tier(target) >= kernel_tier(module):
                 found.append(f"{where} (kernels tier {kernel_tier(module)} -> {kernel_tier(target)}: only lower tiers)")
@@ -218,10 +215,10 @@ def test_the_checks_fail_on_a_cycle_an_upward_import_and_a_sibling_kernel(tmp_pa
     write("kernels/common.py", "")
     write("ring/__init__.py", "")
     write("ring/comm.py", "from ..config import f\n")  # closes config <-> ring.comm
-    write("integration/__init__.py", "from ..tools import demo\n")
+    write("integration/__init__.py", "from ..testing import shims\n")
     write("approx.py", "from .ring.comm import x\n")  # the approximator reaching into the ring
-    write("tools/__init__.py", "")
-    write("tools/demo.py", "")
+    write("testing/__init__.py", "")
+    write("testing/shims.py", "")
     graph = import_graph(str(tmp_path))
     cycles = find_cycles(graph)
     assert [f"{PACKAGE}.kernels.triton_bwd", f"{PACKAGE}.kernels.triton_fwd"] in cycles
@@ -230,8 +227,7 @@ def test_the_checks_fail_on_a_cycle_an_upward_import_and_a_sibling_kernel(tmp_pa
     assert f"{PACKAGE}.config:2 imports {PACKAGE}.ring.comm (upward: layer 0 -> 5)" in found
     assert f"{PACKAGE}.approx:1 imports {PACKAGE}.ring.comm (upward: layer 4 -> 5)" in found
     assert f"{PACKAGE}.kernels.triton_fwd:1 imports {PACKAGE}.kernels.triton_bwd (kernels tier 3 -> 3" in found
-    assert f"imports {PACKAGE}.tools.demo (upward: layer 6 -> 7)" in found
-    assert f"imports {PACKAGE}.tools.demo (tools/ is imported only by tools/)" in found
+    assert f"imports {PACKAGE}.testing.shims (upward: layer 6 -> 7)" in found
 
 
 def test_a_module_without_a_layer_is_named():

@@ -1,10 +1,17 @@
-"""The emulated slow inter-node link of the ring benchmark (ring/slow_link.py)."""
+"""The emulated slow inter-node link of the ring benchmark (benchmarks/slow_link.py), through the
+ring's transfer arrival hook (ring/comm.py)."""
+
+import os
+import sys
 
 import pytest
 import torch
 
-from megatron_mtraining.ring import comm, slow_link
-from megatron_mtraining.ring.slow_link import SlowLink
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import slow_link  # noqa: E402
+from slow_link import SlowLink  # noqa: E402
+
+from megatron_mtraining.ring import comm  # noqa: E402
 
 
 def test_link_geometry_and_delay():
@@ -44,14 +51,32 @@ def test_only_cross_node_hops_are_delayed(monkeypatch):
 
     monkeypatch.setattr(slow_link, "_LINK", SlowLink(2, 1.0))
     monkeypatch.setattr(slow_link, "LinkDelay", FakeDelay)
+    monkeypatch.setattr(slow_link, "_DELAYS", {})
     received = [torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.float64)]
     ranks = [10, 11, 12, 13]  # global ranks; nodes {10, 11} and {12, 13}
-    assert comm.Ring(None, ranks, 1)._emulated_arrival(received) is None   # 10 -> 11: same node
-    assert comm.Ring(None, ranks, 2)._emulated_arrival(received) == "arrival"  # 11 -> 12: crosses
-    assert comm.Ring(None, ranks, 0)._emulated_arrival(received) == "arrival"  # 13 -> 10: crosses
+    arrival = slow_link.emulated_arrival
+    assert arrival(comm.Ring(None, ranks, 1), received) is None   # 10 -> 11: same node
+    assert arrival(comm.Ring(None, ranks, 2), received) == "arrival"  # 11 -> 12: crosses
+    assert arrival(comm.Ring(None, ranks, 0), received) == "arrival"  # 13 -> 10: crosses
     assert delays == [4 * 8 * 4 + 4 * 8 * 8] * 2
     monkeypatch.setattr(slow_link, "_LINK", None)
-    assert comm.Ring(None, ranks, 2)._emulated_arrival(received) is None   # off: nothing
+    assert arrival(comm.Ring(None, ranks, 2), received) is None   # off: nothing
+
+
+def test_the_hook_is_off_unless_a_link_is_set_and_reaches_every_posted_transfer(monkeypatch):
+    """Training never calls the hook (it is None); a set hook sees each exchange's ring and buffers and
+    its event goes into the Pending that the schedule waits on."""
+    assert comm._ARRIVAL_HOOK is None
+    seen = []
+    monkeypatch.setattr(comm.dist, "batch_isend_irecv", lambda ops: [])
+    monkeypatch.setattr(comm.dist, "P2POp", lambda *args: args)
+    comm.set_arrival_hook(lambda ring, received: seen.append((ring.global_rank, len(received))) or "event")
+    try:
+        pending = comm.Ring(None, [0, 1], 1).exchange([torch.zeros(2), torch.zeros(3)])
+        assert seen == [(1, 2)] and pending._arrival == "event"
+    finally:
+        comm.set_arrival_hook(None)
+    assert comm._ARRIVAL_HOOK is None
 
 
 @pytest.mark.gpu

@@ -24,13 +24,12 @@ differ between ranks.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..collective.transport import TIMEOUT_ENV, RingCommunicationError, wait_work  # shared with the agreement
-from . import slow_link
 
 _LIKELY_CAUSE = ("A peer process died or stopped (look for the first error in the other ranks' logs), or it is "
                  "alive but slower than the transfer timeout: raise it with Megatron's "
@@ -45,7 +44,7 @@ class Pending:
         self._tensors = tuple(tensors)
         self._works = list(works)
         self._keep_alive = keep_alive  # the sent tensors must outlive the transfer
-        self._arrival = arrival  # emulated slow link (benchmarks): the event the data "arrives" at
+        self._arrival = arrival  # the arrival hook's event (an emulated link): the data "arrives" at it
         self._ring = ring  # the Ring that posted the transfer (for error messages)
 
     def wait(self, context: Optional[Tuple[str, int, int, str, int]] = None) -> Tuple[torch.Tensor, ...]:
@@ -90,7 +89,6 @@ class Ring:
         self.next_rank = ranks[(index + 1) % self.size]
         self.prev_rank = ranks[(index - 1) % self.size]
         self.global_rank = ranks[index]
-        self._link_delay = None  # slow_link.LinkDelay of the emulated incoming link, when one is set
 
     def exchange(self, tensors: Sequence[torch.Tensor], context=None) -> Pending:
         """Send ``tensors`` to the next member, receive the previous member's (same shapes).
@@ -104,16 +102,20 @@ class Ring:
             works = dist.batch_isend_irecv(ops)
         except Exception as err:  # gloo raises here at once when the peer's connection is closed
             raise RingCommunicationError(describe_failure(self, context, err, posting=True)) from err
-        return Pending(received, works, keep_alive=tuple(tensors), arrival=self._emulated_arrival(received),
-                       ring=self)
+        arrival = _ARRIVAL_HOOK(self, received) if _ARRIVAL_HOOK is not None else None
+        return Pending(received, works, keep_alive=tuple(tensors), arrival=arrival, ring=self)
 
-    def _emulated_arrival(self, received):
-        link = slow_link.get_slow_link()
-        if link is None or not link.crosses(self.prev_rank, self.global_rank):
-            return None
-        if self._link_delay is None or self._link_delay.link != link:
-            self._link_delay = slow_link.LinkDelay(link, received[0].device.index)
-        return self._link_delay.arrival(sum(t.numel() * t.element_size() for t in received))
+
+# Called as hook(ring, received) when a transfer is posted; it may return a CUDA event that the data
+# is taken to arrive at (``Pending.wait`` makes the stream wait for it too), or None. Off (None) in
+# training; the ring benchmark's emulated slow inter-node links (benchmarks/slow_link.py) set it.
+_ARRIVAL_HOOK: Optional[Callable] = None
+
+
+def set_arrival_hook(hook: Optional[Callable]) -> None:
+    """Install (or, with None, remove) the transfers' arrival hook (see ``_ARRIVAL_HOOK``)."""
+    global _ARRIVAL_HOOK
+    _ARRIVAL_HOOK = hook
 
 
 @dataclasses.dataclass

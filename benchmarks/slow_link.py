@@ -15,17 +15,20 @@ with compute as a slow link's would, and successive transfers over one ring queu
 other (one link, shared bandwidth). It is a receiver-side model: the sender's send completes
 at NVLink speed, and the link time starts when the receiver posts its receive (a late sender is
 under-charged). Nothing else changes: results are identical.
-Benchmarks only; off (and free) unless ``set_slow_link`` was called.
+It plugs into the ring's transfers through ``megatron_mtraining.ring.comm.set_arrival_hook``;
+off (and free) unless ``set_slow_link`` was called.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["SlowLink", "LinkDelay", "get_slow_link", "set_slow_link"]
+from megatron_mtraining.ring import comm
+
+__all__ = ["SlowLink", "LinkDelay", "emulated_arrival", "get_slow_link", "set_slow_link"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,22 @@ def set_slow_link(link: Optional[SlowLink]) -> None:
             raise RuntimeError("the slow-link emulation needs CUDA (it delays transfers with GPU sleeps)")
         _cycles_per_ms(torch.cuda.current_device())
     _LINK = link
+    comm.set_arrival_hook(None if link is None else emulated_arrival)
+
+
+_DELAYS: Dict[Tuple[int, int], "LinkDelay"] = {}  # (incoming hop's receiver, device) -> its link's delay
+
+
+def emulated_arrival(ring, received) -> Optional[torch.cuda.Event]:
+    """The arrival hook: for a transfer into ``ring``'s member over a hop that crosses a node
+    boundary, the event it "arrives" at; None for hops inside a node."""
+    link = _LINK
+    if link is None or not link.crosses(ring.prev_rank, ring.global_rank):
+        return None
+    key = (ring.global_rank, received[0].device.index)
+    if key not in _DELAYS or _DELAYS[key].link != link:
+        _DELAYS[key] = LinkDelay(link, received[0].device.index)
+    return _DELAYS[key].arrival(sum(t.numel() * t.element_size() for t in received))
 
 
 def get_slow_link() -> Optional[SlowLink]:
