@@ -641,17 +641,19 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
                     "needs a step-synchronous ring of 32 ranks (analysis_ring_balance_w32.json)")
             for key, value in striped.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {}).items():
                 values[key] = (value, path, "sparse striped ring, 512K, 4 GPUs")
+    # The newest measurement of a scaling key wins (the 1-GPU floor the weak points divide by moves
+    # with the host machine; a commit hash says nothing of when it ran).
+    measured_at = {path: data.get("meta", {}).get("time_utc") or "" for path, data in results.get("ring", [])}
     # Strong scaling of the sparse striped ring at 512K: T(1 GPU) / (4 x T(4 GPUs)), one commit.
     times = same_setup_times(results.get("ring", []))
-    for (device, commit, seq_len, name, world), (t4, p4) in sorted(times.items()):
-        single = times.get((device, commit, seq_len, name, 1))
-        if (seq_len, name, world) == (524288, "sparse_striped", 4) and single:
-            t1, p1 = single
-            values["ring_strong_scaling_4gpu"] = (t1 / (4 * t4), p4, f"T1 {t1:.0f} ms ({os.path.basename(p1)}), "
-                                                  f"T4 {t4:.0f} ms, commit {commit}")
-    # Weak scaling of the sparse striped ring at every (tokens per GPU, W) measured; the newest
-    # measurement of a key wins (the 1-GPU floor they divide by moves with the host machine).
-    measured_at = {path: data.get("meta", {}).get("time_utc") or "" for path, data in results.get("ring", [])}
+    pairs = [(commit, t4, p4, times[(device, commit, seq_len, name, 1)])
+             for (device, commit, seq_len, name, world), (t4, p4) in times.items()
+             if (seq_len, name, world) == (524288, "sparse_striped", 4) and (device, commit, seq_len, name, 1) in times]
+    if pairs:
+        commit, t4, p4, (t1, p1) = max(pairs, key=lambda pair: measured_at.get(pair[2], ""))
+        values["ring_strong_scaling_4gpu"] = (t1 / (4 * t4), p4, f"T1 {t1:.0f} ms ({os.path.basename(p1)}), "
+                                              f"T4 {t4:.0f} ms, commit {commit}")
+    # Weak scaling of the sparse striped ring at every (tokens per GPU, W) measured.
     for point in sorted(weak_scaling_points(results.get("ring", [])), key=lambda p: measured_at.get(p["path"], "")):
         if point["variant"] != "sparse_striped":
             continue
@@ -684,8 +686,10 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
             fp8 = "_fp8" if data.get("fp8") else ""
             key = f"e2e_speedup_vs_te_cp{fp8}_{tokens_key(data['seq_length'])}_{data['world_size']}gpu"
             recompute = "activation recompute on both sides; " if data.get("recompute") else ""
+            conditions = data.get("meta", {}).get("concurrency_note")  # e.g. two pairs side by side
             values[key] = (data["e2e_speedup"], path, f"{e2e_layers(data)} layers; {recompute}{against}; "
-                                                     f"{data.get('meta', {}).get('device', '?')}")
+                                                     f"{data.get('meta', {}).get('device', '?')}"
+                                                     + (f"; {conditions}" if conditions else ""))
         elif data.get("e2e_speedup") and data["seq_length"] == 524288 and data["world_size"] == 4:
             cudnn = e2e_baseline(data) != OLD_E2E_BASELINE
             values["e2e_speedup_512k_4gpu_vs_cudnn" if cudnn else "e2e_speedup_512k_4gpu"] = (

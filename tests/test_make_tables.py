@@ -59,6 +59,20 @@ def test_strong_scaling_pairs_only_plain_runs_of_one_commit():
     assert make_tables.summarise({"ring": results})["ring_strong_scaling_4gpu"] is None
 
 
+def test_the_newest_scaling_measurement_wins_whatever_its_commit_hash():
+    def timed(result, when):
+        result["meta"]["time_utc"] = when
+        return result
+    # fff... sorts after 000... but ran first: the summary takes 000...'s newer pair.
+    results = [("r/1_old.json", timed(_ring_result("fffffff", 1, 800.0), "2026-01-01T00:00:00Z")),
+               ("r/4_old.json", timed(_ring_result("fffffff", 4, 200.0), "2026-01-01T00:00:00Z")),
+               ("r/1_new.json", timed(_ring_result("0000000", 1, 600.0), "2026-02-01T00:00:00Z")),
+               ("r/4_new.json", timed(_ring_result("0000000", 4, 170.0), "2026-02-01T00:00:00Z"))]
+    summary = make_tables.summarise({"ring": results})
+    assert abs(summary["ring_strong_scaling_4gpu"] - 600.0 / (4 * 170.0)) < 1e-9
+    assert "commit 0000000" in summary["details"]["ring_strong_scaling_4gpu"]["note"]
+
+
 def test_approximator_plot_is_named_by_its_committed_path():
     data = {"meta": {"device": "GPU"}, "quality": [], "plot": "/root/out/approx_gpu_recall.png"}
     text = make_tables.render_approx([("benchmarks/results/approx_gpu.json", data)])
