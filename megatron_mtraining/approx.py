@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -65,12 +65,10 @@ from .config import MTrainingConfig
 from .documents import Documents
 from .index import VSIndex
 from .kernels.dispatch import approx_kernel
-from .layout import check_layout, local_positions
+from .layout import check_layout, layout_table, local_positions
 
 KEY_CHUNK = 8192  # keys scored at a time (a multiple of every block size): memory O(last_q x chunk) per head
 
-_POSITIONS: Dict[tuple, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-_INVERSE: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _world(group) -> Tuple[int, int]:
@@ -81,29 +79,26 @@ def _world(group) -> Tuple[int, int]:
 
 
 def _layout_positions(device, seq_len, layout, world, rank, block_size, last_q):
-    """(key positions, local rows holding last queries, their slots in Q_last), cached on device."""
-    key = (str(device), seq_len, layout, world, rank, block_size, last_q)
-    if key not in _POSITIONS:
+    """(key positions, local rows holding last queries, their slots in Q_last), a ``layout_table``."""
+    def build():
         pos = local_positions(seq_len, layout, world, rank, block_size)
         rows = torch.nonzero(pos >= seq_len - last_q).flatten()
-        slots = pos[rows] - (seq_len - last_q)
-        _POSITIONS[key] = (pos.to(device), rows.to(device), slots.to(device))
-    return _POSITIONS[key]
+        return pos, rows, pos[rows] - (seq_len - last_q)
+    return layout_table("approximator positions", device, (seq_len, layout, world, rank, block_size, last_q), build)
 
 
 def _layout_inverse(device, seq_len, layout, world, rank, block_size):
     """(local index of each global position, local block of each global block), -1 where another
-    rank holds it; int64, cached on device."""
-    key = (str(device), seq_len, layout, world, rank, block_size)
-    if key not in _INVERSE:
+    rank holds it; int64, a ``layout_table``."""
+    def build():
         pos = local_positions(seq_len, layout, world, rank, block_size)
         local = torch.full((seq_len,), -1, dtype=torch.int64)
         local[pos] = torch.arange(pos.numel())
         blocks = pos[::block_size] // block_size
         local_block = torch.full((seq_len // block_size,), -1, dtype=torch.int64)
         local_block[blocks] = torch.arange(blocks.numel())
-        _INVERSE[key] = (local.to(device), local_block.to(device))
-    return _INVERSE[key]
+        return local, local_block
+    return layout_table("approximator inverse", device, (seq_len, layout, world, rank, block_size), build)
 
 
 def _row_tile(last_q: int) -> int:

@@ -10,11 +10,19 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import collections
+from typing import Callable, Sequence, TypeVar
 
 import torch
 
 LAYOUTS = ("striped", "zigzag")
+
+T = TypeVar("T")
+# A layout's static tables (positions, block ids, their inverses) on the devices that use them, built
+# once: copying a table from the host on every call would synchronise the host with the GPU, which
+# the hot paths must not (docs/design.md §1). Bounded: a run uses a few shapes.
+_TABLES: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+_TABLE_ENTRIES = 64
 
 
 def check_layout(seq_len: int, layout: str, world_size: int, block_size: int) -> None:
@@ -68,3 +76,21 @@ def gather_sequence(shards: Sequence[torch.Tensor], dim: int, layout: str, block
         pos = local_positions(seq_len, layout, world_size, rank, block_size).to(shard.device)
         full.index_copy_(dim, pos, shard)
     return full
+
+
+def layout_table(name: str, device, key: tuple, build: Callable[[], T]) -> T:
+    """``build()`` (a host tensor, or a tuple or list of them) on ``device``, built and copied once
+    per ``(name, device, key)`` and kept (the least recently used of more than 64 entries goes)."""
+    full_key = (name, str(device), key)
+    if full_key in _TABLES:
+        _TABLES.move_to_end(full_key)
+        return _TABLES[full_key]
+    value = build()
+    if isinstance(value, torch.Tensor):
+        value = value.to(device)
+    else:
+        value = type(value)(t.to(device) for t in value)
+    _TABLES[full_key] = value
+    if len(_TABLES) > _TABLE_ENTRIES:
+        _TABLES.popitem(last=False)
+    return value

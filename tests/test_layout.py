@@ -138,3 +138,26 @@ def test_bad_world_size_and_rank():
         local_block_ids(64, "striped", 2, 2, B)
     with pytest.raises(ValueError, match=r"rank -1 is outside \[0, 2\)"):
         local_positions(64, "zigzag", 2, -1, B)
+
+
+def test_layout_tables_are_built_once_per_device_and_key_and_bounded(monkeypatch):
+    from megatron_mtraining import layout
+
+    monkeypatch.setattr(layout, "_TABLES", layout._TABLES.__class__())
+    built = []
+
+    def build():
+        built.append(1)
+        return (torch.arange(4), torch.arange(2))
+
+    first = layout.layout_table("t", "cpu", (8, "striped"), build)
+    again = layout.layout_table("t", torch.device("cpu"), (8, "striped"), build)
+    assert again is first and len(built) == 1 and isinstance(first, tuple)
+    layout.layout_table("t", "cpu", (16, "striped"), build)  # another key: built
+    layout.layout_table("u", "cpu", (8, "striped"), build)   # another name: built
+    assert len(built) == 3
+    assert layout.layout_table("v", "cpu", (), lambda: [torch.zeros(1)])[0].shape == (1,)  # a list stays a list
+    for i in range(layout._TABLE_ENTRIES + 5):
+        layout.layout_table("w", "cpu", (i,), lambda: torch.zeros(1))
+    assert len(layout._TABLES) == layout._TABLE_ENTRIES
+    assert ("w", "cpu", (layout._TABLE_ENTRIES + 4,)) in layout._TABLES and ("t", "cpu", (8, "striped")) not in layout._TABLES

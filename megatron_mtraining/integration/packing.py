@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 
 from ..documents import Documents
-from ..layout import local_positions
+from ..layout import layout_table, local_positions
 
 logger = logging.getLogger(__name__)
 
@@ -358,16 +358,9 @@ def documents_for_attention(module, packed_seq_params, seq_len: int, batch_size:
 
 # ------------------------------------------------------------------------------ RoPE of THD over CP
 
-_POSITIONS: Dict[tuple, torch.Tensor] = {}  # static position tables, per device and layout
-
-
 def _positions_on(device, seq_len: int, layout: str, world_size: int, rank: int, block_size: int) -> torch.Tensor:
-    key = (str(device), seq_len, layout, world_size, rank, block_size)
-    if key not in _POSITIONS:
-        if len(_POSITIONS) > 64:
-            _POSITIONS.clear()
-        _POSITIONS[key] = local_positions(seq_len, layout, world_size, rank, block_size).to(device)
-    return _POSITIONS[key]
+    return layout_table("positions", device, (seq_len, layout, world_size, rank, block_size),
+                        lambda: local_positions(seq_len, layout, world_size, rank, block_size))
 
 
 def thd_rope_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor, local_tokens: int, world_size: int, rank: int,

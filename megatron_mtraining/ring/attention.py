@@ -26,25 +26,21 @@ from ..index import VSIndex, value_checks
 from ..kernels.plan import build_step_plan
 from ..kernels.dispatch import resolve_backend
 from ..kernels.step import backward_delta, step_backward, step_forward
-from ..layout import check_layout, local_block_ids
+from ..layout import check_layout, layout_table, local_block_ids
 from ..collective import agreement
 from ..collective.agreement import Checksum, host_word
 from . import instrument
 from .comm import check_inner_size, ring_topology
 from .schedule import ring_backward, ring_forward
 
-_BLOCK_IDS = {}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _block_ids_on(device, seq_len: int, layout: str, world_size: int, block_size: int):
-    """Every rank's global block ids, int32 on ``device`` (the plans' dtype: no cast per step);
-    cached so steady-state calls copy nothing from the host (a host-to-device copy would synchronise)."""
-    key = (str(device), seq_len, layout, world_size, block_size)
-    if key not in _BLOCK_IDS:
-        _BLOCK_IDS[key] = [local_block_ids(seq_len, layout, world_size, r, block_size).to(device, torch.int32)
-                           for r in range(world_size)]
-    return _BLOCK_IDS[key]
+    """Every rank's global block ids, int32 on ``device`` (the plans' dtype: no cast per step); a
+    ``layout_table``, so steady-state calls copy nothing from the host."""
+    return layout_table("ring block ids", device, (seq_len, layout, world_size, block_size), lambda: [
+        local_block_ids(seq_len, layout, world_size, r, block_size).to(torch.int32) for r in range(world_size)])
 
 
 def _device_of(q) -> torch.device:

@@ -3,19 +3,19 @@ positions it holds in the MTraining layout, and the sequence-length check with i
 
 from __future__ import annotations
 
-import functools
 from typing import Tuple
 
 import torch
 
-from ...layout import check_layout, local_positions
+from ...layout import check_layout, layout_table, local_positions
 
 __all__ = ["check_seq_len", "group_size_rank", "positions", "process_group"]
 
 
-@functools.lru_cache(maxsize=256)
 def positions(seq_len: int, layout: str, world_size: int, rank: int, block_size: int) -> torch.Tensor:
-    return local_positions(seq_len, layout, world_size, rank, block_size)
+    """This rank's global token positions (a host ``layout_table``: the batch split and RoPE index with it)."""
+    return layout_table("positions", "cpu", (seq_len, layout, world_size, rank, block_size),
+                        lambda: local_positions(seq_len, layout, world_size, rank, block_size))
 
 
 def group_size_rank(cp_group) -> Tuple[int, int]:
