@@ -144,6 +144,11 @@ def _cost_ms(cost: Dict, items: float, tiles: float) -> float:
     return cost["per_call"] + cost["per_item"] * items + cost["per_tile"] * tiles
 
 
+def short_commit(commit) -> str:
+    """A result's code commit as 7 hex digits, without a ``+dirty`` suffix (files carry either form)."""
+    return str(commit).split("+")[0][:7]
+
+
 def one_gpu_ring_points(results_dir: str, device: str = "nvidia-h200") -> List[Dict]:
     """Every one-GPU run of the sparse striped ring (``benchmarks/ring.py``) among the committed results:
     its length, measured forward+backward ms, the forward's share of the per-step telemetry (None
@@ -166,7 +171,7 @@ def one_gpu_ring_points(results_dir: str, device: str = "nvidia-h200") -> List[D
                 phase = {p: sum(timeline[p].get(f"{k}_ms", {}).get("mean", 0.0) for k in STEP_KINDS)
                          for p in ("forward", "backward")}
                 share = phase["forward"] / (phase["forward"] + phase["backward"])
-            points.append({"file": name, "commit": str(d["meta"].get("commit")), "seq_len": run["seq_len"],
+            points.append({"file": name, "commit": short_commit(d["meta"].get("commit")), "seq_len": run["seq_len"],
                            "fwdbwd_ms": section["fwdbwd_ms"], "forward_share": share,
                            "items": H * run["seq_len"] / B, "tiles": run["index"]["active_pairs"] / B ** 2,
                            "kv_heads": cfg["kv_heads"], "head_dim": cfg["head_dim"]})
@@ -198,7 +203,7 @@ def multi_rank_call_cost(results_dir: str, device: str, floor_point: Dict, floor
         d = _load(results_dir, name)
         cfg = d["config"]
         if cfg.get("world_size", 1) < 2 or cfg.get("slow_link_gbps") or \
-                str(d["meta"].get("commit")) != floor_point["commit"]:
+                short_commit(d["meta"].get("commit")) != floor_point["commit"]:
             continue
         W = cfg["world_size"]
         for run in d["runs"]:
@@ -217,7 +222,7 @@ def derive_ring_floor(results_dir: str, device: str, sparse_fwd: Dict, sparse_bw
     step; forward and backward split as its per-step telemetry splits them); None without such a run.
     ``commit``: only that commit's runs (one session's machine: the floor is its host's)."""
     points = [p for p in one_gpu_ring_points(results_dir, device)
-              if p["forward_share"] is not None and commit in (None, p["commit"])]
+              if p["forward_share"] is not None and (commit is None or short_commit(commit) == p["commit"])]
     if not points:
         return None
     hbm_gbps = SPEC[device]["hbm_gbps"]

@@ -106,17 +106,29 @@ def _commit(d: Dict) -> str:
 def session_floor(profile, commit: str):
     """``profile`` with the host/launch floor of the session that measured ``commit`` (its own one-GPU
     ring call at small work, and its W-GPU calls at the same work), where that session has one: the
-    floor is the host's, and the sessions ran on different machines. Also the floor's source."""
+    floor is the host's, and the sessions ran on different machines. Also the runs that calibrate
+    it, ``{(file, seq_len, W): what it defines}``, and a note when the per-call set-up is borrowed."""
     try:
         ring = calibrate.derive_ring_floor(RESULTS, "nvidia-h200", profile.raw["sparse"]["fwd"],
                                            profile.raw["sparse"]["bwd"], commit=commit)
     except ValueError:  # that session's shortest one-GPU run is not host-bound
         ring = None
     if ring is None:
-        return profile, profile.raw.get("ring", {}).get("source", {})
-    floor = HostFloor(ring["host_floor_ms_per_step"]["fwd"], ring["host_floor_ms_per_step"]["bwd"],
-                      ring["host_call_ms_multi_rank"] or profile.ring_host_floor.call_multi_rank)
-    return dataclasses.replace(profile, ring_host_floor=floor), ring["source"]
+        ring = profile.raw.get("ring", {})
+        source = ring.get("source", {})
+        calibration = {(source.get("file"), source.get("seq_len"), 1): "its session's host/launch floor"}
+        calibration.update({(e["file"], e["world_size"] * source.get("seq_len", 0), e["world_size"]):
+                            "its session's per-call set-up over ranks" for e in ring.get("multi_rank_source", [])})
+        return profile, calibration, ""
+    borrowed = not ring["multi_rank_source"]  # no W-GPU run at the floor's work in that session
+    call = profile.ring_host_floor.call_multi_rank if borrowed else ring["host_call_ms_multi_rank"]
+    floor = HostFloor(ring["host_floor_ms_per_step"]["fwd"], ring["host_floor_ms_per_step"]["bwd"], call)
+    source = ring["source"]
+    calibration = {(source["file"], source["seq_len"], 1): "its session's host/launch floor"}
+    calibration.update({(e["file"], e["world_size"] * source["seq_len"], e["world_size"]):
+                        "its session's per-call set-up over ranks" for e in ring["multi_rank_source"]})
+    note = f"per-call set-up borrowed from the profile ({call:.2f} ms)" if borrowed else ""
+    return dataclasses.replace(profile, ring_host_floor=floor), calibration, note
 
 
 def ring_cases(profile, gens, reference_ms) -> List[Dict]:
@@ -126,7 +138,7 @@ def ring_cases(profile, gens, reference_ms) -> List[Dict]:
         d = _load(name)
         cfg = d["config"]
         gen = generation_of(_commit(d), gens)
-        profile_here, floor_source = session_floor(profile, _commit(d))
+        profile_here, calibration, floor_note = session_floor(profile, _commit(d))
         scale = gen["fwdbwd_128k_ms"] / reference_ms
         link = cfg.get("slow_link_gbps")
         for run in d["runs"]:
@@ -149,7 +161,9 @@ def ring_cases(profile, gens, reference_ms) -> List[Dict]:
                     p = predict_dense_p2p(RING_SHAPE, work, cluster, profile, grad_bytes_per_value=4)
                 else:
                     continue
-                note = ("zigzag predicted as the balanced (striped) ring" if variant == "sparse_zigzag" else "")
+                note = "; ".join(x for x in (
+                    "zigzag predicted as the balanced (striped) ring" if variant == "sparse_zigzag" else "",
+                    floor_note if "sparse" in variant else "") if x)
                 case = {"kind": "ring", "source": name, "variant": variant, "gpus": W, "seq_len": S,
                         "slow_link_gbps": link,
                         "kernel_generation": gen["code_commit"] if "sparse" in variant else "cuDNN",
@@ -157,9 +171,9 @@ def ring_cases(profile, gens, reference_ms) -> List[Dict]:
                         "measured_ms": measured, "predicted_ms": p.attention_ms,
                         "predicted_exposed_comm_ms": p.exposed_comm_ms,
                         "predicted_host_wait_ms": p.host_wait_ms, "note": note}
-                if (name, S, W, variant) == (floor_source.get("file"), floor_source.get("seq_len"), 1,
-                                             "sparse_striped"):
-                    case.update(role="calibration", note="defines its session's host/launch floor: not a prediction")
+                defines = calibration.get((name, S, W)) if variant == "sparse_striped" else None
+                if defines:
+                    case.update(role="calibration", note=f"defines {defines}: not a prediction")
                 cases.append(case)
     return cases
 

@@ -85,7 +85,10 @@ def set_slow_link(link: Optional[SlowLink]) -> None:
     comm.set_arrival_hook(None if link is None else emulated_arrival)
 
 
-_DELAYS: Dict[Tuple[int, int], "LinkDelay"] = {}  # (incoming hop's receiver, device) -> its link's delay
+# (incoming hop's receiver, device) -> its link's delay: one sleep stream per receiving rank, shared by
+# every ring into it (the flat ring and the hierarchical outer ring; the benchmark runs them one after
+# the other, so they never queue behind each other's transfers).
+_DELAYS: Dict[Tuple[int, int], "LinkDelay"] = {}
 
 
 def emulated_arrival(ring, received) -> Optional[torch.cuda.Event]:

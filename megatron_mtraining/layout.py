@@ -79,8 +79,10 @@ def gather_sequence(shards: Sequence[torch.Tensor], dim: int, layout: str, block
 
 
 def layout_table(name: str, device, key: tuple, build: Callable[[], T]) -> T:
-    """``build()`` (a host tensor, or a tuple or list of them) on ``device``, built and copied once
-    per ``(name, device, key)`` and kept (the least recently used of more than 64 entries goes)."""
+    """``build()`` (a host tensor, or a tuple or list of them, returned as a tuple) on ``device``,
+    built and copied once per ``(name, device, key)`` and kept (the least recently used of more
+    than 64 entries goes). Shared and read-only: never write into what it returns. ``key`` must
+    hold everything ``build`` depends on."""
     full_key = (name, str(device), key)
     if full_key in _TABLES:
         _TABLES.move_to_end(full_key)
@@ -89,8 +91,14 @@ def layout_table(name: str, device, key: tuple, build: Callable[[], T]) -> T:
     if isinstance(value, torch.Tensor):
         value = value.to(device)
     else:
-        value = type(value)(t.to(device) for t in value)
+        value = tuple(t.to(device) for t in value)
     _TABLES[full_key] = value
     if len(_TABLES) > _TABLE_ENTRIES:
         _TABLES.popitem(last=False)
     return value
+
+
+def local_positions_on(device, seq_len: int, layout: str, world_size: int, rank: int, block_size: int) -> torch.Tensor:
+    """``local_positions`` as a ``layout_table`` on ``device`` (read-only)."""
+    return layout_table("positions", device, (seq_len, layout, world_size, rank, block_size),
+                        lambda: local_positions(seq_len, layout, world_size, rank, block_size))

@@ -71,6 +71,8 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        p.error("no GPU: run the check under Triton's interpreter (TRITON_INTERPRET=1 ... --check)")
     if args.check or not torch.cuda.is_available():
         result = check(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         print(result)

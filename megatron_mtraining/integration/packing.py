@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 
 from ..documents import Documents
-from ..layout import layout_table, local_positions
+from ..layout import local_positions_on
 
 logger = logging.getLogger(__name__)
 
@@ -358,9 +358,6 @@ def documents_for_attention(module, packed_seq_params, seq_len: int, batch_size:
 
 # ------------------------------------------------------------------------------ RoPE of THD over CP
 
-def _positions_on(device, seq_len: int, layout: str, world_size: int, rank: int, block_size: int) -> torch.Tensor:
-    return layout_table("positions", device, (seq_len, layout, world_size, rank, block_size),
-                        lambda: local_positions(seq_len, layout, world_size, rank, block_size))
 
 
 def thd_rope_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor, local_tokens: int, world_size: int, rank: int,
@@ -372,7 +369,7 @@ def thd_rope_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor, local_tokens: 
     "exact mapping" case), row ``p``. The gather index is kept on the batch's ``Documents``; no host
     synchronisation but the one that builds them (``_documents_on_tensor``, once per micro-batch)."""
     seq_len = local_tokens * world_size
-    positions = _positions_on(freqs.device, seq_len, layout, world_size, rank, block_size)
+    positions = local_positions_on(freqs.device, seq_len, layout, world_size, rank, block_size)
     if freqs.shape[0] == seq_len:
         return freqs.index_select(0, positions)
     documents = _documents_on_tensor(cu_seqlens, seq_len)

@@ -47,8 +47,8 @@ def _split_in_layout(batch: Dict[str, Any], layout: str, cp_size: int, cp_rank: 
     for key, val, seq_dim in entries:
         check_seq_len(val.shape[seq_dim], layout, cp_size, block_size, f"{what} of {key!r}")
     for key, val, seq_dim in entries:
-        pos = positions(val.shape[seq_dim], layout, cp_size, cp_rank, block_size)
-        batch[key] = val.index_select(seq_dim, pos.to(val.device))
+        batch[key] = val.index_select(seq_dim, positions(val.shape[seq_dim], layout, cp_size, cp_rank, block_size,
+                                                         val.device))
     return batch
 
 

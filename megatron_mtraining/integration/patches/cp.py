@@ -7,15 +7,15 @@ from typing import Tuple
 
 import torch
 
-from ...layout import check_layout, layout_table, local_positions
+from ...layout import check_layout, local_positions_on
 
 __all__ = ["check_seq_len", "group_size_rank", "positions", "process_group"]
 
 
-def positions(seq_len: int, layout: str, world_size: int, rank: int, block_size: int) -> torch.Tensor:
-    """This rank's global token positions (a host ``layout_table``: the batch split and RoPE index with it)."""
-    return layout_table("positions", "cpu", (seq_len, layout, world_size, rank, block_size),
-                        lambda: local_positions(seq_len, layout, world_size, rank, block_size))
+def positions(seq_len: int, layout: str, world_size: int, rank: int, block_size: int, device="cpu") -> torch.Tensor:
+    """This rank's global token positions on ``device`` (a read-only ``layout_table``: the batch split
+    and the RoPE table index with it, with no copy from the host per micro-batch)."""
+    return local_positions_on(device, seq_len, layout, world_size, rank, block_size)
 
 
 def group_size_rank(cp_group) -> Tuple[int, int]:

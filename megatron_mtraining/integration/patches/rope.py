@@ -30,8 +30,8 @@ def make_pos_emb_slicer(original: Callable) -> Callable:
             return pos_emb
         seq_len = pos_emb.shape[seq_dim]
         check_seq_len(seq_len, cfg.layout, cp_size, cfg.block_size, "RoPE table slicing")
-        pos = positions(seq_len, cfg.layout, cp_size, cp_rank, cfg.block_size)
-        return pos_emb.index_select(seq_dim, pos.to(pos_emb.device))
+        return pos_emb.index_select(seq_dim, positions(seq_len, cfg.layout, cp_size, cp_rank, cfg.block_size,
+                                                       pos_emb.device))
 
     get_pos_emb_on_this_cp_rank_mtraining.__mtraining_patch__ = True
     return get_pos_emb_on_this_cp_rank_mtraining
