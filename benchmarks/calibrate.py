@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -551,7 +552,7 @@ def measure_ring_floor(device, dtype, smoke: bool, warmup: int, reps: int, B: in
     import torch
     import torch.distributed as dist
 
-    from common import fixed_vs_index, median, time_ms
+    from common import fixed_vs_index, median
 
     from megatron_mtraining import sparse_ring_attention
 
@@ -563,18 +564,48 @@ def measure_ring_floor(device, dtype, smoke: bool, warmup: int, reps: int, B: in
     # Under torchrun this runs on rank 0 alone: a group of that one rank (created by its member only).
     group = dist.new_group([dist.get_rank()], use_local_synchronization=True) if distributed else None
 
-    def fwd():
-        with torch.no_grad():
-            sparse_ring_attention(q, k, v, index, group=group, backend=backend)
-
-    def fwdbwd():
+    def forward():
         qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-        sparse_ring_attention(qq, kk, vv, index, group=group, backend=backend).sum().backward()
+        return sparse_ring_attention(qq, kk, vv, index, group=group, backend=backend).sum()
 
-    f = median(time_ms(lambda: fwd(), [()], device, warmup, reps))
-    fb = median(time_ms(lambda: fwdbwd(), [()], device, warmup, reps))
-    return {"seq_len": S, "fwd_ms": f, "fwdbwd_ms": fb, "items": heads * S / B, "tiles": pairs / B ** 2,
-            "kv_heads": kv, "head_dim": d}
+    # Forward and backward timed within the same calls (a mark between them), so that the forward's
+    # share is below 1 whatever the noise: timed apart, a loaded CPU made the forward alone the longer.
+    forward_ms, total_ms = [], []
+    for i in range(warmup + reps):
+        marks = [_Mark(device) for _ in range(3)]
+        marks[0].record()
+        loss = forward()
+        marks[1].record()
+        loss.backward()
+        marks[2].record()
+        if i >= warmup:
+            forward_ms.append(marks[0].ms_to(marks[1]))
+            total_ms.append(marks[0].ms_to(marks[2]))
+    return {"seq_len": S, "fwd_ms": median(forward_ms), "fwdbwd_ms": median(total_ms), "items": heads * S / B,
+            "tiles": pairs / B ** 2, "kv_heads": kv, "head_dim": d}
+
+
+class _Mark:
+    """A point in time on ``device``'s stream (a CUDA event) or on the host clock (CPU)."""
+
+    def __init__(self, device):
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.event = torch.cuda.Event(enable_timing=True) if self.cuda else None
+        self.t = None
+
+    def record(self):
+        if self.cuda:
+            self.event.record()
+        else:
+            self.t = time.perf_counter()
+
+    def ms_to(self, later: "_Mark") -> float:
+        if self.cuda:
+            later.event.synchronize()
+            return self.event.elapsed_time(later.event)
+        return (later.t - self.t) * 1e3
 
 
 def measure_p2p(device, smoke: bool) -> Dict:
