@@ -100,7 +100,7 @@ def _load(name: str) -> Dict:
 
 
 def _commit(d: Dict) -> str:
-    return str(d["meta"].get("commit", "")).split("+")[0]
+    return calibrate.short_commit(d["meta"].get("commit", ""))
 
 
 def session_floor(profile, commit: str):
@@ -113,20 +113,17 @@ def session_floor(profile, commit: str):
                                            profile.raw["sparse"]["bwd"], commit=commit)
     except ValueError:  # that session's shortest one-GPU run is not host-bound
         ring = None
-    if ring is None:
-        ring = profile.raw.get("ring", {})
-        source = ring.get("source", {})
-        calibration = {(source.get("file"), source.get("seq_len"), 1): "its session's host/launch floor"}
-        calibration.update({(e["file"], e["world_size"] * source.get("seq_len", 0), e["world_size"]):
-                            "its session's per-call set-up over ranks" for e in ring.get("multi_rank_source", [])})
+    own = ring is not None
+    ring = ring if own else profile.raw.get("ring", {})
+    source = ring.get("source", {})
+    calibration = {(source.get("file"), source.get("seq_len"), 1): "its session's host/launch floor"}
+    calibration.update({(e["file"], e["world_size"] * source.get("seq_len", 0), e["world_size"]):
+                        "its session's per-call set-up over ranks" for e in ring.get("multi_rank_source", [])})
+    if not own:
         return profile, calibration, ""
     borrowed = not ring["multi_rank_source"]  # no W-GPU run at the floor's work in that session
     call = profile.ring_host_floor.call_multi_rank if borrowed else ring["host_call_ms_multi_rank"]
     floor = HostFloor(ring["host_floor_ms_per_step"]["fwd"], ring["host_floor_ms_per_step"]["bwd"], call)
-    source = ring["source"]
-    calibration = {(source["file"], source["seq_len"], 1): "its session's host/launch floor"}
-    calibration.update({(e["file"], e["world_size"] * source["seq_len"], e["world_size"]):
-                        "its session's per-call set-up over ranks" for e in ring["multi_rank_source"]})
     note = f"per-call set-up borrowed from the profile ({call:.2f} ms)" if borrowed else ""
     return dataclasses.replace(profile, ring_host_floor=floor), calibration, note
 

@@ -358,8 +358,6 @@ def documents_for_attention(module, packed_seq_params, seq_len: int, batch_size:
 
 # ------------------------------------------------------------------------------ RoPE of THD over CP
 
-
-
 def thd_rope_freqs(freqs: torch.Tensor, cu_seqlens: torch.Tensor, local_tokens: int, world_size: int, rank: int,
                    layout: str, block_size: int) -> torch.Tensor:
     """RoPE rows ``[local_tokens, 1, 1, d]`` of this rank's THD tokens in the MTraining layout, as

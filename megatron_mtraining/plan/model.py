@@ -391,8 +391,7 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
     fixed = W * (fixed_fwd + fixed_bwd)
     # What the attention's time is made of: per direction, the kernels (work and fixed costs) where
     # they outlast the floor, the floor where it binds.
-    parts = {"attention kernels (work)": 0.0, "per-step fixed costs": adds, "host/launch floor": 0.0}
-    parts["host/launch floor"] += call_ms
+    parts = {"attention kernels (work)": 0.0, "per-step fixed costs": adds, "host/launch floor": call_ms}
     for kernels, fixed_part, floor_ms in ((fwd_step, fixed_fwd, floor.fwd), (bwd_step, fixed_bwd, floor.bwd)):
         if floor_ms > kernels:
             parts["host/launch floor"] += W * floor_ms

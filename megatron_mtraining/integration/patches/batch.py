@@ -14,8 +14,9 @@ from typing import Any, Callable, Dict
 
 import torch
 
+from ...layout import local_positions_on
 from .. import packing
-from .cp import check_seq_len, group_size_rank, positions, process_group
+from .cp import check_seq_len, group_size_rank, process_group
 from .engine import current_config
 
 __all__ = ["BATCH_REASON", "THD_REASON", "make_batch_split", "make_legacy_thd_batch_split",
@@ -47,8 +48,9 @@ def _split_in_layout(batch: Dict[str, Any], layout: str, cp_size: int, cp_rank: 
     for key, val, seq_dim in entries:
         check_seq_len(val.shape[seq_dim], layout, cp_size, block_size, f"{what} of {key!r}")
     for key, val, seq_dim in entries:
-        batch[key] = val.index_select(seq_dim, positions(val.shape[seq_dim], layout, cp_size, cp_rank, block_size,
-                                                         val.device))
+        # The positions as a device table: no copy from the host per micro-batch.
+        pos = local_positions_on(val.device, val.shape[seq_dim], layout, cp_size, cp_rank, block_size)
+        batch[key] = val.index_select(seq_dim, pos)
     return batch
 
 

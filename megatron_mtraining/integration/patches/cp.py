@@ -1,21 +1,13 @@
-"""What the batch-split and RoPE patches share: this rank's place in the CP group, the token
-positions it holds in the MTraining layout, and the sequence-length check with its message."""
+"""What the batch-split and RoPE patches share: this rank's place in the CP group and the
+sequence-length check with its message (the positions it holds: ``layout.local_positions_on``)."""
 
 from __future__ import annotations
 
 from typing import Tuple
 
-import torch
+from ...layout import check_layout
 
-from ...layout import check_layout, local_positions_on
-
-__all__ = ["check_seq_len", "group_size_rank", "positions", "process_group"]
-
-
-def positions(seq_len: int, layout: str, world_size: int, rank: int, block_size: int, device="cpu") -> torch.Tensor:
-    """This rank's global token positions on ``device`` (a read-only ``layout_table``: the batch split
-    and the RoPE table index with it, with no copy from the host per micro-batch)."""
-    return local_positions_on(device, seq_len, layout, world_size, rank, block_size)
+__all__ = ["check_seq_len", "group_size_rank", "process_group"]
 
 
 def group_size_rank(cp_group) -> Tuple[int, int]:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from ...layout import local_positions_on
 from .. import packing
-from .cp import check_seq_len, group_size_rank, positions
+from .cp import check_seq_len, group_size_rank
 from .engine import current_config
 
 __all__ = ["ROPE_REASON", "ROPE_UTILS", "THD_ROPE_REASON", "make_pos_emb_slicer", "make_rope_apply"]
@@ -30,8 +31,8 @@ def make_pos_emb_slicer(original: Callable) -> Callable:
             return pos_emb
         seq_len = pos_emb.shape[seq_dim]
         check_seq_len(seq_len, cfg.layout, cp_size, cfg.block_size, "RoPE table slicing")
-        return pos_emb.index_select(seq_dim, positions(seq_len, cfg.layout, cp_size, cp_rank, cfg.block_size,
-                                                       pos_emb.device))
+        pos = local_positions_on(pos_emb.device, seq_len, cfg.layout, cp_size, cp_rank, cfg.block_size)
+        return pos_emb.index_select(seq_dim, pos)
 
     get_pos_emb_on_this_cp_rank_mtraining.__mtraining_patch__ = True
     return get_pos_emb_on_this_cp_rank_mtraining
