@@ -359,3 +359,48 @@ def test_group_still_works_after_errors():
     case = Case("after-errors", "striped", 64, seed=7)
     want, _ = reference(case, case.seed)
     assert_close(case, gathered(case, per_rank, list(range(ERROR_WORLD))), want, "after the error calls")
+
+
+# ----------------------------------------------------------------------------- the hop home
+
+def _hop_home_worker(rank: int, world_size: int) -> dict:
+    """ring_backward with synthetic fp32 gradients (a function of this rank and the source), flat,
+    hierarchical and inner size 1, once with ``home_dtype=bf16`` and once without; records the
+    dtypes of every backward transfer through the arrival hook."""
+    from megatron_mtraining.ring import comm
+    from megatron_mtraining.ring.schedule import ring_backward
+
+    results = {}
+    for inner in (None, 2, 1):
+        topo = comm.ring_topology(None, inner)
+        kv = (torch.full((3, 5), float(rank)), torch.full((3, 5), float(rank) + 0.5))
+
+        def compute(held, source):  # values that round differently in bf16, different on every rank
+            g = torch.Generator().manual_seed(100 * rank + source)
+            return tuple(torch.randn(t.shape, generator=g, dtype=torch.float32) * 1.001 ** source for t in held)
+
+        sent = []
+        comm.set_arrival_hook(lambda ring, received: sent.append([str(t.dtype) for t in received]))
+        try:
+            home = ring_backward(topo, kv, compute, home_dtype=torch.bfloat16)
+            transfers, sent[:] = list(sent), []
+            fp32 = ring_backward(topo, kv, compute)
+        finally:
+            comm.set_arrival_hook(None)
+        results[str(inner)] = {"home": home, "fp32": fp32, "transfers": transfers}
+    return results
+
+
+@requires_ring
+def test_gradients_go_home_in_the_inputs_dtype_with_the_fp32_sums():
+    """The last hop carries complete sums: cast before it, they are bit for bit the fp32 ring's
+    gradients cast after it, and only that one transfer (two tensors) travels in bf16."""
+    per_rank = run_distributed(_hop_home_worker, 4, timeout=120)
+    for rank, results in enumerate(per_rank):
+        for inner, got in results.items():
+            for home, fp32 in zip(got["home"], got["fp32"]):
+                assert home.dtype == torch.bfloat16, (rank, inner)
+                assert torch.equal(home, fp32.to(torch.bfloat16)), (rank, inner)
+            dtypes = [d for transfer in got["transfers"] for d in transfer]
+            assert dtypes.count("torch.bfloat16") == 2, (rank, inner, got["transfers"])
+            assert got["transfers"][-1] == ["torch.bfloat16"] * 2, (rank, inner, got["transfers"])  # the last

@@ -180,8 +180,8 @@ class RingAttentionFunction(torch.autograd.Function):
             step(kv[0], kv[1], source, dk, dv)
             return dk, dv
 
-        dk, dv = ring_backward(ctx.topo, (k, v), gradients)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        dk, dv = ring_backward(ctx.topo, (k, v), gradients, home_dtype=k.dtype)
+        return dq.to(q.dtype), dk, dv, None, None, None
 
 
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex, group=None,
