@@ -44,6 +44,7 @@ from ..config import MTrainingConfig
 from ..index import VSIndex
 from ..kernels.dense import expand_kv
 from ..kernels.dispatch import use_dense_kernels
+from ..kernels.relayout import heads_major, sequence_major
 from ..ring import dense_ring_attention, instrument, sparse_ring_attention
 from . import consistency, packing, telemetry
 from .indexer import MTrainingAttentionSubmodules
@@ -355,10 +356,12 @@ class MTrainingAttention(MegatronModule):
         group = self.cp_group()
         # Packed documents (THD packed_seq_params, or the current batch's): one Documents per batch, or None.
         documents = packing.documents_for_attention(self, packed_seq_params, sq * _group_size(group), b)
-        # [s, b, heads, hn] -> [b, heads, s, hn]; the ring sends k/v, so give it dense tensors.
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        # [s, b, heads, hn] -> [b, heads, s, hn]. The ring sends k/v, so it gets dense tensors (one row
+        # copy each, kernels/relayout.py); one device reads the strided views as they are.
         if group is not None:
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            q, k, v = (heads_major(x) for x in (query, key, value))
+        else:
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
 
         tele = telemetry.get_telemetry()
         # Telemetry counts training forwards that build autograd graphs: not eval forwards, and
@@ -395,5 +398,5 @@ class MTrainingAttention(MegatronModule):
             record.time_backward(out, q, cuda)
 
         # [b, np, sq, hn] -> [sq, b, np * hn]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        return sequence_major(out).view(sq, b, np_ * hn)
 
