@@ -242,6 +242,7 @@ def e2e_cases(profiles, gens, reference_ms) -> List[Dict]:
 
 # Transformer Engine layers against TE's own CP (benchmarks/e2e.py --runs te_cp,...,mtraining).
 TE_RESULTS = ("e2e_te_nvidia-h200_2gpu.json", "e2e_te_fp8_nvidia-h200_2gpu.json", "e2e_te_nvidia-h200_4gpu.json",
+              "e2e_te_nvidia-h200_4gpu_c6653e8.json",  # the earlier run, kept for its a2a+p2p baseline
               "e2e_te_fp8_nvidia-h200_4gpu.json", "e2e_te_1m_nvidia-h200_4gpu.json")
 # Telemetry of MTraining runs with the TE runs' flags (top-p 0.9, the default caps) on local layers.
 DENSITY_LOGS = {131072: "e2e_mtraining_nvidia-h200_1gpu.log", 262144: "e2e_mtraining_nvidia-h200_2gpu_cudnn.log",
