@@ -48,13 +48,26 @@ ITERATION_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
 TELEMETRY_LINE = re.compile(r"\[MTraining\] iteration (\d+) \|")
 
 
-def timed_iterations(times, log, warmup_iters, profile_iteration):
+def telemetry_interval(flags) -> int:
+    """The run's ``--mtraining-log-interval`` (0: no telemetry)."""
+    flags = list(flags)
+    if "--mtraining-log-interval" in flags:
+        return int(flags[flags.index("--mtraining-log-interval") + 1])
+    return 0
+
+
+def timed_iterations(times, log, warmup_iters, profile_iteration, log_interval=0):
     """(mean over the plain training iterations, the iterations left out and why). Left out: the
-    warm-up, the iterations MTraining's telemetry logged (``--mtraining-log-interval``: CUDA-event
-    timing and one exchange across ranks, a diagnostic a user runs every N iterations), and with
+    warm-up, the iterations MTraining's telemetry recorded (``--mtraining-log-interval``: CUDA-event
+    timing and one exchange across ranks, a diagnostic a user runs every N iterations: every
+    multiple of ``log_interval``, and any iteration with a telemetry line; a run that ends on one
+    never prints its line, which comes at the next iteration's first forward), and with
     ``--profile-iteration`` the traced iteration and the next one (the profiler writes its trace)."""
     excluded = {i: "warm-up" for i in range(1, warmup_iters + 1)}
-    excluded.update({int(i): "telemetry" for i in TELEMETRY_LINE.findall(log) if int(i) not in excluded})
+    recorded = {int(i) for i in TELEMETRY_LINE.findall(log)}
+    if log_interval:
+        recorded.update(range(log_interval, len(times) + 1, log_interval))
+    excluded.update({i: "telemetry" for i in sorted(recorded) if i not in excluded})
     if profile_iteration:
         excluded.update({profile_iteration: "profiled", profile_iteration + 1: "trace export"})
     measured = [t for i, t in enumerate(times, start=1) if i not in excluded]
@@ -182,7 +195,8 @@ def run_one(name, extra, args, world, log_dir):
     with open(os.path.join(log_dir, f"e2e_{name}.log"), "w") as f:
         f.write(" ".join(cmd) + "\n\n" + log)
     times = [float(x) for x in ITERATION_MS.findall(log)]
-    mean_ms, excluded = timed_iterations(times, log, args.warmup_iters, args.profile_iteration)
+    mean_ms, excluded = timed_iterations(times, log, args.warmup_iters, args.profile_iteration,
+                                         telemetry_interval(extra))
     row = {"name": name, "flags": extra, "returncode": proc.returncode, "wall_s": time.time() - start,
            "iteration_ms": times, "excluded_iterations": excluded}
     if proc.returncode == 0 and mean_ms:

@@ -78,7 +78,7 @@ print('TE', te.__version__, 'megatron-core', mc.__version__, '->', c(required=Tr
         ${E2E_ARGS:-} --train-iters 6 --out "$OUT/e2e_te_1m_${DEVICE_SLUG}.json" 2>&1 | tee "$OUT/$stage.log" \
         | grep -E "rc=|speedup|tokens/s|wrote" ;;
     e2e_4gpu|e2e_fp8_4gpu) timeout 580 "$PY" benchmarks/e2e.py --seq-length 524288 --runs te_cp,te_cp_a2a_p2p,mtraining \
-        ${E2E_ARGS:-} $([ "$stage" = e2e_fp8_4gpu ] && echo --fp8) --train-iters 10 --profile-iteration 8 \
+        ${E2E_ARGS:-} $([ "$stage" = e2e_fp8_4gpu ] && echo --fp8) --train-iters 12 --profile-iteration 11 \
         --out "$OUT/e2e_te${stage#e2e}_${DEVICE_SLUG}.json" 2>&1 | tee "$OUT/$stage.log" | grep -E "rc=|speedup|tokens/s|wrote" ;;
     resume) ENTRIES=${ENTRIES:-launcher} CP_SIZES=${CP_SIZES:-2} REUSE_VENV=1 TE_SITE=$TE_SITE \
         bash scripts/gpu_megatron_lm.sh 2>&1 | tee "$OUT/resume.log" | tail -25 ;;

@@ -73,6 +73,14 @@ def test_timed_iterations_leave_out_warmup_telemetry_and_profiling():
                         11: "profiled", 12: "trace export"}
     assert mean == pytest.approx((900 + 910 + 905 + 915 + 895) / 5)
     assert e2e.timed_iterations(times[:3], "", 3, 0) == (None, {1: "warm-up", 2: "warm-up", 3: "warm-up"})
+    # A run that ends on a telemetry iteration never prints its line: the interval leaves it out too.
+    ends_on_one = times[:10]
+    mean, excluded = e2e.timed_iterations(ends_on_one, log.splitlines()[0], 3, 8, log_interval=5)
+    assert excluded == {1: "warm-up", 2: "warm-up", 3: "warm-up", 5: "telemetry", 8: "profiled", 9: "trace export",
+                        10: "telemetry"}
+    assert mean == pytest.approx((900 + 910 + 905) / 3)
+    assert e2e.telemetry_interval(["--mtraining", "--mtraining-log-interval", "5"]) == 5
+    assert e2e.telemetry_interval(["--cp-comm-type", "p2p"]) == 0
 
 
 def test_transformer_engine_flags():
