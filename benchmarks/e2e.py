@@ -49,11 +49,15 @@ TELEMETRY_LINE = re.compile(r"\[MTraining\] iteration (\d+) \|")
 
 
 def telemetry_interval(flags) -> int:
-    """The run's ``--mtraining-log-interval`` (0: no telemetry)."""
-    flags = list(flags)
-    if "--mtraining-log-interval" in flags:
-        return int(flags[flags.index("--mtraining-log-interval") + 1])
-    return 0
+    """The run's ``--mtraining-log-interval`` (0: no telemetry); as argparse reads it, the last one
+    given, as ``--flag N`` or ``--flag=N``."""
+    interval, flags = 0, list(flags)
+    for i, flag in enumerate(flags):
+        if flag == "--mtraining-log-interval" and i + 1 < len(flags):
+            interval = int(flags[i + 1])
+        elif flag.startswith("--mtraining-log-interval="):
+            interval = int(flag.split("=", 1)[1])
+    return interval
 
 
 def timed_iterations(times, log, warmup_iters, profile_iteration, log_interval=0):

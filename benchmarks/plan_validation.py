@@ -94,6 +94,14 @@ def generation_of(code_commit: str, gens: List[Dict]) -> Dict:
     return max(candidates, key=lambda g: g["time_utc"])
 
 
+HOP_HOME_IN_KV_DTYPE = "4e729d3"  # from this commit the ring's backward sends the complete dK/dV home in bf16
+
+
+def hop_home_in_kv_dtype(code_commit: str) -> bool:
+    """Whether the ring that ran at ``code_commit`` sent dK/dV home in K/V's dtype (else fp32)."""
+    return _is_ancestor(HOP_HOME_IN_KV_DTYPE, code_commit)
+
+
 def _load(name: str) -> Dict:
     with open(os.path.join(RESULTS, name)) as fh:
         return json.load(fh)
@@ -137,6 +145,7 @@ def ring_cases(profile, gens, reference_ms) -> List[Dict]:
         gen = generation_of(_commit(d), gens)
         profile_here, calibration, floor_note = session_floor(profile, _commit(d))
         scale = gen["fwdbwd_128k_ms"] / reference_ms
+        home = hop_home_in_kv_dtype(_commit(d))
         link = cfg.get("slow_link_gbps")
         for run in d["runs"]:
             W, S = run["world_size"], run["seq_len"]
@@ -150,12 +159,17 @@ def ring_cases(profile, gens, reference_ms) -> List[Dict]:
                 if not measured:
                     continue
                 if variant in ("sparse_striped", "sparse_zigzag"):
-                    p = predict_mtraining(RING_SHAPE, work, cluster, profile_here, kernel_scale=scale)
+                    p = predict_mtraining(RING_SHAPE, work, cluster, profile_here, kernel_scale=scale,
+                                          grad_home_in_kv_dtype=home)
                 elif variant == "sparse_striped_hier":
                     p = predict_mtraining(RING_SHAPE, work, cluster, profile_here, inner=cfg["inner_size"],
-                                          kernel_scale=scale)
-                elif variant in ("dense_zigzag", "torch_native_cp"):
-                    p = predict_dense_p2p(RING_SHAPE, work, cluster, profile, grad_bytes_per_value=4)
+                                          kernel_scale=scale, grad_home_in_kv_dtype=home)
+                elif variant == "dense_zigzag":
+                    p = predict_dense_p2p(RING_SHAPE, work, cluster, profile, grad_bytes_per_value=4,
+                                          grad_home_in_kv_dtype=home)
+                elif variant == "torch_native_cp":
+                    p = predict_dense_p2p(RING_SHAPE, work, cluster, profile, grad_bytes_per_value=4,
+                                          grad_home_in_kv_dtype=False)
                 else:
                     continue
                 note = "; ".join(x for x in (
@@ -214,6 +228,7 @@ def e2e_cases(profiles, gens, reference_ms) -> List[Dict]:
                            layers=m["num_layers"], ffn=m["ffn"], vocab=m["vocab"])
         cluster = Cluster(W, W)
         gen = generation_of(_commit(d), gens)
+        home = hop_home_in_kv_dtype(_commit(d))
         # The H100 profile's kernels are those of its own calibration run (1d0b6f2's), like these runs'.
         scale = 1.0 if "h100" in name else gen["fwdbwd_128k_ms"] / reference_ms
         for run in d["runs"]:
@@ -224,15 +239,18 @@ def e2e_cases(profiles, gens, reference_ms) -> List[Dict]:
                     "measured_ms": measured, "kernel_scale": 1.0, "note": ""}
             if run["name"] == "mtraining":
                 tel = telemetry(os.path.join(RESULTS, "logs", logs["mtraining"]))
-                p = predict_mtraining(shape, Workload(S, tel["density"]), cluster, profile, kernel_scale=scale)
+                p = predict_mtraining(shape, Workload(S, tel["density"]), cluster, profile, kernel_scale=scale,
+                                      grad_home_in_kv_dtype=home)
                 base.update(kernel_generation=gen["code_commit"], kernel_scale=scale, density=tel["density"])
             elif "--mtraining-layout" in run["flags"]:  # cuDNN: SDPA on one GPU, the zigzag ring over CP
-                p = predict_dense_p2p(shape, Workload(S, 1.0), cluster, profile, grad_bytes_per_value=4)
+                p = predict_dense_p2p(shape, Workload(S, 1.0), cluster, profile, grad_bytes_per_value=4,
+                                      grad_home_in_kv_dtype=home)
                 base.update(kernel_generation="cuDNN")
                 if W == 1 and "h200" in name:
                     base.update(role="calibration", note="defines the rest of the layer: not a prediction")
             else:  # the dense index through MTraining's own kernels (results before session 7)
-                p = predict_mtraining(shape, Workload(S, 1.0), cluster, profile, kernel_scale=scale)
+                p = predict_mtraining(shape, Workload(S, 1.0), cluster, profile, kernel_scale=scale,
+                                      grad_home_in_kv_dtype=home)
                 base.update(kernel_generation=gen["code_commit"], kernel_scale=scale, density=1.0,
                             outside_model=OUTSIDE_MODEL)
             base["predicted_ms"] = p.step_ms
@@ -242,7 +260,9 @@ def e2e_cases(profiles, gens, reference_ms) -> List[Dict]:
 
 # Transformer Engine layers against TE's own CP (benchmarks/e2e.py --runs te_cp,...,mtraining).
 TE_RESULTS = ("e2e_te_nvidia-h200_2gpu.json", "e2e_te_fp8_nvidia-h200_2gpu.json", "e2e_te_nvidia-h200_4gpu.json",
-              "e2e_te_nvidia-h200_4gpu_c6653e8.json",  # the earlier run, kept for its a2a+p2p baseline
+              # The earlier measurement of the 512K bf16 pair: the only one with TE's a2a+p2p ring; its
+              # te_cp and mtraining runs count as predictions too (a second measurement of that pair).
+              "e2e_te_nvidia-h200_4gpu_c6653e8.json",
               "e2e_te_fp8_nvidia-h200_4gpu.json", "e2e_te_1m_nvidia-h200_4gpu.json")
 # Telemetry of MTraining runs with the TE runs' flags (top-p 0.9, the default caps) on local layers.
 DENSITY_LOGS = {131072: "e2e_mtraining_nvidia-h200_1gpu.log", 262144: "e2e_mtraining_nvidia-h200_2gpu_cudnn.log",
@@ -294,7 +314,8 @@ def te_cases(profile, gens, reference_ms) -> List[Dict]:
                     "note": ""}
             flags = run["flags"]
             if run["name"] == "mtraining":
-                p = predict_mtraining(shape, work, cluster, profile, kernel_scale=scale)
+                p = predict_mtraining(shape, work, cluster, profile, kernel_scale=scale,
+                                      grad_home_in_kv_dtype=hop_home_in_kv_dtype(_commit(d)))
                 base.update(kernel_generation=gen["code_commit"], kernel_scale=scale, density=work.density,
                             note=dens["how"])
             elif "a2a+p2p" in flags:

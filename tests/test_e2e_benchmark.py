@@ -81,6 +81,7 @@ def test_timed_iterations_leave_out_warmup_telemetry_and_profiling():
     assert mean == pytest.approx((900 + 910 + 905) / 3)
     assert e2e.telemetry_interval(["--mtraining", "--mtraining-log-interval", "5"]) == 5
     assert e2e.telemetry_interval(["--cp-comm-type", "p2p"]) == 0
+    assert e2e.telemetry_interval(["--mtraining-log-interval", "5", "--mtraining-log-interval=3"]) == 3
 
 
 def test_transformer_engine_flags():

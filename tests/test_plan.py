@@ -113,6 +113,24 @@ def test_ring_simulation_limits():
         simulate_ring(8, 3, [1.0] * 8, {"kv": 1.0, "grad": 1.0}, link)
 
 
+@pytest.mark.parametrize("world,inner", [(4, 4), (8, 2), (4, 1), (1, 1)])
+def test_the_backward_hop_home_is_its_own_message(world, inner):
+    """ring/schedule.py sends the complete dK/dV home in K/V's dtype: the model's backward has exactly
+    one such transfer on a ring of more than one rank (the last one), and only it gets "grad_home"'s size."""
+    from megatron_mtraining.plan.model import _programs
+
+    _, bwd = _programs(world // inner, inner)
+    posts = [op for op in bwd if op[0] == "post" and op[3].startswith("grad")]
+    sizes = {"inner": inner, "outer": world // inner}
+    real = [op for op in posts if sizes[op[2]] > 1]
+    assert [op[3] for op in real] == ["grad"] * (len(real) - 1) + ["grad_home"] * (len(real) > 0)
+    link = lambda s, d: (1.0, 0.0)  # noqa: E731  1 ms per MB
+    slow_home = simulate_ring(world, inner, [0.0] * world, {"kv": 1e6, "grad": 2e6}, link, backward=True)
+    fast_home = simulate_ring(world, inner, [0.0] * world, {"kv": 1e6, "grad": 2e6, "grad_home": 1e6}, link,
+                              backward=True)
+    assert fast_home == pytest.approx(slow_home - (1.0 if world > 1 else 0.0))
+
+
 def _without_floor(profile):
     return dataclasses.replace(profile, ring_host_floor=HostFloor(0.0, 0.0))
 

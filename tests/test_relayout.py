@@ -50,6 +50,18 @@ def test_row_copy_kernel_is_the_permuted_copy():
 @ON_CPU
 def test_autograd_functions_under_the_interpreter():
     _check_functions(relayout._HeadsMajor.apply, relayout._SequenceMajor.apply, "cpu", torch.float32)
+    # A gradient whose last dim is not contiguous is made so first.
+    y = torch.randn(2, 3, 70, 16).requires_grad_()
+    grad = torch.randn(70, 2, 16, 3).transpose(-1, -2)  # [s, b, h, d], last-dim stride 3
+    (got,) = torch.autograd.grad(relayout._SequenceMajor.apply(y), y, grad)
+    assert torch.equal(got, grad.permute(1, 2, 0, 3))
+
+
+def test_sequence_major_is_a_view_where_the_memory_already_is_so():
+    sbhd = torch.randn(70, 2, 3, 16)
+    x = sbhd.permute(1, 2, 0, 3)  # [b, h, s, d] view of sequence-major memory (as SDPA's output can be)
+    out = relayout.sequence_major(x)
+    assert out.data_ptr() == sbhd.data_ptr() and torch.equal(out, sbhd)
 
 
 def test_cpu_tensors_take_pytorchs_copy():
@@ -62,6 +74,8 @@ def test_copy_rows_refuses_what_it_cannot_copy():
         relayout.copy_rows(x.transpose(-1, -2))
     with pytest.raises(ValueError, match="does not fit"):
         relayout.copy_rows(x, torch.zeros(1, 2, 8, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="does not fit"):
+        relayout.copy_rows(x, torch.zeros(1, 2, 8, 4, device="meta"))
 
 
 @requires_gpu

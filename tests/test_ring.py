@@ -385,9 +385,10 @@ def _hop_home_worker(rank: int, world_size: int) -> dict:
             home = ring_backward(topo, kv, compute, home_dtype=torch.bfloat16)
             transfers, sent[:] = list(sent), []
             fp32 = ring_backward(topo, kv, compute)
+            wider, sent[:] = ring_backward(topo, kv, compute, home_dtype=torch.float64), []  # cast on arrival
         finally:
             comm.set_arrival_hook(None)
-        results[str(inner)] = {"home": home, "fp32": fp32, "transfers": transfers}
+        results[str(inner)] = {"home": home, "fp32": fp32, "transfers": transfers, "fp64": wider}
     return results
 
 
@@ -401,6 +402,8 @@ def test_gradients_go_home_in_the_inputs_dtype_with_the_fp32_sums():
             for home, fp32 in zip(got["home"], got["fp32"]):
                 assert home.dtype == torch.bfloat16, (rank, inner)
                 assert torch.equal(home, fp32.to(torch.bfloat16)), (rank, inner)
+            for wide, fp32 in zip(got["fp64"], got["fp32"]):  # wider than the sums: sent as fp32, cast home
+                assert wide.dtype == torch.float64 and torch.equal(wide, fp32.double()), (rank, inner)
             dtypes = [d for transfer in got["transfers"] for d in transfer]
             assert dtypes.count("torch.bfloat16") == 2, (rank, inner, got["transfers"])
             assert got["transfers"][-1] == ["torch.bfloat16"] * 2, (rank, inner, got["transfers"])  # the last

@@ -16,16 +16,19 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 _ROWS_PER_PROGRAM = 64
 
 
 @triton.jit
-def _copy_rows_kernel(src, dst, S, H, D,
+def _copy_rows_kernel(src, dst, S, H, D, S_TILES,
                       src_b, src_h, src_s, dst_b, dst_h, dst_s,
                       BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_s = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # One grid axis (up to 2^31 - 1 programs): the second and third are capped at 65535.
+    pid = tl.program_id(0)
+    pid_s = pid % S_TILES
+    pid_bh = pid // S_TILES
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     rows = (pid_s * BLOCK_S + tl.arange(0, BLOCK_S)).to(tl.int64)
@@ -42,15 +45,15 @@ def copy_rows(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tens
         raise ValueError(f"copy_rows: x must be [b, h, s, d] with a contiguous last dim, got shape "
                          f"{tuple(x.shape)} and strides {x.stride()}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    if out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
-        raise ValueError(f"copy_rows: out {tuple(out.shape)} {out.dtype} (strides {out.stride()}) does not "
-                         f"fit x {tuple(x.shape)} {x.dtype}")
+    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
+        raise ValueError(f"copy_rows: out {tuple(out.shape)} {out.dtype} on {out.device} (strides {out.stride()}) "
+                         f"does not fit x {tuple(x.shape)} {x.dtype} on {x.device}")
     b, h, s, d = x.shape
     if x.numel():
-        grid = (triton.cdiv(s, _ROWS_PER_PROGRAM), b * h)
-        _copy_rows_kernel[grid](x, out, s, h, d, x.stride(0), x.stride(1), x.stride(2),
-                                out.stride(0), out.stride(1), out.stride(2),
-                                BLOCK_S=_ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(d))
+        tiles = triton.cdiv(s, _ROWS_PER_PROGRAM)
+        _copy_rows_kernel[(tiles * b * h,)](x, out, s, h, d, tiles, x.stride(0), x.stride(1), x.stride(2),
+                                            out.stride(0), out.stride(1), out.stride(2),
+                                            BLOCK_S=_ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(d))
     return out
 
 
@@ -72,6 +75,7 @@ class _HeadsMajor(torch.autograd.Function):
         return copy_rows(x.permute(1, 2, 0, 3))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         return grad.permute(2, 0, 1, 3)
 
@@ -84,6 +88,7 @@ class _SequenceMajor(torch.autograd.Function):
         return _sequence_major_copy(x)
 
     @staticmethod
+    @once_differentiable  # the copy builds no graph: a second derivative would be silently missing
     def backward(ctx, grad):
         grad = grad if grad.stride(-1) == 1 else grad.contiguous()
         return copy_rows(grad.permute(1, 2, 0, 3))
@@ -101,10 +106,14 @@ def heads_major(x: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_major(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[b, h, s, d]`` (the kernels' layout, any strides) as a contiguous ``[s, b, h, d]``."""
+    """``x`` ``[b, h, s, d]`` (the kernels' layout, any strides) as a contiguous ``[s, b, h, d]``:
+    a view where ``x`` already lies that way in memory (SDPA's output can), else a copy."""
+    view = x.permute(2, 0, 1, 3)
+    if view.is_contiguous():
+        return view
     if _row_copy_applies(x):
         return _SequenceMajor.apply(x)
-    return x.permute(2, 0, 1, 3).contiguous()
+    return view.contiguous()
 
 
 __all__ = ["copy_rows", "heads_major", "sequence_major"]

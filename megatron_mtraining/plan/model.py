@@ -154,7 +154,9 @@ Link = Callable[[int, int], Tuple[float, float]]  # (src, dst) -> (GB/s, latency
 def _programs(outer: int, inner: int):
     """The forward and backward programs of ``ring/schedule.py`` as op lists, the same on every rank.
 
-    Ops: ("post", id, ring, kind), ("wait", id), ("compute", step), ("add",)."""
+    Ops: ("post", id, ring, kind), ("wait", id), ("compute", step), ("add",). The backward's last
+    transfer, which brings the complete dK/dV home, is of kind "grad_home" (it travels in K/V's
+    dtype): the inner ring's last one on one node, else the outer ring's last one."""
     fwd: List[tuple] = []
     for so in range(outer):
         if so + 1 < outer:
@@ -180,7 +182,8 @@ def _programs(outer: int, inner: int):
             if si > 0:
                 bwd.append(("wait", ("ig", step - 1)))
                 bwd.append(("add",))
-            bwd.append(("post", ("ig", step), "inner", "grad"))
+            home = outer == 1 and si + 1 == inner
+            bwd.append(("post", ("ig", step), "inner", "grad_home" if home else "grad"))
             if si + 1 < inner:
                 bwd.append(("wait", ("ikv", step)))
             if si + 1 == inner:
@@ -188,7 +191,7 @@ def _programs(outer: int, inner: int):
                 if so > 0:
                     bwd.append(("wait", ("og", so - 1)))
                     bwd.append(("add",))
-                bwd.append(("post", ("og", so), "outer", "grad"))
+                bwd.append(("post", ("og", so), "outer", "grad_home" if so + 1 == outer else "grad"))
                 if so + 1 < outer:
                     bwd.append(("wait", ("okv", so)))
     bwd.append(("wait", ("og", outer - 1)))
@@ -200,7 +203,7 @@ def simulate_ring(world: int, inner: int, compute_ms: Sequence[float], nbytes: D
     """Milliseconds until the last rank finishes one pass (forward or backward) of the ring.
 
     ``compute_ms[step]`` is every rank's compute at that step; ``nbytes`` the bytes of a "kv" and a
-    "grad" message. A transfer starts once sender and receiver have both posted it and the
+    "grad" message, and of the "grad_home" one (default: a "grad" message's). A transfer starts once sender and receiver have both posted it and the
     receiving end of its link is free (messages on one link queue in posting order)."""
     if world % inner:
         raise ValueError(f"inner ring size {inner} does not divide {world} ranks")
@@ -237,7 +240,8 @@ def simulate_ring(world: int, inner: int, compute_ms: Sequence[float], nbytes: D
                 src = prev(r, ring)
                 gbps, latency_ms = link(src, r)
                 start = max(posted[xid][src], t[r], link_free.get((r, ring), 0.0))
-                end = start + latency_ms + nbytes[payload] / (gbps * 1e9) * 1e3
+                size = nbytes.get(payload, nbytes["grad"]) if payload == "grad_home" else nbytes[payload]
+                end = start + latency_ms + size / (gbps * 1e9) * 1e3
                 link_free[(r, ring)] = end
                 arrival[xid][r] = end
         elif kind == "wait":
@@ -343,11 +347,13 @@ def _limit(parts: Dict[str, float]) -> str:
 
 
 def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile,
-                      inner: Optional[int] = None, kernel_scale: float = 1.0) -> Prediction:
+                      inner: Optional[int] = None, kernel_scale: float = 1.0,
+                      grad_home_in_kv_dtype: bool = True) -> Prediction:
     """MTraining's striped sparse ring, flat (``inner`` None or W) or hierarchical.
 
     ``kernel_scale`` multiplies the sparse kernel times (validation uses it for results taken with
-    older kernels, from that generation's own one-GPU kernel benchmark; planning leaves it at 1)."""
+    older kernels, from that generation's own one-GPU kernel benchmark; planning leaves it at 1);
+    ``grad_home_in_kv_dtype=False`` models the rings before 4e729d3, whose hop home was in fp32."""
     W = cluster.gpus
     inner = W if inner is None else int(inner)
     if inner < 1 or W % inner:
@@ -363,7 +369,7 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
     fwd_step = profile.sparse_fwd.ms(items, tiles_step, d) * kernel_scale
     bwd_step = profile.sparse_bwd.ms(items, tiles_step, d) * kernel_scale
     kv_bytes = 2 * n_local * shape.kv_groups * d * BF16 * b
-    grad_bytes = 2 * n_local * shape.kv_groups * d * FP32 * b  # dK/dV travel in fp32
+    grad_bytes = 2 * n_local * shape.kv_groups * d * FP32 * b  # dK/dV travel in fp32, home in bf16
     # The backward adds the arriving partial dK/dV to its own (fp32, read 2 write 1) and zeroes its own.
     add_ms = 3 * grad_bytes / (profile.hbm_gbps * 1e9) * 1e3
     zero_ms = grad_bytes / (profile.hbm_gbps * 1e9) * 1e3
@@ -375,7 +381,7 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
     floor = profile.ring_host_floor
     fwd_span, bwd_span = max(fwd_step, floor.fwd), max(bwd_step, floor.bwd)
     link = _link_fn(cluster, profile)
-    nbytes = {"kv": kv_bytes, "grad": grad_bytes}
+    nbytes = {"kv": kv_bytes, "grad": grad_bytes, "grad_home": kv_bytes if grad_home_in_kv_dtype else grad_bytes}
     fwd = simulate_ring(W, inner, [fwd_span] * W, nbytes, link)
     bwd = simulate_ring(W, inner, [bwd_span] * W, nbytes, link, add_ms=add_ms, backward=True)
     # Where the host binds, a call over several ranks also waits for its own set-up (the agreement,
@@ -416,10 +422,11 @@ def _dense_step(profile: Profile, calls: int, tiles: float, d: int) -> Tuple[flo
 
 
 def predict_dense_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile,
-                      grad_bytes_per_value: int = BF16) -> Prediction:
+                      grad_bytes_per_value: int = BF16, grad_home_in_kv_dtype: bool = True) -> Prediction:
     """Transformer Engine's ``p2p`` context parallelism: a flat ring of cuDNN calls on the load-balanced
     (zigzag) layout, every step a causal half of its chunk pair. (``grad_bytes_per_value`` 4 models
-    this package's own dense zigzag ring, which sends dK/dV in fp32.)"""
+    this package's own dense zigzag ring, which sends dK/dV in fp32 and, from 4e729d3, home in bf16:
+    ``grad_home_in_kv_dtype``.)"""
     W, B, H, d, b = cluster.gpus, profile.block_size, shape.heads, shape.head_dim, work.micro_batch
     if work.seq_len % (2 * W):
         raise ValueError(f"sequence length {work.seq_len} must split into 2 x {W} zigzag chunks")
@@ -430,7 +437,7 @@ def predict_dense_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profi
     grad_bytes = 2 * n_local * shape.kv_groups * d * grad_bytes_per_value * b
     add_ms = 3 * grad_bytes / (profile.hbm_gbps * 1e9) * 1e3
     link = _link_fn(cluster, profile)
-    nbytes = {"kv": kv_bytes, "grad": grad_bytes}
+    nbytes = {"kv": kv_bytes, "grad": grad_bytes, "grad_home": kv_bytes if grad_home_in_kv_dtype else grad_bytes}
     fwd = simulate_ring(W, W, [fwd_step] * W, nbytes, link)
     bwd = simulate_ring(W, W, [bwd_step] * W, nbytes, link, add_ms=add_ms, backward=True)
     compute = W * (fwd_step + bwd_step)

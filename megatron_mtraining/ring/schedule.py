@@ -64,8 +64,11 @@ def _add(received: Tensors, owned: Tensors) -> Tensors:
     return tuple(owned)
 
 
-def _cast(grads: Tensors, dtype: Optional[torch.dtype]) -> Tensors:
-    return tuple(g if dtype is None else g.to(dtype) for g in grads)
+def _narrowed(grads: Tensors, dtype: Optional[torch.dtype]) -> Tensors:
+    """``grads`` in ``dtype`` where that is narrower (fewer bytes to send), else as they are."""
+    if dtype is None:
+        return tuple(grads)
+    return tuple(g.to(dtype) if dtype.itemsize < g.element_size() else g for g in grads)
 
 
 def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
@@ -78,9 +81,9 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
     accumulator travelling on the outer ring (whose transfer overlaps the next inner loop).
     Returns the gradients of this rank's own K/V, in ``home_dtype`` if given.
 
-    That last hop is exposed (no compute is left to hide it) and carries complete sums: they are
-    cast to ``home_dtype`` before it rather than after, the same values in fewer bytes (half of
-    fp32's for bf16 K/V; the additions before it all stay in fp32).
+    That last hop is exposed (no compute is left to hide it) and carries complete sums: where
+    ``home_dtype`` is narrower than the accumulators they are cast before it rather than after, the
+    same values in fewer bytes (half of fp32's for bf16 K/V; the additions before it stay in fp32).
     """
     W = topo.world_size
     outer_kv = tuple(kv)
@@ -104,7 +107,7 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
                 with instrument.measure("backward", "merge", step):
                     grads = _add(received, grads)
             if last and topo.outer_size == 1:  # one level: the inner transfer below is the hop home
-                grads = _cast(grads, home_dtype)
+                grads = _narrowed(grads, home_dtype)
             with instrument.measure("backward", "wait", step):
                 inner_grads = topo.inner.exchange(grads, ("backward", step, W, "partial dK/dV", topo.source(so, si)))
                 if inner_next is not None:
@@ -118,9 +121,10 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
                     with instrument.measure("backward", "merge", step):
                         node_grads = _add(received, node_grads)
                 if last:  # the outer transfer below is the hop home (a no-op on one node)
-                    node_grads = _cast(node_grads, home_dtype)
+                    node_grads = _narrowed(node_grads, home_dtype)
                 with instrument.measure("backward", "wait", step):
                     outer_grads = topo.outer.exchange(node_grads, ("backward", step, W, "dK/dV", topo.source(so, 0)))
                     if outer_next is not None:
                         outer_kv = outer_next.wait(("backward", step, W, "K/V", topo.source(so + 1, 0)))
-    return outer_grads.wait(("backward", W - 1, W, "dK/dV (coming home)", topo.rank))
+    home = outer_grads.wait(("backward", W - 1, W, "dK/dV (coming home)", topo.rank))
+    return tuple(home) if home_dtype is None else tuple(g.to(home_dtype) for g in home)
