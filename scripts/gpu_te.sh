@@ -92,13 +92,16 @@ case ${PHASE:-run} in
     for d in .te/part*; do stash_wheel_parts "$d" > /dev/null || exit 1; done
     ls -la "$WHEEL_PARTS" ;;
   install|run)
-    if [ "$PHASE" = install ]; then
+    if [ "${PHASE:-run}" = install ]; then
       start=$SECONDS
       install_te || { echo "[te] install failed" >&2; exit 1; }
       echo "[te] installed into $TE_SITE in $((SECONDS - start)) s"
     fi
     export PYTHONPATH=$TE_SITE${PYTHONPATH:+:$PYTHONPATH}
-    REUSE_VENV=${REUSE_VENV:-1} setup_venv || exit 1
+    # install: set the venv up again, incrementally (a .venv left by another script on this machine
+    # lacks the megatron-core wheel that install_te has just put under .whl); run: reuse it.
+    default_reuse=$([ "${PHASE:-run}" = install ] && echo 0 || echo 1)
+    REUSE_VENV=${REUSE_VENV:-$default_reuse} setup_venv || exit 1
     for stage in ${STAGES:-check}; do run_stage "$stage"; done ;;
   *) echo "PHASE must be stash, install or run" >&2; exit 1 ;;
 esac
