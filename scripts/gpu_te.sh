@@ -9,6 +9,8 @@
 #                                       (skipped when rest/ holds a built wheel), installs TE into
 #                                       $TE_SITE, then runs $STAGES
 #   PHASE=run      (nothing to carry)   runs $STAGES on a machine where install already ran
+# E2E_ARGS: more benchmarks/e2e.py flags for the e2e stages, after the stage's own (so they win:
+#   e.g. E2E_ARGS="--runs te_cp,mtraining" or "--profile-iteration 7").
 # STAGES (space separated, in order): check tests (every GPU test, TE's included; TESTS= a subset of
 #   files: all of them take ~12 minutes on 2 H200s, over one call's limit, so split them, e.g.
 #   TESTS="tests/test_convert.py tests/test_dense.py tests/test_documents.py" then the rest) rope packed equivalence fp8_tracking e2e e2e_fp8 e2e_4gpu
@@ -71,14 +73,14 @@ print('TE', te.__version__, 'megatron-core', mc.__version__, '->', c(required=Tr
         --out "$OUT/te_fp8_tracking_${DEVICE_SLUG}.json" 2>&1 | tee "$OUT/fp8_tracking.log" \
         | grep -E "^(run|pair|RESULT|wrote)" ;;
     e2e|e2e_fp8) timeout 580 "$PY" benchmarks/e2e.py --seq-length 262144 --runs te_cp,mtraining \
-        ${E2E_ARGS:-} $([ "$stage" = e2e_fp8 ] && echo --fp8) --train-iters 12 --profile-iteration 11 \
+        $([ "$stage" = e2e_fp8 ] && echo --fp8) --train-iters 12 --profile-iteration 11 ${E2E_ARGS:-} \
         --out "$OUT/e2e_te${stage#e2e}_${DEVICE_SLUG}_$(visible_gpus)gpu.json" 2>&1 | tee "$OUT/$stage.log" \
         | grep -E "rc=|speedup|tokens/s|wrote" ;;
     e2e_1m_4gpu) timeout 580 "$PY" benchmarks/e2e.py --seq-length 1048576 --runs te_cp,mtraining --recompute \
-        ${E2E_ARGS:-} --train-iters 6 --out "$OUT/e2e_te_1m_${DEVICE_SLUG}.json" 2>&1 | tee "$OUT/$stage.log" \
+        --train-iters 6 ${E2E_ARGS:-} --out "$OUT/e2e_te_1m_${DEVICE_SLUG}.json" 2>&1 | tee "$OUT/$stage.log" \
         | grep -E "rc=|speedup|tokens/s|wrote" ;;
     e2e_4gpu|e2e_fp8_4gpu) timeout 580 "$PY" benchmarks/e2e.py --seq-length 524288 --runs te_cp,te_cp_a2a_p2p,mtraining \
-        ${E2E_ARGS:-} $([ "$stage" = e2e_fp8_4gpu ] && echo --fp8) --train-iters 12 --profile-iteration 11 \
+        $([ "$stage" = e2e_fp8_4gpu ] && echo --fp8) --train-iters 12 --profile-iteration 11 ${E2E_ARGS:-} \
         --out "$OUT/e2e_te${stage#e2e}_${DEVICE_SLUG}.json" 2>&1 | tee "$OUT/$stage.log" | grep -E "rc=|speedup|tokens/s|wrote" ;;
     resume) ENTRIES=${ENTRIES:-launcher} CP_SIZES=${CP_SIZES:-2} REUSE_VENV=1 TE_SITE=$TE_SITE \
         bash scripts/gpu_megatron_lm.sh 2>&1 | tee "$OUT/resume.log" | tail -25 ;;
