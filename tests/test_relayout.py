@@ -85,3 +85,5 @@ def test_row_copy_on_the_gpu():
     x = _sbhd((131, 2, 4, 128), torch.bfloat16, "cuda", 9)
     assert relayout._row_copy_applies(x)
     assert torch.equal(relayout.heads_major(x), x.permute(1, 2, 0, 3).contiguous())
+    many = _sbhd((3, 2, 40000, 16), torch.bfloat16, "cuda", 10)  # b x h = 80000 programs' rows: past 65535
+    assert torch.equal(relayout.heads_major(many), many.permute(1, 2, 0, 3).contiguous())
