@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -81,6 +82,7 @@ def kernel_generations() -> List[Dict]:
     return gens
 
 
+@functools.lru_cache(maxsize=None)  # asked for every result file and kernel generation: the history is fixed
 def _is_ancestor(a: str, b: str) -> bool:
     out = subprocess.run(["git", "merge-base", "--is-ancestor", a, b], cwd=REPO, capture_output=True, timeout=60)
     return out.returncode == 0

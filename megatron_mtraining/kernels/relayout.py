@@ -57,14 +57,6 @@ def copy_rows(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tens
     return out
 
 
-def _sequence_major_copy(x: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[b, h, s, d]`` as a contiguous ``[s, b, h, d]`` tensor (row copy)."""
-    b, h, s, d = x.shape
-    out = torch.empty(s, b, h, d, dtype=x.dtype, device=x.device)
-    copy_rows(x, out.permute(1, 2, 0, 3))
-    return out
-
-
 class _HeadsMajor(torch.autograd.Function):
     """[s, b, h, d] -> contiguous [b, h, s, d]; the gradient goes back as a [s, b, h, d] VIEW of the
     incoming one, as a permute's would: Megatron's QKV split reads it in its backward (a cat into
@@ -85,7 +77,10 @@ class _SequenceMajor(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        return _sequence_major_copy(x)
+        b, h, s, d = x.shape
+        out = torch.empty(s, b, h, d, dtype=x.dtype, device=x.device)
+        copy_rows(x, out.permute(1, 2, 0, 3))
+        return out
 
     @staticmethod
     @once_differentiable  # the copy builds no graph: a second derivative would be silently missing

@@ -203,10 +203,12 @@ def simulate_ring(world: int, inner: int, compute_ms: Sequence[float], nbytes: D
     """Milliseconds until the last rank finishes one pass (forward or backward) of the ring.
 
     ``compute_ms[step]`` is every rank's compute at that step; ``nbytes`` the bytes of a "kv" and a
-    "grad" message, and of the "grad_home" one (default: a "grad" message's). A transfer starts once sender and receiver have both posted it and the
-    receiving end of its link is free (messages on one link queue in posting order)."""
+    "grad" message, and of the "grad_home" one (default: a "grad" message's). A transfer starts once
+    sender and receiver have both posted it and the receiving end of its link is free (messages on
+    one link queue in posting order)."""
     if world % inner:
         raise ValueError(f"inner ring size {inner} does not divide {world} ranks")
+    nbytes = {"grad_home": nbytes["grad"], **nbytes}
     outer = world // inner
     fwd, bwd = _programs(outer, inner)
     program = bwd if backward else fwd
@@ -240,8 +242,7 @@ def simulate_ring(world: int, inner: int, compute_ms: Sequence[float], nbytes: D
                 src = prev(r, ring)
                 gbps, latency_ms = link(src, r)
                 start = max(posted[xid][src], t[r], link_free.get((r, ring), 0.0))
-                size = nbytes.get(payload, nbytes["grad"]) if payload == "grad_home" else nbytes[payload]
-                end = start + latency_ms + size / (gbps * 1e9) * 1e3
+                end = start + latency_ms + nbytes[payload] / (gbps * 1e9) * 1e3
                 link_free[(r, ring)] = end
                 arrival[xid][r] = end
         elif kind == "wait":
@@ -381,7 +382,8 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
     floor = profile.ring_host_floor
     fwd_span, bwd_span = max(fwd_step, floor.fwd), max(bwd_step, floor.bwd)
     link = _link_fn(cluster, profile)
-    nbytes = {"kv": kv_bytes, "grad": grad_bytes, "grad_home": kv_bytes if grad_home_in_kv_dtype else grad_bytes}
+    home_bytes = kv_bytes if grad_home_in_kv_dtype else grad_bytes
+    nbytes = {"kv": kv_bytes, "grad": grad_bytes, "grad_home": home_bytes}
     fwd = simulate_ring(W, inner, [fwd_span] * W, nbytes, link)
     bwd = simulate_ring(W, inner, [bwd_span] * W, nbytes, link, add_ms=add_ms, backward=True)
     # Where the host binds, a call over several ranks also waits for its own set-up (the agreement,
@@ -437,7 +439,8 @@ def predict_dense_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profi
     grad_bytes = 2 * n_local * shape.kv_groups * d * grad_bytes_per_value * b
     add_ms = 3 * grad_bytes / (profile.hbm_gbps * 1e9) * 1e3
     link = _link_fn(cluster, profile)
-    nbytes = {"kv": kv_bytes, "grad": grad_bytes, "grad_home": kv_bytes if grad_home_in_kv_dtype else grad_bytes}
+    home_bytes = kv_bytes if grad_home_in_kv_dtype else grad_bytes
+    nbytes = {"kv": kv_bytes, "grad": grad_bytes, "grad_home": home_bytes}
     fwd = simulate_ring(W, W, [fwd_step] * W, nbytes, link)
     bwd = simulate_ring(W, W, [bwd_step] * W, nbytes, link, add_ms=add_ms, backward=True)
     compute = W * (fwd_step + bwd_step)
