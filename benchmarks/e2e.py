@@ -66,13 +66,17 @@ def timed_iterations(times, log, warmup_iters, profile_iteration, log_interval=0
     timing and one exchange across ranks, a diagnostic a user runs every N iterations: every
     multiple of ``log_interval``, and any iteration with a telemetry line; a run that ends on one
     never prints its line, which comes at the next iteration's first forward), and with
-    ``--profile-iteration`` the traced iteration and the next one (the profiler writes its trace)."""
+    ``--profile-iteration`` P: P - 1 (Megatron's ``torch.profiler.schedule`` makes it the profiler's
+    warm-up: tracing is on and its events are dropped), P itself (traced) and P + 1 (the profiler
+    writes its trace)."""
     excluded = {i: "warm-up" for i in range(1, warmup_iters + 1)}
     recorded = {int(i) for i in TELEMETRY_LINE.findall(log)}
     if log_interval:
         recorded.update(range(log_interval, len(times) + 1, log_interval))
     excluded.update({i: "telemetry" for i in sorted(recorded) if i not in excluded})
     if profile_iteration:
+        if profile_iteration > 1:
+            excluded[profile_iteration - 1] = "profiler warm-up"
         excluded.update({profile_iteration: "profiled", profile_iteration + 1: "trace export"})
     measured = [t for i, t in enumerate(times, start=1) if i not in excluded]
     return (sum(measured) / len(measured) if measured else None), {i: excluded[i] for i in sorted(excluded)

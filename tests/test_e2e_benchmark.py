@@ -69,16 +69,22 @@ def test_timed_iterations_leave_out_warmup_telemetry_and_profiling():
     times = [9000.0, 5000.0, 950.0, 900.0, 990.0, 910.0, 905.0, 915.0, 895.0, 1000.0, 1500.0, 1400.0]
     log = "[MTraining] iteration 5 | density 0.06\n[MTraining] iteration 10 | density 0.06\n"
     mean, excluded = e2e.timed_iterations(times, log, warmup_iters=3, profile_iteration=11)
-    assert excluded == {1: "warm-up", 2: "warm-up", 3: "warm-up", 5: "telemetry", 10: "telemetry",
+    # Iteration 10 is also the profiler's warm-up (tracing on, events dropped): slower on both sides.
+    assert excluded == {1: "warm-up", 2: "warm-up", 3: "warm-up", 5: "telemetry", 10: "profiler warm-up",
                         11: "profiled", 12: "trace export"}
     assert mean == pytest.approx((900 + 910 + 905 + 915 + 895) / 5)
+    mean, excluded = e2e.timed_iterations(times, "", warmup_iters=3, profile_iteration=7)
+    assert excluded == {1: "warm-up", 2: "warm-up", 3: "warm-up", 6: "profiler warm-up", 7: "profiled",
+                        8: "trace export"}
+    assert mean == pytest.approx((900 + 990 + 895 + 1000 + 1500 + 1400) / 6)
+    assert e2e.timed_iterations(times[:3], "", 0, 1)[1] == {1: "profiled", 2: "trace export"}
     assert e2e.timed_iterations(times[:3], "", 3, 0) == (None, {1: "warm-up", 2: "warm-up", 3: "warm-up"})
     # A run that ends on a telemetry iteration never prints its line: the interval leaves it out too.
     ends_on_one = times[:10]
     mean, excluded = e2e.timed_iterations(ends_on_one, log.splitlines()[0], 3, 8, log_interval=5)
-    assert excluded == {1: "warm-up", 2: "warm-up", 3: "warm-up", 5: "telemetry", 8: "profiled", 9: "trace export",
-                        10: "telemetry"}
-    assert mean == pytest.approx((900 + 910 + 905) / 3)
+    assert excluded == {1: "warm-up", 2: "warm-up", 3: "warm-up", 5: "telemetry", 7: "profiler warm-up",
+                        8: "profiled", 9: "trace export", 10: "telemetry"}
+    assert mean == pytest.approx((900 + 910) / 2)
     assert e2e.telemetry_interval(["--mtraining", "--mtraining-log-interval", "5"]) == 5
     assert e2e.telemetry_interval(["--cp-comm-type", "p2p"]) == 0
     assert e2e.telemetry_interval(["--mtraining-log-interval", "5", "--mtraining-log-interval=3"]) == 3

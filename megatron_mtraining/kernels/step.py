@@ -43,14 +43,34 @@ def backward_delta(backend: str, out: torch.Tensor, d_out: torch.Tensor) -> torc
 def step_backward(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float,
                   accumulate_dq: bool = True) -> None:
     """Add this step's gradients into fp32 ``dq``, ``dk``, ``dv`` (final ``lse`` and ``delta``);
-    ``accumulate_dq=False`` (a ring's first step) writes ``dq`` instead, which may then be uninitialised."""
+    ``accumulate_dq=False`` (a ring's first step) writes ``dq`` instead, which may then be uninitialised.
+    The two halves, ``step_backward_queries`` then ``step_backward_keys``, may also be called apart."""
+    step_backward_queries(backend, q, k, v, do, lse, delta, plan, dq, softmax_scale, accumulate_dq)
+    step_backward_keys(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
+
+
+def step_backward_queries(backend: str, q, k, v, do, lse, delta, plan, dq, softmax_scale: float,
+                          accumulate_dq: bool = True) -> None:
+    """The step's dQ, added into (or with ``accumulate_dq=False`` written in) ``dq``: the half of a
+    step's backward that needs nothing from other ranks, so a ring runs it while the partial dK/dV
+    it adds to are still on their way. (The PyTorch path computes all three gradients together, in
+    ``step_backward_keys``.)"""
     if backend == "triton":
-        vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale,
+        vs_attention_backward(q, k, v, do, lse, delta, plan, dq, None, None, softmax_scale,
                               backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size),
                               accumulate_dq=accumulate_dq)
+    elif not accumulate_dq:
+        dq.zero_()  # the PyTorch step always adds
+
+
+def step_backward_keys(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float) -> None:
+    """The step's dK/dV, added into fp32 ``dk``/``dv`` (which may hold other steps' sums: a ring
+    passes the partial sums that arrived); after ``step_backward_queries``. On the PyTorch path
+    also dQ, added into ``dq``."""
+    if backend == "triton":
+        vs_attention_backward(q, k, v, do, lse, delta, plan, None, dk, dv, softmax_scale,
+                              backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size))
     else:
-        if not accumulate_dq:
-            dq.zero_()  # the PyTorch steps always add
         vs_attention_bwd_torch(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
 
 
@@ -96,6 +116,7 @@ def vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_sca
     each part (dQ, the key blocks' dK/dV, the columns' dK/dV) on the kernels ``parts`` names
     ("triton": ``triton_bwd.py``, "hopper": ``hopper_bwd.py``, sm_90; ``dispatch.backward_parts``).
     ``accumulate_dq=False`` (a single step) writes ``dq`` in its own dtype instead of adding.
+    ``dq=None`` skips the dQ part, ``dk=dv=None`` the dK/dV parts (a ring step runs them apart).
     The column gradients go through fp32 partials per query-range split, summed here in a fixed
     order: the backward is deterministic on either kernels.
 
@@ -111,15 +132,18 @@ def vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_sca
     if delta.stride() != lse.stride():
         delta = delta.contiguous()
         lse = lse.contiguous()
-    int64 = int64_offsets(q, k, v, do, lse, delta, dq, dk, dv, *plan_tensors(plan))
+    int64 = int64_offsets(q, k, v, do, lse, delta, *(x for x in (dq, dk, dv) if x is not None), *plan_tensors(plan))
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
                lse.stride(0), lse.stride(1))
     cols, col_pos, words, diag, _ = column_arguments(plan)
     doc_start, doc_last, _, docs = document_arguments(plan)
 
-    query_gradients = _launchers(parts.query)[0]
-    query_gradients(q, k, v, do, lse, delta, dq, plan, accumulate_dq, int64, strides, qk_scale, softmax_scale)
+    if dq is not None:
+        query_gradients = _launchers(parts.query)[0]
+        query_gradients(q, k, v, do, lse, delta, dq, plan, accumulate_dq, int64, strides, qk_scale, softmax_scale)
+    if dk is None:
+        return
     block_gradients = _launchers(parts.blocks)[1]
     block_gradients(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs, int64, strides, qk_scale,
                     softmax_scale)

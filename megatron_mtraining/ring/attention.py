@@ -25,7 +25,7 @@ from ..documents import Documents
 from ..index import VSIndex, value_checks
 from ..kernels.plan import build_step_plan
 from ..kernels.dispatch import resolve_backend
-from ..kernels.step import backward_delta, step_backward, step_forward
+from ..kernels.step import backward_delta, step_backward_keys, step_backward_queries, step_forward
 from ..layout import check_layout, layout_table, local_block_ids
 from ..collective import agreement
 from ..collective.agreement import Checksum, host_word
@@ -119,9 +119,13 @@ class SparseSteps:
     def delta(self, out, d_out):
         return backward_delta(self.backend, out, d_out)
 
-    def backward(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv, accumulate_dq: bool = True):
-        step_backward(self.backend, q, k, v, d_out, lse, delta, self.plan(source), dq, dk, dv, self.softmax_scale,
-                      accumulate_dq=accumulate_dq)
+    def backward_queries(self, q, k, v, d_out, out, lse, delta, source, dq, accumulate_dq: bool = True):
+        step_backward_queries(self.backend, q, k, v, d_out, lse, delta, self.plan(source), dq, self.softmax_scale,
+                              accumulate_dq=accumulate_dq)
+
+    def backward_keys(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv):
+        step_backward_keys(self.backend, q, k, v, d_out, lse, delta, self.plan(source), dq, dk, dv,
+                           self.softmax_scale)
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -164,23 +168,23 @@ class RingAttentionFunction(torch.autograd.Function):
         delta = ctx.steps.delta(out, d_out)
         writes = getattr(ctx.steps, "first_step_writes", False)
         dq = (torch.empty if writes else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
-        done = [0]
+        done = [0]  # steps whose dQ has run
 
-        def step(k_src, v_src, source, dk, dv):
+        def queries(kv, source):  # first in a step: needs nothing from the other ranks
             if writes:
-                ctx.steps.backward(q, k_src, v_src, d_out, out, lse, delta, source, dq, dk, dv,
-                                   accumulate_dq=done[0] > 0)
+                ctx.steps.backward_queries(q, kv[0], kv[1], d_out, out, lse, delta, source, dq,
+                                           accumulate_dq=done[0] > 0)
             else:
-                ctx.steps.backward(q, k_src, v_src, d_out, out, lse, delta, source, dq, dk, dv)
+                ctx.steps.backward_queries(q, kv[0], kv[1], d_out, out, lse, delta, source, dq)
             done[0] += 1
 
-        def gradients(kv, source):
-            dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
-            dv = torch.zeros_like(dk)
-            step(kv[0], kv[1], source, dk, dv)
+        def keys(kv, source, into):  # added into the partial sums that arrived, or into fresh zeros
+            dk, dv = into if into is not None else (torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device),
+                                                    torch.zeros(kv[1].shape, dtype=torch.float32, device=q.device))
+            ctx.steps.backward_keys(q, kv[0], kv[1], d_out, out, lse, delta, source, dq, dk, dv)
             return dk, dv
 
-        dk, dv = ring_backward(ctx.topo, (k, v), gradients, home_dtype=k.dtype)
+        dk, dv = ring_backward(ctx.topo, (k, v), keys, home_dtype=k.dtype, queries=queries)
         return dq.to(q.dtype), dk, dv, None, None, None
 
 

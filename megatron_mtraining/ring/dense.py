@@ -54,7 +54,10 @@ class DenseZigzagSteps:
     def delta(self, out, d_out):
         return None  # the dense kernels compute their own
 
-    def backward(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv):
+    def backward_queries(self, q, k, v, d_out, out, lse, delta, source, dq):
+        """Nothing: one dense kernel gives all three gradients, in ``backward_keys``."""
+
+    def backward_keys(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv):
         rows, cols, causal = self._parts(q.shape[2], source)
         g_q, g_k, g_v = dense_attention_backward(d_out[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
                                                  out[:, :, rows], lse[:, :, rows].contiguous(), causal,

@@ -9,8 +9,9 @@ transfer that fails or times out raises ``comm.RingCommunicationError`` saying w
 
 With step timing on (``instrument.py``) every step records its ``compute`` and ``wait``; the
 forward's ``prepare`` (the step's plan, built just before its compute so that the host enqueues
-it while the GPU still runs the previous step) as ``plan``, and the backward's addition of the
-partial dK/dV that arrived into this step's as ``merge``.
+it while the GPU still runs the previous step) as ``plan``, and in the hierarchical backward the
+addition of a node's sums into those arriving on the outer ring as ``merge`` (within a ring, a
+step's kernels add into the partial sums that arrived: no separate addition).
 """
 
 from __future__ import annotations
@@ -72,12 +73,19 @@ def _narrowed(grads: Tensors, dtype: Optional[torch.dtype]) -> Tensors:
 
 
 def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
-                  compute: Callable[[Tensors, int], Tensors], home_dtype: Optional[torch.dtype] = None) -> Tensors:
-    """Like ``ring_forward``, but ``compute`` returns fresh gradients for the K/V it was given.
+                  keys: Callable[[Tensors, int, Optional[Tensors]], Tensors], home_dtype: Optional[torch.dtype] = None,
+                  queries: Optional[Callable[[Tensors, int], None]] = None) -> Tensors:
+    """Like ``ring_forward``, for the gradients. Each step first runs ``queries(kv, source)`` (if
+    given: the gradients that stay on this rank, dQ), then ``keys(kv, source, into)`` adds this
+    step's gradients of the K/V it was given into ``into`` and returns them: ``into`` holds what
+    earlier holders of that K/V contributed, as received, or is None where a chain of sums starts
+    (``keys`` then makes fresh ones).
 
     Gradients travel with their K/V, one hop behind it, and are added to on every rank they
-    pass; after the last step one more hop brings each chunk's gradients home. In the
-    hierarchical ring the inner loop sums a node's contribution first, then it joins the
+    pass; after the last step one more hop brings each chunk's gradients home. The partial sums
+    are waited for between the two calls, so their transfer hides behind ``queries`` as well, and
+    ``keys`` adds into them where they arrived (no separate buffer to zero, no separate addition).
+    In the hierarchical ring the inner loop sums a node's contribution first, then it joins the
     accumulator travelling on the outer ring (whose transfer overlaps the next inner loop).
     Returns the gradients of this rank's own K/V, in ``home_dtype`` if given.
 
@@ -96,16 +104,18 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
         inner_grads = None
         for si in range(topo.inner_size):
             step = so * topo.inner_size + si
-            last = step == W - 1  # this step's sums are complete after its merge: next is the hop home
+            last = step == W - 1  # this step completes the sums: next is the hop home
             inner_next = (topo.inner.exchange(inner_kv, ("backward", step, W, "K/V", topo.source(so, si + 1)))
                           if si + 1 < topo.inner_size else None)
-            with instrument.measure("backward", "compute", step):
-                grads = compute(inner_kv, topo.source(so, si))
+            if queries is not None:
+                with instrument.measure("backward", "compute", step):
+                    queries(inner_kv, topo.source(so, si))
+            into = None
             if inner_grads is not None:  # what earlier holders of this K/V contributed
                 with instrument.measure("backward", "wait", step):
-                    received = inner_grads.wait(("backward", step, W, "partial dK/dV", topo.source(so, si)))
-                with instrument.measure("backward", "merge", step):
-                    grads = _add(received, grads)
+                    into = inner_grads.wait(("backward", step, W, "partial dK/dV", topo.source(so, si)))
+            with instrument.measure("backward", "compute", step):
+                grads = keys(inner_kv, topo.source(so, si), into)
             if last and topo.outer_size == 1:  # one level: the inner transfer below is the hop home
                 grads = _narrowed(grads, home_dtype)
             with instrument.measure("backward", "wait", step):
