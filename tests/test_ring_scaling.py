@@ -76,11 +76,9 @@ def test_ring_benchmark_weak_scaling_smoke(tmp_path):
     steps = result["runs"][0]["variants"]["sparse_striped"]["steps"]
     for phase in ("forward", "backward", "fwd_bwd"):
         assert set(steps["timeline"][phase]) == {"compute_ms", "wait_ms", "plan_ms", "merge_ms"}
-    # Two ranks, two steps: a plan per forward step; the backward's second step waits for the
-    # partial dK/dV and its kernels add into them: no separate merge in a flat ring.
+    # Two ranks, two steps: a plan per forward step, a merge on the backward's second step.
     assert [len(row) for row in steps["forward"]["plan_ms"]] == [2, 2]
-    assert all(row[1] > 0.0 for row in steps["backward"]["wait_ms"])
-    assert all(x == 0.0 for row in steps["backward"]["merge_ms"] for x in row)
+    assert all(row[0] == 0.0 and row[1] > 0.0 for row in steps["backward"]["merge_ms"])
     assert steps["timeline"]["forward"]["merge_ms"]["max"] == 0.0
     assert steps["timeline"]["fwd_bwd"]["compute_ms"]["mean"] > 0.0
     # The dense ring builds no plans: zeros, not a missing key.

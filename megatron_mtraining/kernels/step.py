@@ -52,8 +52,8 @@ def step_backward(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softm
 def step_backward_queries(backend: str, q, k, v, do, lse, delta, plan, dq, softmax_scale: float,
                           accumulate_dq: bool = True) -> None:
     """The step's dQ, added into (or with ``accumulate_dq=False`` written in) ``dq``: the half of a
-    step's backward that needs nothing from other ranks, so a ring runs it while the partial dK/dV
-    it adds to are still on their way. (The PyTorch path computes all three gradients together, in
+    step's backward whose result stays on this rank, so a ring runs it after sending the step's
+    dK/dV on, while they travel. (The PyTorch path computes all three gradients together, in
     ``step_backward_keys``.)"""
     if backend == "triton":
         vs_attention_backward(q, k, v, do, lse, delta, plan, dq, None, None, softmax_scale,
@@ -64,9 +64,9 @@ def step_backward_queries(backend: str, q, k, v, do, lse, delta, plan, dq, softm
 
 
 def step_backward_keys(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float) -> None:
-    """The step's dK/dV, added into fp32 ``dk``/``dv`` (which may hold other steps' sums: a ring
-    passes the partial sums that arrived); after ``step_backward_queries``. On the PyTorch path
-    also dQ, added into ``dq``."""
+    """The step's dK/dV, added into fp32 ``dk``/``dv``; before or after ``step_backward_queries``
+    (they are independent). On the PyTorch path also dQ, added into ``dq``: there call this one
+    after ``step_backward_queries``, which zeroes ``dq`` for a first step."""
     if backend == "triton":
         vs_attention_backward(q, k, v, do, lse, delta, plan, None, dk, dv, softmax_scale,
                               backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size))

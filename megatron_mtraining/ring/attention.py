@@ -108,10 +108,13 @@ class SparseSteps:
         self.prepare(source)
         return self.plans[source]
 
-    # The first step of each direction writes ``out``/``lse`` and ``dq`` instead of merging into them:
-    # no memset of the fp32 buffers, no read of them in that step (the merge into "nothing yet",
-    # lse -inf, gives the step's own values exactly).
-    first_step_writes = True
+    @property
+    def first_step_writes(self) -> bool:
+        """The first step of each direction writes ``out``/``lse`` and ``dq`` instead of merging into
+        them: no memset of the fp32 buffers, no read of them in that step (the merge into "nothing
+        yet", lse -inf, gives the step's own values exactly). Not on the PyTorch path, whose dQ
+        comes with the key side (``step_backward_keys``), which the ring runs first."""
+        return self.backend != "torch"
 
     def forward(self, q, k, v, source, out, lse, accumulate: bool = True):
         step_forward(self.backend, q, k, v, self.plan(source), out, lse, self.softmax_scale, accumulate=accumulate)
@@ -170,19 +173,19 @@ class RingAttentionFunction(torch.autograd.Function):
         dq = (torch.empty if writes else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
         done = [0]  # steps whose dQ has run
 
-        def queries(kv, source):  # first in a step: needs nothing from the other ranks
+        def keys(kv, source):  # fresh sums: the schedule adds the ones that arrived
+            dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
+            dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=q.device)
+            ctx.steps.backward_keys(q, kv[0], kv[1], d_out, out, lse, delta, source, dq, dk, dv)
+            return dk, dv
+
+        def queries(kv, source):  # after the step's sums were sent on: their transfer hides behind it
             if writes:
                 ctx.steps.backward_queries(q, kv[0], kv[1], d_out, out, lse, delta, source, dq,
                                            accumulate_dq=done[0] > 0)
             else:
                 ctx.steps.backward_queries(q, kv[0], kv[1], d_out, out, lse, delta, source, dq)
             done[0] += 1
-
-        def keys(kv, source, into):  # added into the partial sums that arrived, or into fresh zeros
-            dk, dv = into if into is not None else (torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device),
-                                                    torch.zeros(kv[1].shape, dtype=torch.float32, device=q.device))
-            ctx.steps.backward_keys(q, kv[0], kv[1], d_out, out, lse, delta, source, dq, dk, dv)
-            return dk, dv
 
         dk, dv = ring_backward(ctx.topo, (k, v), keys, home_dtype=k.dtype, queries=queries)
         return dq.to(q.dtype), dk, dv, None, None, None

@@ -9,9 +9,8 @@ transfer that fails or times out raises ``comm.RingCommunicationError`` saying w
 
 With step timing on (``instrument.py``) every step records its ``compute`` and ``wait``; the
 forward's ``prepare`` (the step's plan, built just before its compute so that the host enqueues
-it while the GPU still runs the previous step) as ``plan``, and in the hierarchical backward the
-addition of a node's sums into those arriving on the outer ring as ``merge`` (within a ring, a
-step's kernels add into the partial sums that arrived: no separate addition).
+it while the GPU still runs the previous step) as ``plan``, and the backward's addition of the
+partial dK/dV that arrived into this step's as ``merge``.
 """
 
 from __future__ import annotations
@@ -72,26 +71,26 @@ def _narrowed(grads: Tensors, dtype: Optional[torch.dtype]) -> Tensors:
     return tuple(g.to(dtype) if dtype.itemsize < g.element_size() else g for g in grads)
 
 
-def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
-                  keys: Callable[[Tensors, int, Optional[Tensors]], Tensors], home_dtype: Optional[torch.dtype] = None,
+def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor], keys: Callable[[Tensors, int], Tensors],
+                  home_dtype: Optional[torch.dtype] = None,
                   queries: Optional[Callable[[Tensors, int], None]] = None) -> Tensors:
-    """Like ``ring_forward``, for the gradients. Each step first runs ``queries(kv, source)`` (if
-    given: the gradients that stay on this rank, dQ), then ``keys(kv, source, into)`` adds this
-    step's gradients of the K/V it was given into ``into`` and returns them: ``into`` holds what
-    earlier holders of that K/V contributed, as received, or is None where a chain of sums starts
-    (``keys`` then makes fresh ones).
+    """Like ``ring_forward``, for the gradients: per step ``keys(kv, source)`` returns fresh
+    gradients of the K/V it was given, and ``queries(kv, source)`` (if given) computes the ones
+    that stay on this rank (dQ).
 
     Gradients travel with their K/V, one hop behind it, and are added to on every rank they
-    pass; after the last step one more hop brings each chunk's gradients home. The partial sums
-    are waited for between the two calls, so their transfer hides behind ``queries`` as well, and
-    ``keys`` adds into them where they arrived (no separate buffer to zero, no separate addition).
-    In the hierarchical ring the inner loop sums a node's contribution first, then it joins the
+    pass; after the last step one more hop brings each chunk's gradients home. In the
+    hierarchical ring the inner loop sums a node's contribution first, then it joins the
     accumulator travelling on the outer ring (whose transfer overlaps the next inner loop).
     Returns the gradients of this rank's own K/V, in ``home_dtype`` if given.
 
-    That last hop is exposed (no compute is left to hide it) and carries complete sums: where
-    ``home_dtype`` is narrower than the accumulators they are cast before it rather than after, the
-    same values in fewer bytes (half of fp32's for bf16 K/V; the additions before it stay in fp32).
+    A step runs ``keys``, adds what earlier holders contributed and sends the sums on, and only
+    then runs ``queries``: the transfer flies during it. That matters most for the last hop, which
+    otherwise nothing would hide. It carries complete sums: where ``home_dtype`` is narrower than
+    the accumulators they are cast before it rather than after, the same values in fewer bytes
+    (half of fp32's for bf16 K/V; the additions before it stay in fp32). (Waiting for the partial
+    sums before ``keys``, to add into them in place, was measured slower: the slack before they
+    are needed shrinks from a whole step to ``queries``, docs/performance.md.)
     """
     W = topo.world_size
     outer_kv = tuple(kv)
@@ -107,19 +106,21 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor],
             last = step == W - 1  # this step completes the sums: next is the hop home
             inner_next = (topo.inner.exchange(inner_kv, ("backward", step, W, "K/V", topo.source(so, si + 1)))
                           if si + 1 < topo.inner_size else None)
-            if queries is not None:
-                with instrument.measure("backward", "compute", step):
-                    queries(inner_kv, topo.source(so, si))
-            into = None
+            with instrument.measure("backward", "compute", step):
+                grads = keys(inner_kv, topo.source(so, si))
             if inner_grads is not None:  # what earlier holders of this K/V contributed
                 with instrument.measure("backward", "wait", step):
-                    into = inner_grads.wait(("backward", step, W, "partial dK/dV", topo.source(so, si)))
-            with instrument.measure("backward", "compute", step):
-                grads = keys(inner_kv, topo.source(so, si), into)
+                    received = inner_grads.wait(("backward", step, W, "partial dK/dV", topo.source(so, si)))
+                with instrument.measure("backward", "merge", step):
+                    grads = _add(received, grads)
             if last and topo.outer_size == 1:  # one level: the inner transfer below is the hop home
                 grads = _narrowed(grads, home_dtype)
             with instrument.measure("backward", "wait", step):
                 inner_grads = topo.inner.exchange(grads, ("backward", step, W, "partial dK/dV", topo.source(so, si)))
+            if queries is not None:  # while the sums just sent are on their way
+                with instrument.measure("backward", "compute", step):
+                    queries(inner_kv, topo.source(so, si))
+            with instrument.measure("backward", "wait", step):
                 if inner_next is not None:
                     inner_kv = inner_next.wait(("backward", step, W, "K/V", topo.source(so, si + 1)))
                 if si + 1 == topo.inner_size:
