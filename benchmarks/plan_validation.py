@@ -97,11 +97,18 @@ def generation_of(code_commit: str, gens: List[Dict]) -> Dict:
 
 
 HOP_HOME_IN_KV_DTYPE = "4e729d3"  # from this commit the ring's backward sends the complete dK/dV home in bf16
+QUERIES_AFTER_SEND = "92e682c"  # from this commit a backward step sends its dK/dV on before computing dQ
 
 
 def hop_home_in_kv_dtype(code_commit: str) -> bool:
     """Whether the ring that ran at ``code_commit`` sent dK/dV home in K/V's dtype (else fp32)."""
     return _is_ancestor(HOP_HOME_IN_KV_DTYPE, code_commit)
+
+
+def sparse_ring_at(code_commit: str) -> Dict[str, bool]:
+    """``predict_mtraining``'s keywords for the sparse ring's schedule as it was at ``code_commit``."""
+    return {"grad_home_in_kv_dtype": hop_home_in_kv_dtype(code_commit),
+            "queries_after_send": _is_ancestor(QUERIES_AFTER_SEND, code_commit)}
 
 
 def _load(name: str) -> Dict:
@@ -162,10 +169,10 @@ def ring_cases(profile, gens, reference_ms) -> List[Dict]:
                     continue
                 if variant in ("sparse_striped", "sparse_zigzag"):
                     p = predict_mtraining(RING_SHAPE, work, cluster, profile_here, kernel_scale=scale,
-                                          grad_home_in_kv_dtype=home)
+                                          **sparse_ring_at(_commit(d)))
                 elif variant == "sparse_striped_hier":
                     p = predict_mtraining(RING_SHAPE, work, cluster, profile_here, inner=cfg["inner_size"],
-                                          kernel_scale=scale, grad_home_in_kv_dtype=home)
+                                          kernel_scale=scale, **sparse_ring_at(_commit(d)))
                 elif variant == "dense_zigzag":
                     p = predict_dense_p2p(RING_SHAPE, work, cluster, profile, grad_bytes_per_value=4,
                                           grad_home_in_kv_dtype=home)
@@ -242,7 +249,7 @@ def e2e_cases(profiles, gens, reference_ms) -> List[Dict]:
             if run["name"] == "mtraining":
                 tel = telemetry(os.path.join(RESULTS, "logs", logs["mtraining"]))
                 p = predict_mtraining(shape, Workload(S, tel["density"]), cluster, profile, kernel_scale=scale,
-                                      grad_home_in_kv_dtype=home)
+                                      **sparse_ring_at(_commit(d)))
                 base.update(kernel_generation=gen["code_commit"], kernel_scale=scale, density=tel["density"])
             elif "--mtraining-layout" in run["flags"]:  # cuDNN: SDPA on one GPU, the zigzag ring over CP
                 p = predict_dense_p2p(shape, Workload(S, 1.0), cluster, profile, grad_bytes_per_value=4,
@@ -252,7 +259,7 @@ def e2e_cases(profiles, gens, reference_ms) -> List[Dict]:
                     base.update(role="calibration", note="defines the rest of the layer: not a prediction")
             else:  # the dense index through MTraining's own kernels (results before session 7)
                 p = predict_mtraining(shape, Workload(S, 1.0), cluster, profile, kernel_scale=scale,
-                                      grad_home_in_kv_dtype=home)
+                                      **sparse_ring_at(_commit(d)))
                 base.update(kernel_generation=gen["code_commit"], kernel_scale=scale, density=1.0,
                             outside_model=OUTSIDE_MODEL)
             base["predicted_ms"] = p.step_ms
@@ -316,8 +323,7 @@ def te_cases(profile, gens, reference_ms) -> List[Dict]:
                     "note": ""}
             flags = run["flags"]
             if run["name"] == "mtraining":
-                p = predict_mtraining(shape, work, cluster, profile, kernel_scale=scale,
-                                      grad_home_in_kv_dtype=hop_home_in_kv_dtype(_commit(d)))
+                p = predict_mtraining(shape, work, cluster, profile, kernel_scale=scale, **sparse_ring_at(_commit(d)))
                 base.update(kernel_generation=gen["code_commit"], kernel_scale=scale, density=work.density,
                             note=dens["how"])
             elif "a2a+p2p" in flags:

@@ -131,6 +131,24 @@ def test_the_backward_hop_home_is_its_own_message(world, inner):
     assert fast_home == pytest.approx(slow_home - (1.0 if world > 1 else 0.0))
 
 
+
+def test_dq_after_the_send_hides_the_hop_home():
+    """ring/schedule.py (from 92e682c) sends a backward step's dK/dV on before its dQ kernel: with
+    10 ms steps, 40% of them dQ, and a 3 ms hop home, the flat ring's backward no longer waits for it;
+    in the old order (share 0) it does. The middle hops hide either way (a whole step of slack)."""
+    link = lambda s, d: (1.0, 0.0)  # noqa: E731  1 ms per MB
+    sizes = {"kv": 1e6, "grad": 3e6, "grad_home": 3e6}
+    old = simulate_ring(4, 4, [10.0] * 4, sizes, link, add_ms=0.5, backward=True)
+    new = simulate_ring(4, 4, [10.0] * 4, sizes, link, add_ms=0.5, backward=True, queries_share=0.4)
+    assert old == pytest.approx(40.0 + 3 * 0.5 + 3.0)
+    assert new == pytest.approx(40.0 + 3 * 0.5)
+    # A hop home longer than dQ shows its remainder only.
+    longer = simulate_ring(4, 4, [10.0] * 4, {**sizes, "grad_home": 6e6}, link, add_ms=0.5, backward=True,
+                           queries_share=0.4)
+    assert longer == pytest.approx(40.0 + 3 * 0.5 + 2.0)
+    with pytest.raises(ValueError, match="queries_share"):
+        simulate_ring(4, 4, [10.0] * 4, sizes, link, backward=True, queries_share=1.0)
+
 def _without_floor(profile):
     return dataclasses.replace(profile, ring_host_floor=HostFloor(0.0, 0.0))
 

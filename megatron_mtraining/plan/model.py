@@ -150,13 +150,20 @@ class Workload:
 
 Link = Callable[[int, int], Tuple[float, float]]  # (src, dst) -> (GB/s, latency ms)
 
+# The share of a sparse backward step that is dQ (the queries' kernel), which the ring runs after
+# sending the step's dK/dV on: 10.3-11.5 of 27.0-29.0 ms per step at 512K over 4 ranks, one H100
+# (docs/performance.md, "the backward step's parts, measured alone").
+BWD_QUERIES_SHARE = 0.39
 
-def _programs(outer: int, inner: int):
+
+def _programs(outer: int, inner: int, queries_after_send: bool = False):
     """The forward and backward programs of ``ring/schedule.py`` as op lists, the same on every rank.
 
-    Ops: ("post", id, ring, kind), ("wait", id), ("compute", step), ("add",). The backward's last
-    transfer, which brings the complete dK/dV home, is of kind "grad_home" (it travels in K/V's
-    dtype): the inner ring's last one on one node, else the outer ring's last one."""
+    Ops: ("post", id, ring, kind), ("wait", id), ("compute", step, part), ("add",); ``part`` is
+    "all" (the step's compute), or with ``queries_after_send`` the backward's "keys" (dK/dV) before
+    its sums are sent on and "queries" (dQ) after. The backward's last transfer, which brings the
+    complete dK/dV home, is of kind "grad_home" (it travels in K/V's dtype): the inner ring's last
+    one on one node, else the outer ring's last one."""
     fwd: List[tuple] = []
     for so in range(outer):
         if so + 1 < outer:
@@ -165,7 +172,7 @@ def _programs(outer: int, inner: int):
             step = so * inner + si
             if si + 1 < inner:
                 fwd.append(("post", ("ikv", step), "inner", "kv"))
-            fwd.append(("compute", step))
+            fwd.append(("compute", step, "all"))
             if si + 1 < inner:
                 fwd.append(("wait", ("ikv", step)))
             if so + 1 < outer and si + 1 == inner:
@@ -178,12 +185,14 @@ def _programs(outer: int, inner: int):
             step = so * inner + si
             if si + 1 < inner:
                 bwd.append(("post", ("ikv", step), "inner", "kv"))
-            bwd.append(("compute", step))
+            bwd.append(("compute", step, "keys" if queries_after_send else "all"))
             if si > 0:
                 bwd.append(("wait", ("ig", step - 1)))
                 bwd.append(("add",))
             home = outer == 1 and si + 1 == inner
             bwd.append(("post", ("ig", step), "inner", "grad_home" if home else "grad"))
+            if queries_after_send:
+                bwd.append(("compute", step, "queries"))
             if si + 1 < inner:
                 bwd.append(("wait", ("ikv", step)))
             if si + 1 == inner:
@@ -199,18 +208,22 @@ def _programs(outer: int, inner: int):
 
 
 def simulate_ring(world: int, inner: int, compute_ms: Sequence[float], nbytes: Dict[str, float], link: Link,
-                  add_ms: float = 0.0, backward: bool = False) -> float:
+                  add_ms: float = 0.0, backward: bool = False, queries_share: float = 0.0) -> float:
     """Milliseconds until the last rank finishes one pass (forward or backward) of the ring.
 
     ``compute_ms[step]`` is every rank's compute at that step; ``nbytes`` the bytes of a "kv" and a
     "grad" message, and of the "grad_home" one (default: a "grad" message's). A transfer starts once
     sender and receiver have both posted it and the receiving end of its link is free (messages on
-    one link queue in posting order)."""
+    one link queue in posting order). ``queries_share``: the share of a backward step's compute run
+    after its sums are sent on (dQ, from 92e682c), 0 for a step that computes everything first."""
     if world % inner:
         raise ValueError(f"inner ring size {inner} does not divide {world} ranks")
+    if not 0.0 <= queries_share < 1.0:
+        raise ValueError(f"queries_share must be in [0, 1), got {queries_share}")
     nbytes = {"grad_home": nbytes["grad"], **nbytes}
     outer = world // inner
-    fwd, bwd = _programs(outer, inner)
+    fwd, bwd = _programs(outer, inner, queries_after_send=queries_share > 0)
+    share = {"all": 1.0, "keys": 1.0 - queries_share, "queries": queries_share}
     program = bwd if backward else fwd
 
     def prev(rank: int, ring: str) -> int:
@@ -227,7 +240,7 @@ def simulate_ring(world: int, inner: int, compute_ms: Sequence[float], nbytes: D
     for op in program:
         kind = op[0]
         if kind == "compute":
-            step_ms = compute_ms[op[1]]
+            step_ms = compute_ms[op[1]] * share[op[2]]
             t = [x + step_ms for x in t]
         elif kind == "add":
             t = [x + add_ms for x in t]
@@ -349,12 +362,13 @@ def _limit(parts: Dict[str, float]) -> str:
 
 def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile,
                       inner: Optional[int] = None, kernel_scale: float = 1.0,
-                      grad_home_in_kv_dtype: bool = True) -> Prediction:
+                      grad_home_in_kv_dtype: bool = True, queries_after_send: bool = True) -> Prediction:
     """MTraining's striped sparse ring, flat (``inner`` None or W) or hierarchical.
 
     ``kernel_scale`` multiplies the sparse kernel times (validation uses it for results taken with
     older kernels, from that generation's own one-GPU kernel benchmark; planning leaves it at 1);
-    ``grad_home_in_kv_dtype=False`` models the rings before 4e729d3, whose hop home was in fp32."""
+    ``grad_home_in_kv_dtype=False`` models the rings before 4e729d3, whose hop home was in fp32;
+    ``queries_after_send=False`` those before 92e682c, whose backward step sent its sums after dQ."""
     W = cluster.gpus
     inner = W if inner is None else int(inner)
     if inner < 1 or W % inner:
@@ -385,7 +399,8 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
     home_bytes = kv_bytes if grad_home_in_kv_dtype else grad_bytes
     nbytes = {"kv": kv_bytes, "grad": grad_bytes, "grad_home": home_bytes}
     fwd = simulate_ring(W, inner, [fwd_span] * W, nbytes, link)
-    bwd = simulate_ring(W, inner, [bwd_span] * W, nbytes, link, add_ms=add_ms, backward=True)
+    bwd = simulate_ring(W, inner, [bwd_span] * W, nbytes, link, add_ms=add_ms, backward=True,
+                        queries_share=BWD_QUERIES_SHARE if queries_after_send else 0.0)
     # Where the host binds, a call over several ranks also waits for its own set-up (the agreement,
     # the first transfer's posting): once per call, not per step. (Fitted as T_W - W x floor at the
     # floor's work, it also holds that run's small exposed transfers and adds, counted again here:
