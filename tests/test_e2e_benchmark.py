@@ -50,7 +50,12 @@ def test_gpu_time_breakdown_sorts_kernels_into_categories(tmp_path):
               kernel("ncclDevKernel_AllReduce_Sum_bf16", 12000, 700),
               kernel("void at::native::vectorized_elementwise_kernel<4>", 12700, 300),
               kernel("Memcpy DtoD", 13000, 100, cat="gpu_memcpy"),
-              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99999}]
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99999},
+              # MTraining's profiler ranges on the GPU timeline: summed per name, not counted as kernels
+              kernel("mtraining::approximator", 0, 250, cat="gpu_user_annotation"),
+              kernel("mtraining::approximator", 9000, 350, cat="gpu_user_annotation"),
+              kernel("mtraining::ring forward", 0, 7000, cat="gpu_user_annotation"),
+              kernel("ProfilerStep#8", 0, 13100, cat="gpu_user_annotation")]
     path = tmp_path / "rank-0.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -60,6 +65,7 @@ def test_gpu_time_breakdown_sorts_kernels_into_categories(tmp_path):
     assert got["gpu_busy_ms"] == pytest.approx(12.11) and got["gpu_span_ms"] == pytest.approx(13.1)
     assert list(got["top_kernels_ms"]) == ["_vs_attn_fwd_sm90_kernel", "_dq_sm90_kernel",
                                            "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"]
+    assert got["mtraining_ranges_ms"] == pytest.approx({"mtraining::approximator": 0.6, "mtraining::ring forward": 7.0})
 
 
 def test_timed_iterations_leave_out_warmup_telemetry_and_profiling():

@@ -375,7 +375,7 @@ class MTrainingAttention(MegatronModule):
         checking = consistency.due(self, group, record)
         if checking:
             consistency.check_flags(self, group, q)
-        with timed("approximator", cuda):
+        with timed("approximator", cuda), torch.profiler.record_function("mtraining::approximator"):
             # the pre-attention step: this layer's VSIndex (custom indexers see documents only when there are some)
             index = (self.indexer(q, k, group) if documents is None
                      else self.indexer(q, k, group, cu_seqlens=documents))

@@ -157,7 +157,8 @@ class RingAttentionFunction(torch.autograd.Function):
             done[0] += 1
 
         prepare = getattr(steps, "prepare", None)
-        ring_forward(topo, (k, v), lambda kv, source: step(kv[0], kv[1], source), prepare)
+        with torch.profiler.record_function("mtraining::ring forward"):  # a range in profiler traces
+            ring_forward(topo, (k, v), lambda kv, source: step(kv[0], kv[1], source), prepare)
         out = agreement.poison(out, disagree, q.dtype)  # deferred agreement: NaN if the ranks disagreed
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.topo, ctx.steps = topo, steps
@@ -187,7 +188,8 @@ class RingAttentionFunction(torch.autograd.Function):
                 ctx.steps.backward_queries(q, kv[0], kv[1], d_out, out, lse, delta, source, dq)
             done[0] += 1
 
-        dk, dv = ring_backward(ctx.topo, (k, v), keys, home_dtype=k.dtype, queries=queries)
+        with torch.profiler.record_function("mtraining::ring backward"):
+            dk, dv = ring_backward(ctx.topo, (k, v), keys, home_dtype=k.dtype, queries=queries)
         return dq.to(q.dtype), dk, dv, None, None, None
 
 
