@@ -641,20 +641,27 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
                     "needs a step-synchronous ring of 32 ranks (analysis_ring_balance_w32.json)")
             for key, value in striped.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {}).items():
                 values[key] = (value, path, "sparse striped ring, 512K, 4 GPUs")
-    # The newest measurement of a scaling key wins (the 1-GPU floor the weak points divide by moves
-    # with the host machine; a commit hash says nothing of when it ran).
-    measured_at = {path: data.get("meta", {}).get("time_utc") or "" for path, data in results.get("ring", [])}
+    # Where several results give one key (a re-run kept beside the run it repeats, or another GPU's
+    # run of the same shape), an H200's wins (the targets are defined on H200s), then the newest (the
+    # 1-GPU floor the weak points divide by moves with the host machine; a commit hash says nothing of
+    # when it ran).
+    def precedence(result):
+        meta = result[1].get("meta", {})
+        return meta.get("device") == "NVIDIA H200", meta.get("time_utc") or ""
+
+    measured_at = {path: precedence((path, data)) for path, data in results.get("ring", [])}
     # Strong scaling of the sparse striped ring at 512K: T(1 GPU) / (4 x T(4 GPUs)), one commit.
     times = same_setup_times(results.get("ring", []))
     pairs = [(commit, t4, p4, times[(device, commit, seq_len, name, 1)])
              for (device, commit, seq_len, name, world), (t4, p4) in times.items()
              if (seq_len, name, world) == (524288, "sparse_striped", 4) and (device, commit, seq_len, name, 1) in times]
     if pairs:
-        commit, t4, p4, (t1, p1) = max(pairs, key=lambda pair: measured_at.get(pair[2], ""))
+        commit, t4, p4, (t1, p1) = max(pairs, key=lambda pair: measured_at.get(pair[2], (False, "")))
         values["ring_strong_scaling_4gpu"] = (t1 / (4 * t4), p4, f"T1 {t1:.0f} ms ({os.path.basename(p1)}), "
                                               f"T4 {t4:.0f} ms, commit {commit}")
     # Weak scaling of the sparse striped ring at every (tokens per GPU, W) measured.
-    for point in sorted(weak_scaling_points(results.get("ring", [])), key=lambda p: measured_at.get(p["path"], "")):
+    for point in sorted(weak_scaling_points(results.get("ring", [])),
+                        key=lambda p: measured_at.get(p["path"], (False, ""))):
         if point["variant"] != "sparse_striped":
             continue
         key = f"ring_weak_scaling_{tokens(point['tokens_per_gpu']).lower()}_per_gpu_{point['world_size']}gpu"
@@ -680,12 +687,6 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
     if overheads:
         world, value, path = overheads[0]
         values["approximator_overhead"] = (value, path, f"128K tokens per GPU on {world} GPUs")
-    # Where several results give one key (a re-run kept beside the run it repeats, or another GPU's
-    # run of the same shape), an H200's wins (the targets are defined on H200s), then the newest.
-    def precedence(result):
-        meta = result[1].get("meta", {})
-        return meta.get("device") == "NVIDIA H200", meta.get("time_utc") or ""
-
     for path, data in sorted(results.get("e2e", []), key=precedence):
         against = f"against: {e2e_baseline(data)}"
         if data.get("e2e_speedup") and data.get("baseline") == "te_cp":
@@ -897,6 +898,17 @@ def readme_value(value: float, fmt: str) -> str:
     return f"{value:.2f}"
 
 
+def readme_target(entry: Dict, fmt: str) -> str:
+    """The README's target cell: the threshold and whether the figure meets it, "—" without one.
+    Thresholds in another unit or sign than the value shown (percentages held as fractions, gaps
+    held as dense - MTraining) give the verdict alone."""
+    target = entry.get("target")
+    if not target:
+        return "—"
+    verdict = "met" if entry.get("met") else "missed"
+    return f"{target}: {verdict}" if fmt in ("x", "tflops", "ratio") else verdict
+
+
 def render_readme_summary(summary: Dict) -> str:
     """The README's results table: the headline figures of ``summary.json``, each with the commit
     of the result file it comes from; a figure from another device than the summary's names it."""
@@ -910,11 +922,12 @@ def render_readme_summary(summary: Dict) -> str:
         other = next((part.strip() for part in note.split(";") if part.strip().startswith("NVIDIA")
                       and part.strip() != summary["device"]), "")
         commit = str(summary.get("git_commits", {}).get(entry.get("source")) or "—")[:7]
-        rows.append([label + (f" ({other})" if other else ""), readme_value(value, fmt), commit])
+        rows.append([label + (f" ({other})" if other else ""), readme_value(value, fmt), readme_target(entry, fmt),
+                     commit])
     return (f"Measured on {summary['device']} GPUs (torch {summary['torch']}, triton {summary['triton']}); "
             "generated from `benchmarks/results/summary.json` by `benchmarks/make_tables.py`. Shapes, "
             "baselines, every run and the targets: [docs/benchmarks.md](docs/benchmarks.md).\n\n"
-            + table(["figure", "value", "commit"], rows))
+            + table(["figure", "value", "target", "commit"], rows))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def test_strong_scaling_pairs_only_plain_runs_of_one_commit():
     assert make_tables.summarise({"ring": results})["ring_strong_scaling_4gpu"] is None
 
 
-def test_the_newest_scaling_measurement_wins_whatever_its_commit_hash():
+def test_the_newest_scaling_measurement_wins_whatever_its_commit_hash_h200s_first():
     def timed(result, when):
         result["meta"]["time_utc"] = when
         return result
@@ -71,6 +71,12 @@ def test_the_newest_scaling_measurement_wins_whatever_its_commit_hash():
     summary = make_tables.summarise({"ring": results})
     assert abs(summary["ring_strong_scaling_4gpu"] - 600.0 / (4 * 170.0)) < 1e-9
     assert "commit 0000000" in summary["details"]["ring_strong_scaling_4gpu"]["note"]
+    # An H200 pair wins over a newer pair of another GPU: the targets are defined on H200s.
+    for name in ("r/1_old.json", "r/4_old.json"):
+        next(data for path, data in results if path == name)["meta"]["device"] = "NVIDIA H200"
+    summary = make_tables.summarise({"ring": results})
+    assert abs(summary["ring_strong_scaling_4gpu"] - 800.0 / (4 * 200.0)) < 1e-9
+    assert "commit fffffff" in summary["details"]["ring_strong_scaling_4gpu"]["note"]
 
 
 def test_approximator_plot_is_named_by_its_committed_path():
