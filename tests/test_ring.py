@@ -202,7 +202,17 @@ SPAWNS = {
         Case("triton-zigzag-random", "zigzag", 64, batch=1, hq=2, hkv=1, backend="triton"),
         Case("triton-striped-megatron-layout", "striped", 64, batch=2, hq=2, hkv=1, backend="triton",
              megatron_layout=True),
+        # hq = 4 over hkv = 1 on 2 ranks: the whole K/V fit where the fp32 dQ was, so dQ is one pass
+        # after the ring (SparseSteps.dq_in_one_pass); the cases above keep the per-step dQ.
+        Case("triton-striped-dq-one-pass", "striped", 64, batch=2, hq=4, hkv=1, backend="triton"),
+        Case("triton-zigzag-dq-one-pass-columns", "zigzag", 128, index="columns", batch=1, hq=4, hkv=1,
+             backend="triton"),
     ], 500)),
+    # The same over 2 x 2 hierarchical rings (8 query heads over 1 K/V head: dQ in one pass).
+    "w4-triton": (4, with_seeds([
+        Case("triton-hier2-striped-dq-one-pass", "striped", 128, batch=1, hq=8, hkv=1, inner_size=2,
+             backend="triton"),
+    ], 600)),
 }
 
 _SPAWN_RESULTS = {}
@@ -407,3 +417,22 @@ def test_gradients_go_home_in_the_inputs_dtype_with_the_fp32_sums():
             dtypes = [d for transfer in got["transfers"] for d in transfer]
             assert dtypes.count("torch.bfloat16") == 2, (rank, inner, got["transfers"])
             assert got["transfers"][-1] == ["torch.bfloat16"] * 2, (rank, inner, got["transfers"])  # the last
+
+
+# ----------------------------------------------------------------------------- dQ in one pass
+
+def test_dq_in_one_pass_where_the_whole_kv_fits_in_the_fp32_dq_buffer():
+    """The backward keeps every source's K/V and computes dQ once when 2 x W x kv heads x itemsize
+    <= 4 x query heads (no more memory than the fp32 dQ buffer), on the Triton kernels, W > 1."""
+    from megatron_mtraining.ring.attention import SparseSteps
+
+    def rule(world, hq, hkv, dtype, backend="triton", query_plan=True):
+        steps = SparseSteps(lambda source: None, world, 1.0, backend, (lambda: None) if query_plan else None)
+        return steps.dq_in_one_pass(torch.empty(1, hq, 8, 4, dtype=dtype), torch.empty(1, hkv, 8, 4, dtype=dtype))
+
+    assert rule(4, 16, 2, torch.bfloat16) and rule(8, 16, 2, torch.bfloat16)  # Qwen2.5-3B's heads, 4 and 8 GPUs
+    assert not rule(16, 16, 2, torch.bfloat16)  # the whole K/V would outgrow the fp32 dQ
+    assert rule(2, 4, 1, torch.float32) and not rule(2, 2, 1, torch.float32)  # the test ring's Triton cases
+    assert not rule(1, 16, 2, torch.bfloat16)  # one rank: nothing to keep
+    assert not rule(4, 16, 2, torch.bfloat16, backend="torch")  # the PyTorch path: dQ with the key side
+    assert not rule(4, 16, 2, torch.bfloat16, query_plan=False)

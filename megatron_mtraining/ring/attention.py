@@ -95,8 +95,10 @@ class SparseSteps:
     """Ring steps of vertical-slash attention: one converted index (plan) per source rank, built by
     ``build_plan(source)`` on first use (``prepare``) and kept for the backward."""
 
-    def __init__(self, build_plan: Callable, world_size: int, softmax_scale: float, backend: str):
+    def __init__(self, build_plan: Callable, world_size: int, softmax_scale: float, backend: str,
+                 build_query_plan: Optional[Callable] = None):
         self._build_plan = build_plan
+        self._build_query_plan = build_query_plan  # this rank's queries against every source's keys
         self.plans: List = [None] * world_size
         self.softmax_scale, self.backend = softmax_scale, backend
 
@@ -129,6 +131,23 @@ class SparseSteps:
     def backward_keys(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv):
         step_backward_keys(self.backend, q, k, v, d_out, lse, delta, self.plan(source), dq, dk, dv,
                            self.softmax_scale)
+
+    def dq_in_one_pass(self, q, k) -> bool:
+        """Whether the backward keeps every source's K/V and computes dQ once, after the ring, in
+        q's dtype (``backward_all_queries``), instead of adding each step's into an fp32 buffer:
+        no read-modify-write of that buffer per step and no cast at the end, one launch instead of
+        W. Where the whole sequence's K/V take no more memory than the fp32 dQ buffer they replace
+        (2 x W x kv heads x itemsize <= 4 x query heads: W <= the GQA group for bf16), on the
+        Triton kernels (the PyTorch path computes dQ with the key side)."""
+        world = len(self.plans)
+        return (self.backend == "triton" and world > 1 and self._build_query_plan is not None
+                and 2 * world * k.shape[1] * k.element_size() <= 4 * q.shape[1])
+
+    def backward_all_queries(self, q, k_all, v_all, d_out, lse, delta, dq):
+        """dQ of this rank's queries against ``k_all``/``v_all`` (every source's K/V, source s at
+        slot s), written in ``dq``'s dtype."""
+        step_backward_queries(self.backend, q, k_all, v_all, d_out, lse, delta, self._build_query_plan(), dq,
+                              self.softmax_scale, accumulate_dq=False)
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -171,8 +190,8 @@ class RingAttentionFunction(torch.autograd.Function):
         d_out = d_out.contiguous()
         delta = ctx.steps.delta(out, d_out)
         writes = getattr(ctx.steps, "first_step_writes", False)
-        dq = (torch.empty if writes else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
-        done = [0]  # steps whose dQ has run
+        one_pass = getattr(ctx.steps, "dq_in_one_pass", None)
+        one_pass = one_pass is not None and one_pass(q, k)
 
         def keys(kv, source):  # fresh sums: the schedule adds the ones that arrived
             dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
@@ -180,17 +199,33 @@ class RingAttentionFunction(torch.autograd.Function):
             ctx.steps.backward_keys(q, kv[0], kv[1], d_out, out, lse, delta, source, dq, dk, dv)
             return dk, dv
 
-        def queries(kv, source):  # after the step's sums were sent on: their transfer hides behind it
-            if writes:
-                ctx.steps.backward_queries(q, kv[0], kv[1], d_out, out, lse, delta, source, dq,
-                                           accumulate_dq=done[0] > 0)
-            else:
-                ctx.steps.backward_queries(q, kv[0], kv[1], d_out, out, lse, delta, source, dq)
-            done[0] += 1
+        done = [0]  # steps whose queries part has run
+        if one_pass:  # keep every source's K/V; after the last step's sums left, dQ over them all
+            W, (b, hkv, n, d) = ctx.topo.world_size, k.shape
+            k_all, v_all = k.new_empty(b, hkv, W, n, d), v.new_empty(b, hkv, W, n, d)
+            dq = torch.empty_like(q)  # written once, in q's dtype
+
+            def queries(kv, source):
+                k_all[:, :, source].copy_(kv[0])
+                v_all[:, :, source].copy_(kv[1])
+                done[0] += 1
+                if done[0] == W:
+                    ctx.steps.backward_all_queries(q, k_all.view(b, hkv, W * n, d), v_all.view(b, hkv, W * n, d),
+                                                   d_out, lse, delta, dq)
+        else:
+            dq = (torch.empty if writes else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
+
+            def queries(kv, source):  # after the step's sums were sent on: their transfer hides behind it
+                if writes:
+                    ctx.steps.backward_queries(q, kv[0], kv[1], d_out, out, lse, delta, source, dq,
+                                               accumulate_dq=done[0] > 0)
+                else:
+                    ctx.steps.backward_queries(q, kv[0], kv[1], d_out, out, lse, delta, source, dq)
+                done[0] += 1
 
         with torch.profiler.record_function("mtraining::ring backward"):
             dk, dv = ring_backward(ctx.topo, (k, v), keys, home_dtype=k.dtype, queries=queries)
-        return dq.to(q.dtype), dk, dv, None, None, None
+        return (dq if one_pass else dq.to(q.dtype)), dk, dv, None, None, None
 
 
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex, group=None,
@@ -247,7 +282,11 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     def build_plan(source: int):
         return build_step_plan(index, blocks[topo.rank], blocks[source], nb, slash_bitmap=bitmap, documents=tables)
 
-    steps = SparseSteps(build_plan, topo.world_size, float(softmax_scale), backend)
+    def build_query_plan():  # every source's keys, source s's blocks at slot s (the backward's dQ in one pass)
+        return build_step_plan(index, blocks[topo.rank], torch.cat(list(blocks)), nb, slash_bitmap=bitmap,
+                               documents=tables)
+
+    steps = SparseSteps(build_plan, topo.world_size, float(softmax_scale), backend, build_query_plan)
     with instrument.measure("forward", "plan", 0):  # step 0's (own K/V): an error comes before any transfer
         steps.prepare(topo.rank)
     return RingAttentionFunction.apply(q, k, v, topo, steps, disagree)
