@@ -159,9 +159,10 @@ def kernel_category(name: str) -> str:
 def gpu_time_breakdown(trace_path: str, top: int = 30) -> dict:
     """GPU kernel milliseconds by category (``KERNEL_CATEGORIES``) and the top kernels, from a
     torch.profiler chrome trace (.json or .json.gz) of one iteration; memcpy/memset apart. Also the
-    GPU spans of MTraining's profiler ranges (``mtraining::approximator``, ``mtraining::ring
-    forward`` / ``backward``), summed per name: what the approximator costs on the GPU, its
-    sorts and collectives included, which the kernel names alone do not tell."""
+    GPU time covered by MTraining's profiler ranges (``mtraining::approximator``, ``mtraining::ring
+    forward`` / ``backward``) per name: what the approximator costs on the GPU, its sorts and
+    collectives included, which the kernel names alone do not tell. The profiler writes a range once
+    per stream it launched on (compute, NCCL's), so the spans are merged before they are summed."""
     import gzip
 
     opener = gzip.open if trace_path.endswith(".gz") else open
@@ -170,7 +171,7 @@ def gpu_time_breakdown(trace_path: str, top: int = 30) -> dict:
     by_category, by_kernel, by_range, span = {}, {}, {}, [float("inf"), 0.0]
     for e in events:
         if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation" and e.get("name", "").startswith("mtraining::"):
-            by_range[e["name"]] = by_range.get(e["name"], 0.0) + e.get("dur", 0) / 1e3
+            by_range.setdefault(e["name"], []).append((e["ts"], e["ts"] + e.get("dur", 0)))
             continue
         if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
@@ -184,7 +185,17 @@ def gpu_time_breakdown(trace_path: str, top: int = 30) -> dict:
     return {"gpu_busy_ms": busy, "gpu_span_ms": (span[1] - span[0]) / 1e3 if busy else 0.0,
             "by_category_ms": dict(sorted(by_category.items(), key=lambda kv: -kv[1])),
             "top_kernels_ms": dict(sorted(by_kernel.items(), key=lambda kv: -kv[1])[:top]),
-            "mtraining_ranges_ms": dict(sorted(by_range.items()))}
+            "mtraining_ranges_ms": {name: covered_ms(spans) for name, spans in sorted(by_range.items())}}
+
+
+def covered_ms(spans) -> float:
+    """Milliseconds covered by the union of ``(start, end)`` spans in microseconds."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 1e3
 
 
 def profile_flags(args, trace_dir: str):

@@ -98,6 +98,8 @@ def generation_of(code_commit: str, gens: List[Dict]) -> Dict:
 
 HOP_HOME_IN_KV_DTYPE = "4e729d3"  # from this commit the ring's backward sends the complete dK/dV home in bf16
 QUERIES_AFTER_SEND = "92e682c"  # from this commit a backward step sends its dK/dV on before computing dQ
+# (187b05a, between the two, waited for the partial sums before its key side; sparse_ring_at models it
+# as the old order, but no result of it is validated: its ring files are 4-H100 ones.)
 
 
 def hop_home_in_kv_dtype(code_commit: str) -> bool:

@@ -38,7 +38,7 @@ def test_gpu_time_breakdown_sorts_kernels_into_categories(tmp_path):
     import json
 
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-    from e2e import gpu_time_breakdown
+    from e2e import covered_ms, gpu_time_breakdown
 
     def kernel(name, ts, dur, cat="kernel"):
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
@@ -55,6 +55,8 @@ def test_gpu_time_breakdown_sorts_kernels_into_categories(tmp_path):
               kernel("mtraining::approximator", 0, 250, cat="gpu_user_annotation"),
               kernel("mtraining::approximator", 9000, 350, cat="gpu_user_annotation"),
               kernel("mtraining::ring forward", 0, 7000, cat="gpu_user_annotation"),
+              # the same range again on NCCL's stream, overlapping the compute stream's: its union counts
+              kernel("mtraining::ring forward", 1000, 6500, cat="gpu_user_annotation"),
               kernel("ProfilerStep#8", 0, 13100, cat="gpu_user_annotation")]
     path = tmp_path / "rank-0.json.gz"
     with gzip.open(path, "wt") as f:
@@ -65,7 +67,8 @@ def test_gpu_time_breakdown_sorts_kernels_into_categories(tmp_path):
     assert got["gpu_busy_ms"] == pytest.approx(12.11) and got["gpu_span_ms"] == pytest.approx(13.1)
     assert list(got["top_kernels_ms"]) == ["_vs_attn_fwd_sm90_kernel", "_dq_sm90_kernel",
                                            "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"]
-    assert got["mtraining_ranges_ms"] == pytest.approx({"mtraining::approximator": 0.6, "mtraining::ring forward": 7.0})
+    assert got["mtraining_ranges_ms"] == pytest.approx({"mtraining::approximator": 0.6, "mtraining::ring forward": 7.5})
+    assert covered_ms([(0, 10), (5, 20), (30, 40), (32, 35)]) == pytest.approx(0.03)
 
 
 def test_timed_iterations_leave_out_warmup_telemetry_and_profiling():

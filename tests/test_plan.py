@@ -131,7 +131,6 @@ def test_the_backward_hop_home_is_its_own_message(world, inner):
     assert fast_home == pytest.approx(slow_home - (1.0 if world > 1 else 0.0))
 
 
-
 def test_dq_after_the_send_hides_the_hop_home():
     """ring/schedule.py (from 92e682c) sends a backward step's dK/dV on before its dQ kernel: with
     10 ms steps, 40% of them dQ, and a 3 ms hop home, the flat ring's backward no longer waits for it;
@@ -148,6 +147,13 @@ def test_dq_after_the_send_hides_the_hop_home():
     assert longer == pytest.approx(40.0 + 3 * 0.5 + 2.0)
     with pytest.raises(ValueError, match="queries_share"):
         simulate_ring(4, 4, [10.0] * 4, sizes, link, backward=True, queries_share=1.0)
+    # Over two nodes the hop home is the outer transfer: the last dQ follows its posting, so a 3 ms
+    # outer hop hides too, and only the fast inner hand-off before it (0 ms here) remains.
+    two_nodes = lambda s, d: (1.0, 0.0) if s // 2 != d // 2 else (1e6, 0.0)  # noqa: E731
+    hier_old = simulate_ring(4, 2, [10.0] * 4, sizes, two_nodes, add_ms=0.5, backward=True)
+    hier_new = simulate_ring(4, 2, [10.0] * 4, sizes, two_nodes, add_ms=0.5, backward=True, queries_share=0.4)
+    assert hier_old - hier_new == pytest.approx(3.0, abs=0.01)
+
 
 def _without_floor(profile):
     return dataclasses.replace(profile, ring_host_floor=HostFloor(0.0, 0.0))

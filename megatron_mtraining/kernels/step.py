@@ -1,7 +1,8 @@
 """One entry point per direction for a (query chunk, key chunk) step, whatever the backend.
 
-Ring attention calls ``step_forward`` / ``step_backward`` once per ring step with that step's
-plan; single-device attention is the one-step case. What runs is ``dispatch.py``'s choice (the
+Ring attention calls ``step_forward`` and the backward's two halves (``step_backward_keys``, then
+``step_backward_queries``) once per ring step with that step's plan; single-device attention is the
+one-step case (``step_backward``: both halves). What runs is ``dispatch.py``'s choice (the
 backend, the Triton or the Hopper kernels, their schedule); this module runs it, and holds the
 backward's host side shared by both kernel families (``vs_attention_backward``).
 """
@@ -45,6 +46,8 @@ def step_backward(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softm
     """Add this step's gradients into fp32 ``dq``, ``dk``, ``dv`` (final ``lse`` and ``delta``);
     ``accumulate_dq=False`` (a ring's first step) writes ``dq`` instead, which may then be uninitialised.
     The two halves, ``step_backward_queries`` then ``step_backward_keys``, may also be called apart."""
+    if backend != "triton" and not accumulate_dq:
+        dq.zero_()  # the PyTorch path adds dQ with the key side
     step_backward_queries(backend, q, k, v, do, lse, delta, plan, dq, softmax_scale, accumulate_dq)
     step_backward_keys(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
 
@@ -53,20 +56,17 @@ def step_backward_queries(backend: str, q, k, v, do, lse, delta, plan, dq, softm
                           accumulate_dq: bool = True) -> None:
     """The step's dQ, added into (or with ``accumulate_dq=False`` written in) ``dq``: the half of a
     step's backward whose result stays on this rank, so a ring runs it after sending the step's
-    dK/dV on, while they travel. (The PyTorch path computes all three gradients together, in
-    ``step_backward_keys``.)"""
+    dK/dV on, while they travel. Nothing on the PyTorch path, which computes all three gradients
+    together in ``step_backward_keys`` (adding dQ: give it a zeroed ``dq`` for a first step)."""
     if backend == "triton":
         vs_attention_backward(q, k, v, do, lse, delta, plan, dq, None, None, softmax_scale,
                               backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size),
                               accumulate_dq=accumulate_dq)
-    elif not accumulate_dq:
-        dq.zero_()  # the PyTorch step always adds
 
 
 def step_backward_keys(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float) -> None:
     """The step's dK/dV, added into fp32 ``dk``/``dv``; before or after ``step_backward_queries``
-    (they are independent). On the PyTorch path also dQ, added into ``dq``: there call this one
-    after ``step_backward_queries``, which zeroes ``dq`` for a first step."""
+    (they are independent). On the PyTorch path also dQ, added into ``dq``."""
     if backend == "triton":
         vs_attention_backward(q, k, v, do, lse, delta, plan, None, dk, dv, softmax_scale,
                               backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size))

@@ -191,7 +191,9 @@ def _programs(outer: int, inner: int, queries_after_send: bool = False):
                 bwd.append(("add",))
             home = outer == 1 and si + 1 == inner
             bwd.append(("post", ("ig", step), "inner", "grad_home" if home else "grad"))
-            if queries_after_send:
+            # Over several nodes the hop home is the outer transfer: the last dQ follows its posting.
+            queries_after_outer = queries_after_send and outer > 1 and step == outer * inner - 1
+            if queries_after_send and not queries_after_outer:
                 bwd.append(("compute", step, "queries"))
             if si + 1 < inner:
                 bwd.append(("wait", ("ikv", step)))
@@ -201,6 +203,8 @@ def _programs(outer: int, inner: int, queries_after_send: bool = False):
                     bwd.append(("wait", ("og", so - 1)))
                     bwd.append(("add",))
                 bwd.append(("post", ("og", so), "outer", "grad_home" if so + 1 == outer else "grad"))
+                if queries_after_outer:
+                    bwd.append(("compute", step, "queries"))
                 if so + 1 < outer:
                     bwd.append(("wait", ("okv", so)))
     bwd.append(("wait", ("og", outer - 1)))

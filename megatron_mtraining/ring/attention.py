@@ -115,7 +115,7 @@ class SparseSteps:
         """The first step of each direction writes ``out``/``lse`` and ``dq`` instead of merging into
         them: no memset of the fp32 buffers, no read of them in that step (the merge into "nothing
         yet", lse -inf, gives the step's own values exactly). Not on the PyTorch path, whose dQ
-        comes with the key side (``step_backward_keys``), which the ring runs first."""
+        comes with the key side (``step_backward_keys``, adding into a zeroed buffer)."""
         return self.backend != "torch"
 
     def forward(self, q, k, v, source, out, lse, accumulate: bool = True):

@@ -86,56 +86,67 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor], keys: Callable
 
     A step runs ``keys``, adds what earlier holders contributed and sends the sums on, and only
     then runs ``queries``: the transfer flies during it. That matters most for the last hop, which
-    otherwise nothing would hide. It carries complete sums: where ``home_dtype`` is narrower than
+    otherwise nothing would hide (over several nodes it is the outer transfer, so the last step's
+    ``queries`` waits until that one is posted). It carries complete sums: where ``home_dtype`` is narrower than
     the accumulators they are cast before it rather than after, the same values in fewer bytes
     (half of fp32's for bf16 K/V; the additions before it stay in fp32). (Waiting for the partial
     sums before ``keys``, to add into them in place, was measured slower: the slack before they
     are needed shrinks from a whole step to ``queries``, docs/performance.md.)
     """
-    W = topo.world_size
+    W, nodes = topo.world_size, topo.outer_size
     outer_kv = tuple(kv)
-    outer_grads = None
-    for so in range(topo.outer_size):
+    from_prev_node = None  # the sums of the previous node's ranks, arriving on the outer ring
+    for so in range(nodes):
         outer_next = (topo.outer.exchange(outer_kv, ("backward", so * topo.inner_size, W, "K/V",
                                                      topo.source(so + 1, 0)))
-                      if so + 1 < topo.outer_size else None)
+                      if so + 1 < nodes else None)
         inner_kv = outer_kv
-        inner_grads = None
+        from_prev_rank = None  # the partial sums of the previous rank, arriving on the inner ring
         for si in range(topo.inner_size):
-            step = so * topo.inner_size + si
+            # keys(s) -> wait partial(s-1) -> add -> send(s) -> queries(s) -> wait K/V(s+1); at a node's
+            # last step also: wait its sums -> add the previous node's -> send on the outer ring.
+            step, source, held = so * topo.inner_size + si, topo.source(so, si), inner_kv
             last = step == W - 1  # this step completes the sums: next is the hop home
+            node_done = si + 1 == topo.inner_size
+            # Over several nodes the hop home is the outer transfer: the last dQ waits until it is posted.
+            queries_after_outer = last and nodes > 1
             inner_next = (topo.inner.exchange(inner_kv, ("backward", step, W, "K/V", topo.source(so, si + 1)))
-                          if si + 1 < topo.inner_size else None)
+                          if not node_done else None)
             with instrument.measure("backward", "compute", step):
-                grads = keys(inner_kv, topo.source(so, si))
-            if inner_grads is not None:  # what earlier holders of this K/V contributed
+                grads = keys(held, source)
+            if from_prev_rank is not None:  # what earlier holders of this K/V contributed
                 with instrument.measure("backward", "wait", step):
-                    received = inner_grads.wait(("backward", step, W, "partial dK/dV", topo.source(so, si)))
+                    partial = from_prev_rank.wait(("backward", step, W, "partial dK/dV", source))
                 with instrument.measure("backward", "merge", step):
-                    grads = _add(received, grads)
-            if last and topo.outer_size == 1:  # one level: the inner transfer below is the hop home
+                    grads = _add(partial, grads)
+            if last and nodes == 1:  # one level: the inner transfer below is the hop home
                 grads = _narrowed(grads, home_dtype)
             with instrument.measure("backward", "wait", step):
-                inner_grads = topo.inner.exchange(grads, ("backward", step, W, "partial dK/dV", topo.source(so, si)))
-            if queries is not None:  # while the sums just sent are on their way
+                from_prev_rank = topo.inner.exchange(grads, ("backward", step, W, "partial dK/dV", source))
+            if queries is not None and not queries_after_outer:  # while the sums just sent travel
                 with instrument.measure("backward", "compute", step):
-                    queries(inner_kv, topo.source(so, si))
-            with instrument.measure("backward", "wait", step):
-                if inner_next is not None:
-                    inner_kv = inner_next.wait(("backward", step, W, "K/V", topo.source(so, si + 1)))
-                if si + 1 == topo.inner_size:
-                    node_grads = inner_grads.wait(("backward", step, W, "dK/dV", topo.source(so, 0)))
-                    if outer_grads is not None:
-                        received = outer_grads.wait(("backward", step, W, "dK/dV", topo.source(so, 0)))
-            if si + 1 == topo.inner_size:
-                if outer_grads is not None:
-                    with instrument.measure("backward", "merge", step):
-                        node_grads = _add(received, node_grads)
-                if last:  # the outer transfer below is the hop home (a no-op on one node)
-                    node_grads = _narrowed(node_grads, home_dtype)
+                    queries(held, source)
+            if inner_next is not None:
                 with instrument.measure("backward", "wait", step):
-                    outer_grads = topo.outer.exchange(node_grads, ("backward", step, W, "dK/dV", topo.source(so, 0)))
-                    if outer_next is not None:
-                        outer_kv = outer_next.wait(("backward", step, W, "K/V", topo.source(so + 1, 0)))
-    home = outer_grads.wait(("backward", W - 1, W, "dK/dV (coming home)", topo.rank))
+                    inner_kv = inner_next.wait(("backward", step, W, "K/V", topo.source(so, si + 1)))
+            if not node_done:
+                continue
+            with instrument.measure("backward", "wait", step):
+                node_grads = from_prev_rank.wait(("backward", step, W, "dK/dV", topo.source(so, 0)))
+                if from_prev_node is not None:
+                    partial = from_prev_node.wait(("backward", step, W, "dK/dV", topo.source(so, 0)))
+            if from_prev_node is not None:
+                with instrument.measure("backward", "merge", step):
+                    node_grads = _add(partial, node_grads)
+            if last:  # the outer transfer below is the hop home (a no-op on one node)
+                node_grads = _narrowed(node_grads, home_dtype)
+            with instrument.measure("backward", "wait", step):
+                from_prev_node = topo.outer.exchange(node_grads, ("backward", step, W, "dK/dV", topo.source(so, 0)))
+            if queries is not None and queries_after_outer:
+                with instrument.measure("backward", "compute", step):
+                    queries(held, source)
+            if outer_next is not None:
+                with instrument.measure("backward", "wait", step):
+                    outer_kv = outer_next.wait(("backward", step, W, "K/V", topo.source(so + 1, 0)))
+    home = from_prev_node.wait(("backward", W - 1, W, "dK/dV (coming home)", topo.rank))
     return tuple(home) if home_dtype is None else tuple(g.to(home_dtype) for g in home)
