@@ -81,6 +81,9 @@ def main():
         configs += [("striped", 2), ("zigzag", 2)]
     results = [check(rank, world, layout, inner, 8192 * world // 2) for layout, inner in configs]
     results.append(check(rank, world, "striped", None, 4096 * world, batch=2, megatron_layout=True))
+    # Above, 8 query heads over 2 K/V heads: the whole K/V fit where the fp32 dQ would be, so dQ is one
+    # pass after the ring (SparseSteps.dq_in_one_pass). Over 8 K/V heads it is added step by step.
+    results.append(check(rank, world, "striped", None, 8192 * world // 2, hkv=8))
     flag = torch.tensor([int(all(results))], device="cuda")
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     dist.destroy_process_group()
