@@ -43,6 +43,12 @@ def _block_ids_on(device, seq_len: int, layout: str, world_size: int, block_size
         local_block_ids(seq_len, layout, world_size, r, block_size).to(torch.int32) for r in range(world_size)])
 
 
+def _all_block_ids_on(device, seq_len: int, layout: str, world_size: int, block_size: int):
+    """Every rank's block ids one after the other (rank r's at slot r), a ``layout_table`` too."""
+    return layout_table("ring block ids, all ranks", device, (seq_len, layout, world_size, block_size),
+                        lambda: torch.cat(_block_ids_on(device, seq_len, layout, world_size, block_size)))
+
+
 def _device_of(q) -> torch.device:
     """q's device; the CPU for a q so malformed that it is not a tensor (its error is raised anyway)."""
     return q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
@@ -216,11 +222,8 @@ class RingAttentionFunction(torch.autograd.Function):
             dq = (torch.empty if writes else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
 
             def queries(kv, source):  # after the step's sums were sent on: their transfer hides behind it
-                if writes:
-                    ctx.steps.backward_queries(q, kv[0], kv[1], d_out, out, lse, delta, source, dq,
-                                               accumulate_dq=done[0] > 0)
-                else:
-                    ctx.steps.backward_queries(q, kv[0], kv[1], d_out, out, lse, delta, source, dq)
+                ctx.steps.backward_queries(q, kv[0], kv[1], d_out, out, lse, delta, source, dq,
+                                           accumulate_dq=not writes or done[0] > 0)
                 done[0] += 1
 
         with torch.profiler.record_function("mtraining::ring backward"):
@@ -283,8 +286,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
         return build_step_plan(index, blocks[topo.rank], blocks[source], nb, slash_bitmap=bitmap, documents=tables)
 
     def build_query_plan():  # every source's keys, source s's blocks at slot s (the backward's dQ in one pass)
-        return build_step_plan(index, blocks[topo.rank], torch.cat(list(blocks)), nb, slash_bitmap=bitmap,
-                               documents=tables)
+        return build_step_plan(index, blocks[topo.rank], _all_block_ids_on(q.device, seq_len, layout, topo.world_size, B),
+                               nb, slash_bitmap=bitmap, documents=tables)
 
     steps = SparseSteps(build_plan, topo.world_size, float(softmax_scale), backend, build_query_plan)
     with instrument.measure("forward", "plan", 0):  # step 0's (own K/V): an error comes before any transfer

@@ -54,7 +54,7 @@ class DenseZigzagSteps:
     def delta(self, out, d_out):
         return None  # the dense kernels compute their own
 
-    def backward_queries(self, q, k, v, d_out, out, lse, delta, source, dq):
+    def backward_queries(self, q, k, v, d_out, out, lse, delta, source, dq, accumulate_dq: bool = True):
         """Nothing: one dense kernel gives all three gradients, in ``backward_keys``."""
 
     def backward_keys(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv):

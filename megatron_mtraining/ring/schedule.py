@@ -87,9 +87,9 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor], keys: Callable
     A step runs ``keys``, adds what earlier holders contributed and sends the sums on, and only
     then runs ``queries``: the transfer flies during it. That matters most for the last hop, which
     otherwise nothing would hide (over several nodes it is the outer transfer, so the last step's
-    ``queries`` waits until that one is posted). It carries complete sums: where ``home_dtype`` is narrower than
-    the accumulators they are cast before it rather than after, the same values in fewer bytes
-    (half of fp32's for bf16 K/V; the additions before it stay in fp32). (Waiting for the partial
+    ``queries`` waits until that one is posted). It carries complete sums: where ``home_dtype`` is
+    narrower than the accumulators they are cast before it rather than after, the same values in
+    fewer bytes (half of fp32's for bf16 K/V; the additions before it stay in fp32). (Waiting for the partial
     sums before ``keys``, to add into them in place, was measured slower: the slack before they
     are needed shrinks from a whole step to ``queries``, docs/performance.md.)
     """
