@@ -73,9 +73,20 @@ def test_copy_rows_refuses_what_it_cannot_copy():
     with pytest.raises(ValueError, match="contiguous last dim"):
         relayout.copy_rows(x.transpose(-1, -2))
     with pytest.raises(ValueError, match="does not fit"):
-        relayout.copy_rows(x, torch.zeros(1, 2, 8, 4, dtype=torch.float64))
+        relayout.copy_rows(x, torch.zeros(1, 2, 8, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="does not fit"):
+        relayout.copy_rows(x, torch.zeros(1, 2, 4, 8))
     with pytest.raises(ValueError, match="does not fit"):
         relayout.copy_rows(x, torch.zeros(1, 2, 8, 4, device="meta"))
+
+
+def test_sequence_major_gradients_need_no_copy_to_reach_megatrons_layout():
+    """The ring's gradient buffers: [b, h, s, d] in shape, [s, b, h, d] in memory, so the permute back
+    to Megatron's layout is contiguous; ``copy_into`` fills one (casting) from any layout."""
+    x = torch.randn(2, 3, 70, 16, dtype=torch.float64)
+    out = relayout.sequence_major_empty(x.shape, torch.float32, "cpu")
+    assert out.shape == x.shape and out.permute(2, 0, 1, 3).is_contiguous()
+    assert relayout.copy_into(x, out) is out and torch.equal(out, x.float())
 
 
 @requires_gpu
@@ -87,3 +98,6 @@ def test_row_copy_on_the_gpu():
     assert torch.equal(relayout.heads_major(x), x.permute(1, 2, 0, 3).contiguous())
     many = _sbhd((3, 2, 40000, 16), torch.bfloat16, "cuda", 10)  # b x h = 80000 programs' rows: past 65535
     assert torch.equal(relayout.heads_major(many), many.permute(1, 2, 0, 3).contiguous())
+    wide = torch.randn(2, 4, 131, 128, device="cuda")  # the ring's fp32 dQ sums, cast into Megatron's layout
+    into = relayout.copy_into(wide, relayout.sequence_major_empty(wide.shape, torch.bfloat16, "cuda"))
+    assert into.permute(2, 0, 1, 3).is_contiguous() and torch.equal(into, wide.bfloat16())

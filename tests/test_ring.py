@@ -116,16 +116,16 @@ def _run_case(case: Case, rank: int, world_size: int) -> dict:
         dq, dk, dv = torch.autograd.grad(out, (q, k, v), shard(grad))
         return {"out": out, "dq": dq, "dk": dk, "dv": dv}
     # As the Megatron layer calls it: permuted views in, the output permuted back and flattened, the
-    # gradient arriving that way.
+    # gradient arriving that way, the gradients asked back in [s, b, h, d] memory.
     leaves = [shard(x).permute(2, 0, 1, 3).contiguous().requires_grad_() for x in (q, k, v)]
     q, k, v = (x.permute(1, 2, 0, 3) for x in leaves)
     out = sparse_ring_attention(q, k, v, index, group=group, layout=case.layout, inner_size=case.inner_size,
-                                softmax_scale=case.softmax_scale, backend=case.backend)
+                                softmax_scale=case.softmax_scale, backend=case.backend, sequence_major_grads=True)
     flat = out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
     d_flat = shard(grad).permute(2, 0, 1, 3).reshape(flat.shape)
     grads = torch.autograd.grad(flat, leaves, d_flat)
     dq, dk, dv = (x.permute(1, 2, 0, 3) for x in grads)
-    return {"out": out, "dq": dq, "dk": dk, "dv": dv}
+    return {"out": out, "dq": dq, "dk": dk, "dv": dv, "sequence_major": [g.is_contiguous() for g in grads]}
 
 
 def _ring_worker(rank: int, world_size: int, cases) -> dict:
@@ -207,6 +207,8 @@ SPAWNS = {
         Case("triton-striped-dq-one-pass", "striped", 64, batch=2, hq=4, hkv=1, backend="triton"),
         Case("triton-zigzag-dq-one-pass-columns", "zigzag", 128, index="columns", batch=1, hq=4, hkv=1,
              backend="triton"),
+        Case("triton-striped-dq-one-pass-megatron-layout", "striped", 64, batch=2, hq=4, hkv=1, backend="triton",
+             megatron_layout=True),
     ], 500)),
     # The same over 2 x 2 hierarchical rings (8 query heads over 1 K/V head: dQ in one pass).
     "w4-triton": (4, with_seeds([
@@ -292,6 +294,9 @@ def test_ring_matches_single_device(spawn, case):
     per_rank = spawn_results(spawn)
     for ranks, seed in cp_groups(case, world_size):
         got = gathered(case, per_rank, ranks)
+        if case.megatron_layout:  # the gradients came back in [s, b, h, d] memory: no copy to reach it
+            for r in ranks:
+                assert per_rank[r][case.name]["sequence_major"] == [True] * 3, (case.name, r)
         want, (q, k, v, grad) = reference(case, seed)
         assert_close(case, got, want, f"ranks {ranks} vs sparse_attention")
         if case.index == "dense":

@@ -349,7 +349,7 @@ class MTrainingAttention(MegatronModule):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, expand_kv(k, groups), expand_kv(v, groups), is_causal=True, scale=self.softmax_scale)
         return dense_ring_attention(q, k, v, group=group, layout="zigzag", inner_size=self.ring_inner_size(group),
-                                    softmax_scale=self.softmax_scale)
+                                    softmax_scale=self.softmax_scale, sequence_major_grads=True)
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params=None) -> Tensor:
         sq, b, np_, hn = query.shape
@@ -357,7 +357,8 @@ class MTrainingAttention(MegatronModule):
         # Packed documents (THD packed_seq_params, or the current batch's): one Documents per batch, or None.
         documents = packing.documents_for_attention(self, packed_seq_params, sq * _group_size(group), b)
         # [s, b, heads, hn] -> [b, heads, s, hn]. The ring sends k/v, so it gets dense tensors (one row
-        # copy each, kernels/relayout.py); one device reads the strided views as they are.
+        # copy each, kernels/relayout.py) and writes their gradients back in [s, b, heads, hn] memory
+        # (sequence_major_grads); one device reads the strided views as they are.
         if group is not None:
             q, k, v = (heads_major(x) for x in (query, key, value))
         else:
@@ -392,7 +393,8 @@ class MTrainingAttention(MegatronModule):
                 cfg = self.mtraining_config
                 out = sparse_ring_attention(q, k, v, index, group=group, layout=cfg.layout,
                                             inner_size=self.ring_inner_size(group),
-                                            softmax_scale=self.softmax_scale, cu_seqlens=documents)
+                                            softmax_scale=self.softmax_scale, cu_seqlens=documents,
+                                            sequence_major_grads=True)
         if record is not None:
             record.record_index(self.layer_number, index, sq * _group_size(group))
             record.time_backward(out, q, cuda)

@@ -40,12 +40,14 @@ def _copy_rows_kernel(src, dst, S, H, D, S_TILES,
 
 def copy_rows(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x`` ``[b, h, s, d]`` (any strides, the last one 1) copied into ``out`` of the same shape
-    (any strides, the last one 1; default a new contiguous tensor) by the row-copy kernel."""
+    (any strides, the last one 1, any floating dtype: the copy casts; default a new contiguous
+    tensor in x's dtype) by the row-copy kernel."""
     if x.dim() != 4 or x.stride(-1) != 1:
         raise ValueError(f"copy_rows: x must be [b, h, s, d] with a contiguous last dim, got shape "
                          f"{tuple(x.shape)} and strides {x.stride()}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
-    if out.shape != x.shape or out.dtype != x.dtype or out.device != x.device or out.stride(-1) != 1:
+    if (out.shape != x.shape or not (out.dtype.is_floating_point and x.dtype.is_floating_point)
+            or out.device != x.device or out.stride(-1) != 1):
         raise ValueError(f"copy_rows: out {tuple(out.shape)} {out.dtype} on {out.device} (strides {out.stride()}) "
                          f"does not fit x {tuple(x.shape)} {x.dtype} on {x.device}")
     b, h, s, d = x.shape
@@ -59,8 +61,10 @@ def copy_rows(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tens
 
 class _HeadsMajor(torch.autograd.Function):
     """[s, b, h, d] -> contiguous [b, h, s, d]; the gradient goes back as a [s, b, h, d] VIEW of the
-    incoming one, as a permute's would: Megatron's QKV split reads it in its backward (a cat into
-    the fused QKV gradient), so a copy here would be one copy more, not one fewer."""
+    incoming one, as a permute's would. Its consumers (the fused RoPE's backward, Megatron's QKV
+    split, whose backward is a cat into the fused QKV gradient) run their fast contiguous kernels
+    only on contiguous [s, b, h, d] gradients: the ring writes its gradients in that memory order
+    (``sequence_major_empty``), so the view is contiguous and nothing is copied here."""
 
     @staticmethod
     def forward(ctx, x):
@@ -89,6 +93,21 @@ class _SequenceMajor(torch.autograd.Function):
         return copy_rows(grad.permute(1, 2, 0, 3))
 
 
+def sequence_major_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised ``[b, h, s, d]`` tensor laid out ``[s, b, h, d]`` in memory: a kernel that
+    writes it hands Megatron a contiguous ``[s, b, h, d]`` tensor through a permute, no copy."""
+    b, h, s, d = shape
+    return torch.empty(s, b, h, d, dtype=dtype, device=device).permute(1, 2, 0, 3)
+
+
+def copy_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[b, h, s, d]`` copied (cast) into ``out`` of the same shape, any layouts: the row
+    copy on CUDA, PyTorch's copy elsewhere. Returns ``out``."""
+    if _row_copy_applies(x) and _row_copy_applies(out):
+        return copy_rows(x, out)
+    return out.copy_(x)
+
+
 def _row_copy_applies(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dim() == 4 and x.stride(-1) == 1
 
@@ -111,4 +130,4 @@ def sequence_major(x: torch.Tensor) -> torch.Tensor:
     return view.contiguous()
 
 
-__all__ = ["copy_rows", "heads_major", "sequence_major"]
+__all__ = ["copy_into", "copy_rows", "heads_major", "sequence_major", "sequence_major_empty"]

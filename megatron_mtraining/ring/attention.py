@@ -24,6 +24,7 @@ from ..attention import check_attention_inputs, check_qkv
 from ..documents import Documents
 from ..index import VSIndex, value_checks
 from ..kernels.plan import build_step_plan
+from ..kernels.relayout import copy_into, sequence_major_empty
 from ..kernels.dispatch import resolve_backend
 from ..kernels.step import backward_delta, step_backward_keys, step_backward_queries, step_forward
 from ..layout import check_layout, layout_table, local_block_ids
@@ -159,10 +160,12 @@ class SparseSteps:
 class RingAttentionFunction(torch.autograd.Function):
     """Autograd around the ring schedules for any ``steps`` object (sparse or dense). Steps with
     ``first_step_writes`` take ``accumulate``/``accumulate_dq`` and get uninitialised fp32 buffers
-    that their first step writes in full."""
+    that their first step writes in full. ``sequence_major_grads``: the gradients of q, k, v are
+    ``[b, h, s, d]`` views of ``[s, b, h, d]`` memory (``relayout.sequence_major_empty``), written
+    there by the last kernel or cast that touches them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, topo, steps, disagree=None):
+    def forward(ctx, q, k, v, topo, steps, disagree=None, sequence_major_grads=False):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         b, hq, n, d = q.shape
         writes = getattr(steps, "first_step_writes", False)
@@ -186,7 +189,7 @@ class RingAttentionFunction(torch.autograd.Function):
             ring_forward(topo, (k, v), lambda kv, source: step(kv[0], kv[1], source), prepare)
         out = agreement.poison(out, disagree, q.dtype)  # deferred agreement: NaN if the ranks disagreed
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.topo, ctx.steps = topo, steps
+        ctx.topo, ctx.steps, ctx.sequence_major_grads = topo, steps, sequence_major_grads
         return out
 
     @staticmethod
@@ -199,6 +202,9 @@ class RingAttentionFunction(torch.autograd.Function):
         one_pass = getattr(ctx.steps, "dq_in_one_pass", None)
         one_pass = one_pass is not None and one_pass(q, k)
 
+        def gradient_like(x):  # in x's dtype; in [s, b, h, d] memory order where the caller asked
+            return sequence_major_empty(x.shape, x.dtype, x.device) if ctx.sequence_major_grads else torch.empty_like(x)
+
         def keys(kv, source):  # fresh sums: the schedule adds the ones that arrived
             dk = torch.zeros(kv[0].shape, dtype=torch.float32, device=q.device)
             dv = torch.zeros(kv[1].shape, dtype=torch.float32, device=q.device)
@@ -209,7 +215,7 @@ class RingAttentionFunction(torch.autograd.Function):
         if one_pass:  # keep every source's K/V; after the last step's sums left, dQ over them all
             W, (b, hkv, n, d) = ctx.topo.world_size, k.shape
             k_all, v_all = k.new_empty(b, hkv, W, n, d), v.new_empty(b, hkv, W, n, d)
-            dq = torch.empty_like(q)  # written once, in q's dtype
+            dq = gradient_like(q)  # written once, in q's dtype
 
             def queries(kv, source):
                 k_all[:, :, source].copy_(kv[0])
@@ -228,13 +234,18 @@ class RingAttentionFunction(torch.autograd.Function):
 
         with torch.profiler.record_function("mtraining::ring backward"):
             dk, dv = ring_backward(ctx.topo, (k, v), keys, home_dtype=k.dtype, queries=queries)
-        return (dq if one_pass else dq.to(q.dtype)), dk, dv, None, None, None
+        if not one_pass and (dq.dtype != q.dtype or ctx.sequence_major_grads):
+            dq = copy_into(dq, gradient_like(q))  # the fp32 sums cast
+        if ctx.sequence_major_grads:
+            dk, dv = copy_into(dk, gradient_like(k)), copy_into(dv, gradient_like(v))
+        return dq, dk, dv, None, None, None, None
 
 
 def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex, group=None,
                           layout: str = "striped", inner_size: Optional[int] = None,
                           softmax_scale: Optional[float] = None, backend: str = "auto",
-                          cu_seqlens: Union[Documents, torch.Tensor, None] = None) -> torch.Tensor:
+                          cu_seqlens: Union[Documents, torch.Tensor, None] = None,
+                          sequence_major_grads: bool = False) -> torch.Tensor:
     """Vertical-slash sparse attention across the context-parallel ``group`` (docs/design.md §3-4).
 
     q ``[b, hq, n_local, d]`` and k/v ``[b, hkv, n_local, d]`` hold this rank's tokens in the
@@ -245,7 +256,9 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     ``cu_seqlens``: packed documents of the GLOBAL sequence, the same on every rank: a
     ``documents.Documents`` (built once per batch, its values checked there) or its int32 tensor
     ``[0, e1, ..., N]`` (its values checked where that is free, as in ``sparse_attention``). Key
-    blocks of earlier documents are skipped in every step.
+    blocks of earlier documents are skipped in every step. ``sequence_major_grads``: the
+    gradients of q, k, v come back as ``[b, h, s, d]`` views of ``[s, b, h, d]`` memory, for a
+    caller whose tensors were ``[s, b, h, d]`` (Megatron): its permute back is then contiguous.
 
     On every call the ranks agree on everything that changes the math (shapes, dtype, layout,
     block size, inner_size, softmax scale, the index contents, cu_seqlens' presence and values)
@@ -292,4 +305,4 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     steps = SparseSteps(build_plan, topo.world_size, float(softmax_scale), backend, build_query_plan)
     with instrument.measure("forward", "plan", 0):  # step 0's (own K/V): an error comes before any transfer
         steps.prepare(topo.rank)
-    return RingAttentionFunction.apply(q, k, v, topo, steps, disagree)
+    return RingAttentionFunction.apply(q, k, v, topo, steps, disagree, sequence_major_grads)

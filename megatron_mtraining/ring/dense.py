@@ -70,7 +70,8 @@ class DenseZigzagSteps:
 def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, layout: str = "zigzag",
                          inner_size: Optional[int] = None, softmax_scale: Optional[float] = None,
                          impl: str = "auto", block_size: int = 64,
-                         cu_seqlens: Union[Documents, torch.Tensor, None] = None) -> torch.Tensor:
+                         cu_seqlens: Union[Documents, torch.Tensor, None] = None,
+                         sequence_major_grads: bool = False) -> torch.Tensor:
     """Dense causal attention across the context-parallel ``group`` (same conventions as
     ``sparse_ring_attention``). ``impl`` picks the dense kernel of the zigzag layout ("auto",
     "cudnn", "flash", "torch"); ``block_size`` is the stripe of the striped layout.
@@ -90,7 +91,7 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
             # Tell the peers (waiting in sparse_ring_attention's agreement), then raise the error here.
             checks.agree("dense_ring_attention", list, _device_of(q))
         return sparse_ring_attention(q, k, v, index, group, layout, inner_size, softmax_scale,
-                                     cu_seqlens=cu_seqlens)
+                                     cu_seqlens=cu_seqlens, sequence_major_grads=sequence_major_grads)
     if cp_group is not None:
         agreement.check_deferred()
     with agreement.OwnChecks(cp_group) as checks:  # on failure the peers are told in the agreement below
@@ -110,4 +111,4 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
         None, None), _device_of(q))
     topo = ring_topology(group, inner_size)
     return RingAttentionFunction.apply(q, k, v, topo, DenseZigzagSteps(topo.rank, float(softmax_scale), impl),
-                                       disagree)
+                                       disagree, sequence_major_grads)
