@@ -50,6 +50,7 @@ APPROX_COLLECTIVES = 6
 # The host/launch floor is identified only where the kernels would take at most this share of the
 # measured call: there the call's time is the host's, not the GPU's.
 HOST_BOUND_SHARE = 0.5
+LEAD_MAX_FLOORS = 4.0  # host_lead_share reads runs whose kernels take under this many floors
 # The ring benchmark's per-step telemetry kinds (benchmarks/ring.py: steps.timeline).
 STEP_KINDS = ("compute", "wait", "plan", "merge")
 # NCCL point-to-point inside a node: no committed result holds it (see "assumed").
@@ -217,6 +218,43 @@ def multi_rank_call_cost(results_dir: str, device: str, floor_point: Dict, floor
             "multi_rank_source": excess}
 
 
+def host_lead_share(results_dir: str, device: str, sparse_fwd: Dict, sparse_bwd: Dict) -> Dict:
+    """What share of the floor the host spends before a ring call's first kernels can start (the
+    plan conversion and the launches ahead of them): a call whose kernels outlast the floor still
+    pays it once per direction, on an idle GPU. From every session (commit) with two one-GPU runs:
+    the shortest gives the floor F (its whole time), the next ``(T - K) / F``, its time beyond the
+    kernels the profile's fits give it, where those take under ``LEAD_MAX_FLOORS`` floors (beyond,
+    the fits' error would swamp a fraction of a floor); the median over sessions (their hosts
+    differ). 0 without such sessions."""
+    by_commit: Dict[str, List[Dict]] = {}
+    for p in one_gpu_ring_points(results_dir, device):
+        by_commit.setdefault(p["commit"], []).append(p)
+    hbm_gbps = SPEC[device]["hbm_gbps"]
+    sessions = []
+    for commit, points in sorted(by_commit.items()):
+        if len(points) < 2:
+            continue
+        floor_point, nxt = sorted(points, key=lambda q: q["seq_len"])[:2]
+        zero_ms = 2 * nxt["seq_len"] * nxt["kv_heads"] * nxt["head_dim"] * 4 / (hbm_gbps * 1e9) * 1e3
+        kernels = _cost_ms(sparse_fwd, nxt["items"], nxt["tiles"]) + _cost_ms(sparse_bwd, nxt["items"], nxt["tiles"]) \
+            + zero_ms
+        floor_kernels = _cost_ms(sparse_fwd, floor_point["items"], floor_point["tiles"]) \
+            + _cost_ms(sparse_bwd, floor_point["items"], floor_point["tiles"])
+        if floor_kernels > HOST_BOUND_SHARE * floor_point["fwdbwd_ms"] or \
+                kernels > LEAD_MAX_FLOORS * floor_point["fwdbwd_ms"]:
+            continue  # no floor to take a share of (not host-bound), or the next run is far past it
+        share = min(1.0, max(0.0, (nxt["fwdbwd_ms"] - kernels) / floor_point["fwdbwd_ms"]))
+        sessions.append({"commit": commit, "file": nxt["file"], "seq_len": nxt["seq_len"],
+                         "measured_fwdbwd_ms": nxt["fwdbwd_ms"], "kernels_ms": kernels,
+                         "floor_ms": floor_point["fwdbwd_ms"], "share": share})
+    if not sessions:
+        return {"host_lead_share": 0.0, "lead_sources": []}
+    shares = sorted(e["share"] for e in sessions)
+    mid = len(shares) // 2
+    median = shares[mid] if len(shares) % 2 else (shares[mid - 1] + shares[mid]) / 2
+    return {"host_lead_share": median, "lead_sources": sessions}
+
+
 def derive_ring_floor(results_dir: str, device: str, sparse_fwd: Dict, sparse_bwd: Dict,
                       commit: Optional[str] = None) -> Optional[Dict]:
     """The floor from the device's shortest one-GPU sparse ring run with per-step telemetry (one ring
@@ -234,7 +272,8 @@ def derive_ring_floor(results_dir: str, device: str, sparse_fwd: Dict, sparse_bw
     what = f"{p['file']} at {p['seq_len'] // 1024}K"
     floor = host_floor(p["fwdbwd_ms"], p["forward_share"], kernels, what)
     call = multi_rank_call_cost(results_dir, device, p, floor["fwd"] + floor["bwd"])
-    return {"host_floor_ms_per_step": floor, **call,
+    lead = host_lead_share(results_dir, device, sparse_fwd, sparse_bwd)
+    return {"host_floor_ms_per_step": floor, **call, **lead,
             "source": {"file": p["file"], "seq_len": p["seq_len"], "commit": p["commit"],
                        "measured_fwdbwd_ms": p["fwdbwd_ms"], "kernels_ms": kernels,
                        "forward_share": p["forward_share"]},
@@ -242,7 +281,9 @@ def derive_ring_floor(results_dir: str, device: str, sparse_fwd: Dict, sparse_bw
                    f"{kernels:.2f} of its {p['fwdbwd_ms']:.2f} ms: its whole time is taken as the per-step floor, "
                    "split between forward and backward as its per-step telemetry (compute, wait, plan, merge) "
                    "splits them; a call over W > 1 ranks adds host_call_ms_multi_rank where the floor binds "
-                   "(the same commit's W-GPU runs at the same tokens per GPU, less W steps at the floor)"}
+                   "(the same commit's W-GPU runs at the same tokens per GPU, less W steps at the floor); the first "
+                   "step of each direction lasts max(floor, host_lead_share x floor + kernels): the host's lead "
+                   "before a call's first kernels (host_lead_share's docstring)"}
 
 
 def derive_h200(results_dir: str) -> Dict:
@@ -388,6 +429,7 @@ def derive_h100(results_dir: str, h200: Dict) -> Dict:
         # The floor is the host's enqueue time, not the GPU's speed: borrowed, and said so.
         ring_floor = {"host_floor_ms_per_step": dict(h200["ring"]["host_floor_ms_per_step"]),
                       "host_call_ms_multi_rank": h200["ring"].get("host_call_ms_multi_rank", 0.0),
+                      "host_lead_share": h200["ring"].get("host_lead_share", 0.0),
                       "borrowed_from": "nvidia-h200"}
         profile["assumed"]["ring.host_floor_ms_per_step"] = (
             "borrowed from nvidia-h200: no one-H100 ring run at small work is committed, and the floor is "

@@ -122,6 +122,18 @@ def _commit(d: Dict) -> str:
     return calibrate.short_commit(d["meta"].get("commit", ""))
 
 
+def lead_share_without(profile, commit: str) -> float:
+    """The host's lead share (``calibrate.host_lead_share``) from every session but ``commit``'s: the
+    median of the others, so that session's runs are predicted, not fitted (the profile's own value
+    where no other session has one)."""
+    others = sorted(e["share"] for e in profile.raw.get("ring", {}).get("lead_sources", [])
+                    if e["commit"] != calibrate.short_commit(commit))
+    if not others:
+        return profile.ring_host_floor.lead_share
+    mid = len(others) // 2
+    return others[mid] if len(others) % 2 else (others[mid - 1] + others[mid]) / 2
+
+
 def session_floor(profile, commit: str):
     """``profile`` with the host/launch floor of the session that measured ``commit`` (its own one-GPU
     ring call at small work, and its W-GPU calls at the same work), where that session has one: the
@@ -142,7 +154,8 @@ def session_floor(profile, commit: str):
         return profile, calibration, ""
     borrowed = not ring["multi_rank_source"]  # no W-GPU run at the floor's work in that session
     call = profile.ring_host_floor.call_multi_rank if borrowed else ring["host_call_ms_multi_rank"]
-    floor = HostFloor(ring["host_floor_ms_per_step"]["fwd"], ring["host_floor_ms_per_step"]["bwd"], call)
+    floor = HostFloor(ring["host_floor_ms_per_step"]["fwd"], ring["host_floor_ms_per_step"]["bwd"], call,
+                      lead_share_without(profile, commit))
     note = f"per-call set-up borrowed from the profile ({call:.2f} ms)" if borrowed else ""
     return dataclasses.replace(profile, ring_host_floor=floor), calibration, note
 

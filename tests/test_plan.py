@@ -94,7 +94,10 @@ def test_one_gpu_is_the_kernel_alone():
     grads_zeroed = 2 * 131072 * 2 * 128 * 4 / (H200.hbm_gbps * 1e9) * 1e3
     assert p.exposed_comm_ms == pytest.approx(0, abs=1e-9)
     kernels = H200.sparse_fwd.ms(items, tiles) + H200.sparse_bwd.ms(items, tiles)
-    assert p.attention_ms == pytest.approx(kernels + grads_zeroed)
+    # The kernels outlast the floor: the call pays only the host's lead before its first kernels.
+    lead = H200.ring_host_floor.lead_share * H200.ring_host_floor.per_step
+    assert 0 < lead < 0.1 * kernels and p.host_lead_ms == pytest.approx(lead)
+    assert p.attention_ms == pytest.approx(kernels + grads_zeroed + lead)
     # ...which is what kernel.py measured at 128K (36.79 ms fwd+bwd) within the fit's error.
     assert p.attention_ms == pytest.approx(36.79, rel=0.06)
 
@@ -169,17 +172,20 @@ def test_host_floor_binds_at_small_work_and_not_at_large():
     assert small.attention_ms == pytest.approx(floor.per_step)
     assert small.host_wait_ms == pytest.approx(floor.per_step - small.attention_compute_ms)
     assert small.host_floor_ms == pytest.approx(floor.per_step)
+    assert small.host_lead_ms == 0  # the floor binds: the lead hides inside it
     large = predict_mtraining(ring, Workload(131072, 0.05), Cluster(1, 1), H200)
     assert large.host_wait_ms == 0
-    assert large.attention_ms == predict_mtraining(ring, Workload(131072, 0.05), Cluster(1, 1),
-                                                   _without_floor(H200)).attention_ms
+    assert large.attention_ms == pytest.approx(predict_mtraining(
+        ring, Workload(131072, 0.05), Cluster(1, 1), _without_floor(H200)).attention_ms + large.host_lead_ms)
     # Per step, not per call: W steps of 8K tokens each cost at least W floors (64 H100s at 512K) ...
     many = predict_mtraining(QWEN, Workload(524288, 0.05), Cluster(64, 8), H100)
     assert many.attention_ms >= 64 * H100.ring_host_floor.per_step and many.limit == "host/launch floor"
     # ... while 64K tokens per GPU (8 GPUs) are kernel-bound: there the floor changes nothing.
     few = predict_mtraining(QWEN, Workload(524288, 0.05), Cluster(8, 8), H100)
     assert few.host_wait_ms == 0 and few.limit == "attention kernels (work)"
-    assert few.step_ms == predict_mtraining(QWEN, Workload(524288, 0.05), Cluster(8, 8), _without_floor(H100)).step_ms
+    assert few.step_ms == pytest.approx(predict_mtraining(QWEN, Workload(524288, 0.05), Cluster(8, 8),
+                                                          _without_floor(H100)).step_ms
+                                        + QWEN.layers * few.host_lead_ms)
 
 
 def test_host_floor_is_a_max_per_direction_and_counts_once_per_layer_call():
@@ -210,11 +216,29 @@ def test_host_floor_is_a_max_per_direction_and_counts_once_per_layer_call():
     assert dense.host_floor_ms == 0 and dense.host_wait_ms == 0
 
 
+def test_the_hosts_lead_delays_each_directions_first_kernels():
+    """Just past the floor (one GPU, 32K) a call lasts max(floor, lead + kernels) per direction: the
+    host's plan conversion and first launches come before the GPU has anything to run."""
+    ring = ModelShape(layers=1, vocab=8192)
+    work, cluster = Workload(32768, 0.05), Cluster(1, 1)
+    bare = predict_mtraining(ring, work, cluster, _without_floor(H200))
+    floor = HostFloor(bare.fwd_step_ms / 2, bare.bwd_step_ms * 1.5, 0.0, lead_share=0.4)
+    p = predict_mtraining(ring, work, cluster, dataclasses.replace(H200, ring_host_floor=floor))
+    assert p.attention_fwd_ms == pytest.approx(bare.fwd_step_ms + 0.4 * floor.fwd)  # kernels + lead
+    # The backward: the floor binds, and 0.4 of it plus the kernels is still under it.
+    assert p.attention_bwd_ms == pytest.approx(max(floor.bwd, 0.4 * floor.bwd + bare.bwd_step_ms))
+    assert p.host_lead_ms == pytest.approx(p.attention_ms - max(bare.fwd_step_ms, floor.fwd)
+                                           - max(bare.bwd_step_ms, floor.bwd))
+    assert p.exposed_comm_ms == pytest.approx(0, abs=1e-9)
+
+
 def test_host_floor_rejects_negative_times():
     with pytest.raises(ValueError, match="fwd must be >= 0"):
         HostFloor(-1.0, 2.0)
     with pytest.raises(ValueError, match="bwd must be >= 0"):
         HostFloor(1.0, float("nan"))
+    with pytest.raises(ValueError, match="lead_share must be in"):
+        HostFloor(1.0, 2.0, lead_share=1.5)
     raw = {k: v for k, v in H200.raw.items() if k != "ring"}
     with pytest.raises(ValueError, match="lacks the field 'ring'"):
         Profile.from_dict(raw)
@@ -507,6 +531,32 @@ def test_calibrate_derives_the_floor_from_the_shortest_one_gpu_ring_run(tmp_path
         calibrate.derive_ring_floor(str(tmp_path), "nvidia-h200", sp["fwd"], sp["bwd"])
     with pytest.raises(ValueError, match="share of the ring call"):
         calibrate.host_floor(4.0, 1.0, 1.0, "x")
+
+
+def test_calibrate_takes_the_hosts_lead_from_each_sessions_next_one_gpu_run(tmp_path):
+    import calibrate
+
+    sp = json.load(open(os.path.join(PROFILE_DIR, "nvidia-h200.json")))["sparse"]
+    k32 = calibrate._cost_ms(sp["fwd"], 16 * 32768 / 64, 0.05 * 32768 * 32769 / 2 * 16 / 64 ** 2) \
+        + calibrate._cost_ms(sp["bwd"], 16 * 32768 / 64, 0.05 * 32768 * 32769 / 2 * 16 / 64 ** 2) \
+        + 2 * 32768 * 2 * 128 * 4 / (calibrate.SPEC["nvidia-h200"]["hbm_gbps"] * 1e9) * 1e3
+    files = {  # two sessions' floors (16K) and next runs (32K): leads of 0.5 and 0.25 floors
+        "ring_nvidia-h200_1gpu_a.json": _ring_result(1, [(16384, 3.0, (1.0, 2.0)), (32768, k32 + 1.5, None)]),
+        "ring_nvidia-h200_1gpu_b.json": _ring_result(1, [(16384, 4.0, (1.0, 3.0)), (32768, k32 + 1.0, None)],
+                                                     commit="def5678"),
+        # one run only, and a next run far past its floor: neither says anything of the lead
+        "ring_nvidia-h200_1gpu_c.json": _ring_result(1, [(16384, 3.5, (1.0, 2.0))], commit="0000001"),
+        "ring_nvidia-h200_1gpu_d.json": _ring_result(1, [(16384, 3.5, (1.0, 2.0)), (131072, 50.0, None)],
+                                                     commit="0000002")}
+    for name, data in files.items():
+        (tmp_path / name).write_text(json.dumps(data))
+    lead = calibrate.host_lead_share(str(tmp_path), "nvidia-h200", sp["fwd"], sp["bwd"])
+    assert lead["host_lead_share"] == pytest.approx((0.5 + 0.25) / 2)
+    assert sorted(e["file"] for e in lead["lead_sources"]) == ["ring_nvidia-h200_1gpu_a.json",
+                                                               "ring_nvidia-h200_1gpu_b.json"]
+    empty = tmp_path / "none"
+    empty.mkdir()
+    assert calibrate.host_lead_share(str(empty), "nvidia-h200", sp["fwd"], sp["bwd"])["host_lead_share"] == 0.0
 
 
 def test_committed_floor_is_the_one_gpu_16k_ring_call_and_h100_borrows_it():

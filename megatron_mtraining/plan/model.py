@@ -11,8 +11,10 @@ What a step costs, per GPU (``docs/scaling.md`` explains it with its validation)
 * the host/launch floor: the host needs a fixed time to enqueue a ring step (plan conversion, ~100
   small launches per step and direction), whatever the step's work, and the GPU cannot run a step
   before it is enqueued; so a step takes max(its kernels, the floor), forward and backward apart
-  (``profiles.HostFloor``, measured on one GPU at small work), and a call over W > 1 ranks adds
-  its own set-up once (the agreement, the first posting: measured on W GPUs at the same work). At
+  (``profiles.HostFloor``, measured on one GPU at small work), a call's first step of each
+  direction also waits for the host's lead before its kernels (a share of the floor), and a call
+  over W > 1 ranks adds its own set-up once (the agreement, the first posting: measured on W GPUs
+  at the same work). At
   8-16K tokens per GPU the floor, not the kernels, sets the attention time;
 * the ring: the schedule of ``ring/schedule.py`` (flat, or hierarchical with an inner ring of
   ``inner`` ranks and an outer ring over the groups) simulated rank by rank: a transfer starts
@@ -295,6 +297,7 @@ class Prediction:
     note: str = ""
     host_floor_ms: float = 0.0    # per layer: the host's enqueue time of the ring (W steps x the floor)
     host_wait_ms: float = 0.0     # per layer: the GPU waiting for the host (steps where the floor binds)
+    host_lead_ms: float = 0.0     # per layer: the host's lead before each direction's first kernels
 
     @property
     def attention_ms(self) -> float:
@@ -410,15 +413,21 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
     # floor's work, it also holds that run's small exposed transfers and adds, counted again here:
     # a few tenths of a millisecond at 16K tokens per GPU.)
     call_ms = floor.call_multi_rank if W > 1 and (floor.fwd > fwd_step or floor.bwd > bwd_step) else 0.0
-    fwd += call_ms
+    # The host's lead before a call's first kernels: the first step of each direction lasts
+    # max(floor, lead + kernels); later steps' host work hides behind the GPU's previous step.
+    lead_fwd = max(fwd_span, floor.lead_share * floor.fwd + fwd_step) - fwd_span
+    lead_bwd = max(bwd_span, floor.lead_share * floor.bwd + bwd_step) - bwd_span
+    lead_ms = lead_fwd + lead_bwd
+    fwd += call_ms + lead_fwd
+    bwd += lead_bwd
     compute = W * (fwd_step + bwd_step)
     host_wait = W * (fwd_span - fwd_step + bwd_span - bwd_step) + call_ms
     adds = (W - 1) * add_ms if W > 1 else 0.0
-    exposed = max(0.0, fwd + bwd - compute - host_wait - adds)
+    exposed = max(0.0, fwd + bwd - compute - host_wait - lead_ms - adds)
     fixed = W * (fixed_fwd + fixed_bwd)
     # What the attention's time is made of: per direction, the kernels (work and fixed costs) where
     # they outlast the floor, the floor where it binds.
-    parts = {"attention kernels (work)": 0.0, "per-step fixed costs": adds, "host/launch floor": call_ms}
+    parts = {"attention kernels (work)": 0.0, "per-step fixed costs": adds, "host/launch floor": call_ms + lead_ms}
     for kernels, fixed_part, floor_ms in ((fwd_step, fixed_fwd, floor.fwd), (bwd_step, fixed_bwd, floor.bwd)):
         if floor_ms > kernels:
             parts["host/launch floor"] += W * floor_ms
@@ -433,7 +442,8 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
     limit = _limit({**parts, "exposed communication": exposed, "rest of the layer": rest, "approximator": approx})
     return Prediction(name, "mtraining", None if inner == W else inner, fwd_step, bwd_step, fwd, bwd, compute,
                       exposed, fixed, approx, rest, head, step, work.seq_len * b / step * 1e3, limit,
-                      host_floor_ms=W * floor.per_step + call_ms, host_wait_ms=host_wait)
+                      host_floor_ms=W * floor.per_step + call_ms + lead_ms, host_wait_ms=host_wait,
+                      host_lead_ms=lead_ms)
 
 
 def _dense_step(profile: Profile, calls: int, tiles: float, d: int) -> Tuple[float, float]:

@@ -42,12 +42,17 @@ class HostFloor:
     fwd: float
     bwd: float
     call_multi_rank: float = 0.0  # per ring call over W > 1 ranks: the agreement, the first posting, the merge
+    # The share of a step's floor the host spends before a call's first kernels can start: the first
+    # step of each direction lasts max(floor, lead_share x floor + its kernels).
+    lead_share: float = 0.0
 
     def __post_init__(self):
         for name in ("fwd", "bwd", "call_multi_rank"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"host floor: {name} must be >= 0 ms, got {value!r}")
+        if not isinstance(self.lead_share, (int, float)) or not 0 <= self.lead_share <= 1:
+            raise ValueError(f"host floor: lead_share must be in [0, 1], got {self.lead_share!r}")
 
     @property
     def per_step(self) -> float:
@@ -97,7 +102,8 @@ class Profile:
                 step_fixed_ms=float(d["rest_of_layer"]["step_fixed_ms"]),
                 ring_host_floor=HostFloor(fwd=float(d["ring"]["host_floor_ms_per_step"]["fwd"]),
                                           bwd=float(d["ring"]["host_floor_ms_per_step"]["bwd"]),
-                                          call_multi_rank=float(d["ring"].get("host_call_ms_multi_rank", 0.0))),
+                                          call_multi_rank=float(d["ring"].get("host_call_ms_multi_rank", 0.0)),
+                                          lead_share=float(d["ring"].get("host_lead_share", 0.0))),
                 kernel_generation=dict(d.get("kernel_generation", {})), sources=list(d.get("sources", [])),
                 assumed=dict(d.get("assumed", {})), raw=d,
                 te_rest_of_layer={precision: (float(r["gemm_tflops"]), float(r["elementwise_ns_per_token_layer"]))
