@@ -173,7 +173,8 @@ def one_gpu_ring_points(results_dir: str, device: str = "nvidia-h200") -> List[D
                 phase = {p: sum(timeline[p].get(f"{k}_ms", {}).get("mean", 0.0) for k in STEP_KINDS)
                          for p in ("forward", "backward")}
                 share = phase["forward"] / (phase["forward"] + phase["backward"])
-            points.append({"file": name, "commit": short_commit(d["meta"].get("commit")), "seq_len": run["seq_len"],
+            points.append({"file": name, "commit": short_commit(d["meta"].get("commit")),
+                           "time_utc": d["meta"].get("time_utc") or "", "seq_len": run["seq_len"],
                            "fwdbwd_ms": section["fwdbwd_ms"], "forward_share": share,
                            "items": H * run["seq_len"] / B, "tiles": run["index"]["active_pairs"] / B ** 2,
                            "kv_heads": cfg["kv_heads"], "head_dim": cfg["head_dim"]})
@@ -218,12 +219,18 @@ def multi_rank_call_cost(results_dir: str, device: str, floor_point: Dict, floor
             "multi_rank_source": excess}
 
 
+def _lead_call_ms(share: float, floor: Dict, kernels: Dict) -> float:
+    """A one-GPU ring call as the model has it: per direction, max(floor, share x floor + kernels)."""
+    return sum(max(floor[d], share * floor[d] + kernels[d]) for d in ("fwd", "bwd"))
+
+
 def host_lead_share(results_dir: str, device: str, sparse_fwd: Dict, sparse_bwd: Dict) -> Dict:
     """What share of the floor the host spends before a ring call's first kernels can start (the
     plan conversion and the launches ahead of them): a call whose kernels outlast the floor still
     pays it once per direction, on an idle GPU. From every session (commit) with two one-GPU runs:
-    the shortest gives the floor F (its whole time), the next ``(T - K) / F``, its time beyond the
-    kernels the profile's fits give it, where those take under ``LEAD_MAX_FLOORS`` floors (beyond,
+    the shortest (with per-step telemetry) gives the floor per direction, and the share is the one
+    with which the model's call, per direction max(floor, share x floor + kernels), takes the next
+    run's measured time, where that run's kernels take under ``LEAD_MAX_FLOORS`` floors (beyond,
     the fits' error would swamp a fraction of a floor); the median over sessions (their hosts
     differ). 0 without such sessions."""
     by_commit: Dict[str, List[Dict]] = {}
@@ -232,21 +239,30 @@ def host_lead_share(results_dir: str, device: str, sparse_fwd: Dict, sparse_bwd:
     hbm_gbps = SPEC[device]["hbm_gbps"]
     sessions = []
     for commit, points in sorted(by_commit.items()):
-        if len(points) < 2:
+        points = sorted(points, key=lambda q: q["seq_len"])
+        floors = [q for q in points if q["forward_share"] is not None]
+        if not floors or floors[0] is points[-1]:
             continue
-        floor_point, nxt = sorted(points, key=lambda q: q["seq_len"])[:2]
+        floor_point = floors[0]
+        nxt = next(q for q in points if q["seq_len"] > floor_point["seq_len"])
         zero_ms = 2 * nxt["seq_len"] * nxt["kv_heads"] * nxt["head_dim"] * 4 / (hbm_gbps * 1e9) * 1e3
-        kernels = _cost_ms(sparse_fwd, nxt["items"], nxt["tiles"]) + _cost_ms(sparse_bwd, nxt["items"], nxt["tiles"]) \
-            + zero_ms
+        kernels = {"fwd": _cost_ms(sparse_fwd, nxt["items"], nxt["tiles"]),
+                   "bwd": _cost_ms(sparse_bwd, nxt["items"], nxt["tiles"]) + zero_ms}
         floor_kernels = _cost_ms(sparse_fwd, floor_point["items"], floor_point["tiles"]) \
             + _cost_ms(sparse_bwd, floor_point["items"], floor_point["tiles"])
-        if floor_kernels > HOST_BOUND_SHARE * floor_point["fwdbwd_ms"] or \
-                kernels > LEAD_MAX_FLOORS * floor_point["fwdbwd_ms"]:
+        total = floor_point["fwdbwd_ms"]
+        if floor_kernels > HOST_BOUND_SHARE * total or sum(kernels.values()) > LEAD_MAX_FLOORS * total:
             continue  # no floor to take a share of (not host-bound), or the next run is far past it
-        share = min(1.0, max(0.0, (nxt["fwdbwd_ms"] - kernels) / floor_point["fwdbwd_ms"]))
+        floor = {"fwd": total * floor_point["forward_share"], "bwd": total * (1 - floor_point["forward_share"])}
+        low, high = 0.0, 1.0  # the call's time grows with the share: bisect for the measured one
+        if _lead_call_ms(high, floor, kernels) <= nxt["fwdbwd_ms"]:
+            low = high
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if _lead_call_ms(mid, floor, kernels) < nxt["fwdbwd_ms"] else (low, mid)
         sessions.append({"commit": commit, "file": nxt["file"], "seq_len": nxt["seq_len"],
-                         "measured_fwdbwd_ms": nxt["fwdbwd_ms"], "kernels_ms": kernels,
-                         "floor_ms": floor_point["fwdbwd_ms"], "share": share})
+                         "measured_fwdbwd_ms": nxt["fwdbwd_ms"], "kernels_ms": kernels, "floor_ms": floor,
+                         "share": low})
     if not sessions:
         return {"host_lead_share": 0.0, "lead_sources": []}
     shares = sorted(e["share"] for e in sessions)
@@ -265,7 +281,8 @@ def derive_ring_floor(results_dir: str, device: str, sparse_fwd: Dict, sparse_bw
     if not points:
         return None
     hbm_gbps = SPEC[device]["hbm_gbps"]
-    p = min(points, key=lambda q: q["seq_len"])
+    # The shortest run; of several at that length (one per session), the newest session's.
+    p = min(sorted(points, key=lambda q: q["time_utc"], reverse=True), key=lambda q: q["seq_len"])
     # The kernels at that work, as the model has them (the backward also zeroes its fp32 dK/dV).
     zero_ms = 2 * p["seq_len"] * p["kv_heads"] * p["head_dim"] * 4 / (hbm_gbps * 1e9) * 1e3
     kernels = _cost_ms(sparse_fwd, p["items"], p["tiles"]) + _cost_ms(sparse_bwd, p["items"], p["tiles"]) + zero_ms

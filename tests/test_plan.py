@@ -534,15 +534,19 @@ def test_calibrate_derives_the_floor_from_the_shortest_one_gpu_ring_run(tmp_path
 
 
 def test_calibrate_takes_the_hosts_lead_from_each_sessions_next_one_gpu_run(tmp_path):
+    """Per session, the share with which the model's one-GPU call (per direction max(floor, share x
+    floor + kernels)) takes the next run's measured time; the median over sessions."""
     import calibrate
 
     sp = json.load(open(os.path.join(PROFILE_DIR, "nvidia-h200.json")))["sparse"]
-    k32 = calibrate._cost_ms(sp["fwd"], 16 * 32768 / 64, 0.05 * 32768 * 32769 / 2 * 16 / 64 ** 2) \
-        + calibrate._cost_ms(sp["bwd"], 16 * 32768 / 64, 0.05 * 32768 * 32769 / 2 * 16 / 64 ** 2) \
+    items, tiles = 16 * 32768 / 64, 0.05 * 32768 * 32769 / 2 * 16 / 64 ** 2
+    k_fwd = calibrate._cost_ms(sp["fwd"], items, tiles)
+    k_bwd = calibrate._cost_ms(sp["bwd"], items, tiles) \
         + 2 * 32768 * 2 * 128 * 4 / (calibrate.SPEC["nvidia-h200"]["hbm_gbps"] * 1e9) * 1e3
-    files = {  # two sessions' floors (16K) and next runs (32K): leads of 0.5 and 0.25 floors
-        "ring_nvidia-h200_1gpu_a.json": _ring_result(1, [(16384, 3.0, (1.0, 2.0)), (32768, k32 + 1.5, None)]),
-        "ring_nvidia-h200_1gpu_b.json": _ring_result(1, [(16384, 4.0, (1.0, 3.0)), (32768, k32 + 1.0, None)],
+    files = {  # session a: both directions past their floors (1 and 2 ms) at a share of 0.5: T = K + 1.5
+        "ring_nvidia-h200_1gpu_a.json": _ring_result(1, [(16384, 3.0, (1.0, 2.0)), (32768, k_fwd + k_bwd + 1.5, None)]),
+        # session b: a long backward floor (6 ms) the 32K backward stays on; the forward's lead is 0.6
+        "ring_nvidia-h200_1gpu_b.json": _ring_result(1, [(16384, 7.0, (1.0, 6.0)), (32768, 6.0 + k_fwd + 0.6, None)],
                                                      commit="def5678"),
         # one run only, and a next run far past its floor: neither says anything of the lead
         "ring_nvidia-h200_1gpu_c.json": _ring_result(1, [(16384, 3.5, (1.0, 2.0))], commit="0000001"),
@@ -551,9 +555,16 @@ def test_calibrate_takes_the_hosts_lead_from_each_sessions_next_one_gpu_run(tmp_
     for name, data in files.items():
         (tmp_path / name).write_text(json.dumps(data))
     lead = calibrate.host_lead_share(str(tmp_path), "nvidia-h200", sp["fwd"], sp["bwd"])
-    assert lead["host_lead_share"] == pytest.approx((0.5 + 0.25) / 2)
-    assert sorted(e["file"] for e in lead["lead_sources"]) == ["ring_nvidia-h200_1gpu_a.json",
-                                                               "ring_nvidia-h200_1gpu_b.json"]
+    by_file = {e["file"]: e for e in lead["lead_sources"]}
+    assert sorted(by_file) == ["ring_nvidia-h200_1gpu_a.json", "ring_nvidia-h200_1gpu_b.json"]
+    assert 2.0 * 0.5 + k_bwd > 2.0 and 0.5 + k_fwd > 1.0  # session a's premise: the lead adds to both
+    assert by_file["ring_nvidia-h200_1gpu_a.json"]["share"] == pytest.approx(0.5, abs=1e-9)
+    assert 0.6 + k_fwd > 1.0 and 0.6 * 6.0 + k_bwd < 6.0  # session b's premise
+    assert by_file["ring_nvidia-h200_1gpu_b.json"]["share"] == pytest.approx(0.6, abs=1e-9)  # the forward's alone
+    for e in lead["lead_sources"]:  # the model's call at the share is the measured time
+        assert calibrate._lead_call_ms(e["share"], e["floor_ms"], e["kernels_ms"]) == \
+            pytest.approx(e["measured_fwdbwd_ms"])
+    assert lead["host_lead_share"] == pytest.approx(0.55)
     empty = tmp_path / "none"
     empty.mkdir()
     assert calibrate.host_lead_share(str(empty), "nvidia-h200", sp["fwd"], sp["bwd"])["host_lead_share"] == 0.0
