@@ -363,6 +363,7 @@ def main():
     if api_of(pretrain) == "legacy":  # arguments are parsed inside pretrain; model_provider configures
         pretrain(train_valid_test_datasets_provider, model_provider, ModelType.encoder_or_decoder,
                  forward_step, extra_args_provider=extra_args_provider)
+        finish_telemetry()
         return
 
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -378,6 +379,14 @@ def main():
         cfg_container = pretrain_cfg_container_from_args(args)
     pretrain(cfg_container, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
              model_provider=model_provider)
+    finish_telemetry()
+
+
+def finish_telemetry():
+    """Log the telemetry's last log iteration if the run ended on one (the next forward would have)."""
+    from megatron_mtraining.integration import telemetry
+
+    telemetry.disable_telemetry(flush=True)
 
 
 if __name__ == "__main__":

@@ -179,6 +179,9 @@ def test_training_selects_backend(patched_tree):
     # Selection happens after initialize_megatron has parsed the args, before the model is built.
     assert body.index("initialize_megatron(") < body.index(selection)
     assert body.index(selection) < body.index("setup_model_and_optimizer(")
+    # A run that ends on a telemetry log iteration logs it after the training loop, before evaluation.
+    flush = "disable_telemetry(flush=True)"
+    assert body.index("train(") < body.index(flush) < body.index("evaluate_and_print_results(")
 
 
 def test_gpt_model_applies_spec_hook(patched_tree):

@@ -201,6 +201,21 @@ def test_flags_not_added_twice(fake_megatron, script, tmp_path):
     assert res["installed"] is True and res["kw_core"] == "MTrainingAttention"
 
 
+def test_a_finished_run_logs_its_last_telemetry_iteration(fake_megatron, script, tmp_path, monkeypatch):
+    """The last log iteration is logged by the next forward; a run that ends on one has none, so the
+    launcher flushes it when the script returns (never after an error: the ranks may not all be there)."""
+    from megatron_mtraining.integration import telemetry
+
+    flushes = []
+    monkeypatch.setattr(telemetry, "disable_telemetry", lambda flush=False: flushes.append(flush))
+    _run(script, tmp_path / "r.json", "--mtraining")
+    assert flushes[-1] is True
+    script.write_text(script.read_text() + "\n    raise RuntimeError('boom')\n")
+    with pytest.raises(RuntimeError, match="boom"):
+        _run(script, tmp_path / "r.json", "--mtraining")
+    assert flushes[-1] is False
+
+
 def test_script_error_restores(fake_megatron, script, tmp_path):
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     with pytest.raises(SystemExit) as exc:  # argparse error: unknown flag

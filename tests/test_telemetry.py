@@ -203,3 +203,12 @@ def test_disable_can_flush_the_last_log_iteration(tele):
     run_iteration(attention_layers(1), tele, 2, seq=512)
     telemetry.disable_telemetry(flush=True)
     assert [int(s["iteration"]) for s in tele.history] == [2] and len(tele.lines) == 1
+
+
+def test_a_record_whose_group_is_gone_is_dropped_not_reduced(tele, caplog, monkeypatch):
+    run_iteration(attention_layers(1), tele, 2, seq=512)
+    tele._record.group = object()  # a CP group of a process group destroyed since
+    monkeypatch.setattr(telemetry.dist, "is_initialized", lambda: False)
+    with caplog.at_level("WARNING"):
+        telemetry.disable_telemetry(flush=True)
+    assert tele.history == [] and "iteration 2 not logged" in caplog.text

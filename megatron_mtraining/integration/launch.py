@@ -187,7 +187,9 @@ class _Launcher:
                                         self._wrap_initialize(initialize.initialize_megatron),
                                         "MTraining patches and GPT spec hook after initialization")
 
-    def teardown(self) -> None:
+    def teardown(self, finished: bool = False) -> None:
+        """Undo setup; ``finished``: the script returned, so every rank is here and the telemetry's
+        last log iteration (if the run ended on one) is logged first."""
         try:
             if self.installed_patches:
                 from . import patches
@@ -196,7 +198,7 @@ class _Launcher:
                 self.installed_patches = False
             from . import telemetry
 
-            telemetry.disable_telemetry()
+            telemetry.disable_telemetry(flush=finished)
         finally:
             self.patcher.restore()
 
@@ -305,15 +307,18 @@ def run(argv: Sequence[str]) -> Any:
     script = os.path.abspath(script)
     launcher = _Launcher()
     saved_argv, saved_path = sys.argv[:], sys.path[:]
+    finished = False
     try:
         launcher.setup()
         sys.argv = [script] + rest
         sys.path.insert(0, os.path.dirname(script))
-        return runpy.run_path(script, run_name="__main__")
+        result = runpy.run_path(script, run_name="__main__")
+        finished = True
+        return result
     finally:
         sys.argv = saved_argv
         sys.path[:] = saved_path
-        launcher.teardown()
+        launcher.teardown(finished)
 
 
 def _help() -> str:

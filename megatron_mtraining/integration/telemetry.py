@@ -229,10 +229,15 @@ def enable_telemetry(log_interval: int, writer=None, printer=None) -> Telemetry:
 
 def disable_telemetry(flush: bool = False) -> None:
     """Turn telemetry off; ``flush=True`` first logs the pending log iteration (a CP collective:
-    call it on every CP rank), else it is dropped."""
+    call it on every CP rank; at the end of training, the run's last log iteration, which no next
+    forward logs), else it is dropped. A record whose process group is gone is dropped with a warning."""
     global _TELEMETRY
     if _TELEMETRY is not None and _TELEMETRY._record is not None:
-        if flush:
+        group_alive = _TELEMETRY._record.group is None or (dist.is_available() and dist.is_initialized())
+        if flush and not group_alive:
+            logger.warning("MTraining telemetry: iteration %d not logged: the process group was destroyed first",
+                           _TELEMETRY._record.iteration)
+        if flush and group_alive:
             _TELEMETRY.flush()
         else:
             instrument.deactivate(_TELEMETRY._record.ring_timer)
