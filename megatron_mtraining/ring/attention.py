@@ -117,12 +117,16 @@ class SparseSteps:
         self.prepare(source)
         return self.plans[source]
 
+    # The forward's first step writes ``out``/``lse`` instead of merging into them: no memset of the
+    # fp32 buffers, no read of them in that step (the merge into "nothing yet", lse -inf, gives the
+    # step's own values exactly).
+    first_step_writes = True
+
     @property
-    def first_step_writes(self) -> bool:
-        """The first step of each direction writes ``out``/``lse`` and ``dq`` instead of merging into
-        them: no memset of the fp32 buffers, no read of them in that step (the merge into "nothing
-        yet", lse -inf, gives the step's own values exactly). Not on the PyTorch path, whose dQ
-        comes with the key side (``step_backward_keys``, adding into a zeroed buffer)."""
+    def first_dq_step_writes(self) -> bool:
+        """The backward's first dQ step writes ``dq`` instead of adding into it (as the forward's
+        first step). Not on the PyTorch path, whose dQ comes with the key side (``step_backward_keys``,
+        adding into a zeroed buffer)."""
         return self.backend != "torch"
 
     def forward(self, q, k, v, source, out, lse, accumulate: bool = True):
@@ -159,8 +163,9 @@ class SparseSteps:
 
 class RingAttentionFunction(torch.autograd.Function):
     """Autograd around the ring schedules for any ``steps`` object (sparse or dense). Steps with
-    ``first_step_writes`` take ``accumulate``/``accumulate_dq`` and get uninitialised fp32 buffers
-    that their first step writes in full. ``sequence_major_grads``: the gradients of q, k, v are
+    ``first_step_writes`` (the forward) or ``first_dq_step_writes`` (the backward's dQ) take
+    ``accumulate``/``accumulate_dq`` and get uninitialised fp32 buffers that their first step
+    writes in full. ``sequence_major_grads``: the gradients of q, k, v are
     ``[b, h, s, d]`` views of ``[s, b, h, d]`` memory (``relayout.sequence_major_empty``), written
     there by the last kernel or cast that touches them."""
 
@@ -198,7 +203,7 @@ class RingAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         d_out = d_out.contiguous()
         delta = ctx.steps.delta(out, d_out)
-        writes = getattr(ctx.steps, "first_step_writes", False)
+        writes = getattr(ctx.steps, "first_dq_step_writes", False)
         one_pass = getattr(ctx.steps, "dq_in_one_pass", None)
         one_pass = one_pass is not None and one_pass(q, k)
 
