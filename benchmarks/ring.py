@@ -100,6 +100,7 @@ class Config:
     slow_link_latency_us: float = 0.0
     documents: bool = False  # pack common.DOCUMENT_MIX_128K (scaled) into every sequence
     tokens_per_gpu: Sequence[int] = ()  # weak scaling: these tokens per GPU (S = T x W), beside seq_lens
+    kernel_profile: bool = False  # one more fwd+bwd under torch.profiler: its kernels' time on rank 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +214,39 @@ def measure_local(attn: Callable[[], torch.Tensor], leaves, grad, cfg: Config, d
         with record_ring_steps() as timer:
             fwd_bwd()
         local["steps"] = timer.summary()
+    if cfg.kernel_profile:
+        local["kernel_profile"] = profile_kernels(fwd_bwd, device)
     return local
+
+
+KERNEL_PROFILE_TOP = 25
+
+
+def profile_kernels(fn: Callable[[], None], device: torch.device) -> Dict:
+    """One more ``fn()`` under torch.profiler: its GPU kernels' total time and the longest
+    ``KERNEL_PROFILE_TOP`` by name (summed over launches), in ms; on the CPU (smoke runs) the
+    operators' own CPU time instead. Which kernels grow from one GPU to W at the same S is where a
+    ring's strong-scaling loss goes (docs/performance.md)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    dist.barrier()
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    totals: Dict[str, float] = {}
+    for event in prof.key_averages():
+        if cuda:
+            ms = event.self_device_time_total / 1e3 if event.device_type == torch.autograd.DeviceType.CUDA else 0.0
+        else:
+            ms = event.self_cpu_time_total / 1e3
+        if ms > 0:
+            totals[event.key] = totals.get(event.key, 0.0) + ms
+    top = dict(sorted(totals.items(), key=lambda kv: -kv[1])[:KERNEL_PROFILE_TOP])
+    return {"what": "GPU kernels" if cuda else "CPU operators (no GPU)", "total_ms": sum(totals.values()),
+            "top_ms": top}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,6 +267,8 @@ def summarise(per_rank: List[Dict]) -> Dict:
     if all("steps" in r for r in per_rank):
         section["steps"] = step_matrices([r["steps"] for r in per_rank])
     extras = {k: v for k, v in per_rank[0].items() if not k.endswith("_samples_ms") and k != "steps"}
+    if "kernel_profile" in extras:
+        extras["kernel_profile"] = dict(extras["kernel_profile"], rank=0)
     section.update(extras)
     return section
 
@@ -589,6 +624,8 @@ def parse_args(argv=None):
                    help="emulate a slow link between nodes of --inner-size GPUs at this many GB/s (GPU only): "
                         "flat vs hierarchical ring under a slow inter-node hop")
     p.add_argument("--slow-link-latency-us", type=float, default=0.0)
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="one more fwd+bwd per variant under torch.profiler: rank 0's kernel times in the JSON")
     p.add_argument("--documents", action="store_true",
                    help="pack the benchmark's document mix into every sequence (index at --density of the document "
                         "pairs; the dense ring then runs our kernels on the all-blocks index with the documents)")
@@ -621,7 +658,7 @@ def make_config(args, world_size: int) -> Config:
                   native_rotate=args.native_rotate, native_sdpa=tuple(s for s in args.native_sdpa.split(",") if s),
                   forward_only=not args.no_fwd, variants=tuple(variants), scaling=args.scaling,
                   slow_link_gbps=args.slow_link_gbps, slow_link_latency_us=args.slow_link_latency_us,
-                  documents=args.documents)
+                  documents=args.documents, kernel_profile=args.kernel_profile)
     if args.smoke:  # --tokens-per-gpu / --seq-lens still choose the lengths (tests of the scaling modes)
         return Config(seq_lens=seq_lens if (tokens_per_gpu or explicit) else [512], block_size=16, heads=4,
                       kv_heads=2, head_dim=32, dtype="fp32",

@@ -20,6 +20,8 @@
 #   bash scripts/gpu_ring_scaling.sh             # on the GPU machine
 #   DRY_RUN=1 bash scripts/gpu_ring_scaling.sh   # print the commands only (no venv, no GPU)
 #   WORLDS="1 4" bash scripts/gpu_ring_scaling.sh   # fewer runs
+#   BENCH_ARGS=--kernel-profile WORLDS="1 4" bash scripts/gpu_ring_scaling.sh   # + rank 0's kernel times
+#     per length (one profiled fwd+bwd each): which kernels grow from 1 GPU to W at the same S
 # The shell logic on a CPU machine with a venv at .venv (gloo, tiny shapes; tests/test_ring_scaling.py):
 #   REUSE_VENV=1 NGPU=2 WORLDS="1 2" STRONG_SEQ_LEN=512 TOKENS_PER_GPU=64,128 BENCH_ARGS=--smoke \
 #     bash scripts/gpu_ring_scaling.sh

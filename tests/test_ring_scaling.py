@@ -64,7 +64,7 @@ def test_ring_benchmark_weak_scaling_smoke(tmp_path):
     out = tmp_path / "ring.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(REPO, "benchmarks", "ring.py"), "--smoke", "--tokens-per-gpu", "64,128", "--seq-lens", "512",
-           "--variants", "sparse_striped,dense_zigzag", "--no-fwd", "--out", str(out)]
+           "--variants", "sparse_striped,dense_zigzag", "--no-fwd", "--kernel-profile", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -81,6 +81,10 @@ def test_ring_benchmark_weak_scaling_smoke(tmp_path):
     assert all(row[0] == 0.0 and row[1] > 0.0 for row in steps["backward"]["merge_ms"])
     assert steps["timeline"]["forward"]["merge_ms"]["max"] == 0.0
     assert steps["timeline"]["fwd_bwd"]["compute_ms"]["mean"] > 0.0
+    # --kernel-profile: rank 0's profiled fwd+bwd (CPU operators here; GPU kernels on a GPU).
+    profiled = result["runs"][0]["variants"]["sparse_striped"]["kernel_profile"]
+    assert profiled["rank"] == 0 and profiled["what"].startswith("CPU") and profiled["total_ms"] > 0
+    assert 0 < len(profiled["top_ms"]) <= 25 and sum(profiled["top_ms"].values()) <= profiled["total_ms"] + 1e-6
     # The dense ring builds no plans: zeros, not a missing key.
     dense = result["runs"][0]["variants"]["dense_zigzag"]["steps"]
     assert dense["timeline"]["forward"]["plan_ms"]["max"] == 0.0
