@@ -287,7 +287,11 @@ TE_RESULTS = ("e2e_te_nvidia-h200_2gpu.json", "e2e_te_fp8_nvidia-h200_2gpu.json"
               # The earlier measurement of the 512K bf16 pair: the only one with TE's a2a+p2p ring; its
               # te_cp and mtraining runs count as predictions too (a second measurement of that pair).
               "e2e_te_nvidia-h200_4gpu_c6653e8.json",
-              "e2e_te_fp8_nvidia-h200_4gpu.json", "e2e_te_1m_nvidia-h200_4gpu.json")
+              "e2e_te_fp8_nvidia-h200_4gpu.json", "e2e_te_1m_nvidia-h200_4gpu.json",
+              # The four pairs one commit earlier (e16415e), measured in the same session on the same
+              # machine: second measurements, before the ring wrote its gradients in Megatron's layout.
+              "e2e_te_nvidia-h200_2gpu_e16415e.json", "e2e_te_fp8_nvidia-h200_2gpu_e16415e.json",
+              "e2e_te_nvidia-h200_4gpu_e16415e.json", "e2e_te_fp8_nvidia-h200_4gpu_e16415e.json")
 # Telemetry of MTraining runs with the TE runs' flags (top-p 0.9, the default caps) on local layers.
 DENSITY_LOGS = {131072: "e2e_mtraining_nvidia-h200_1gpu.log", 262144: "e2e_mtraining_nvidia-h200_2gpu_cudnn.log",
                 524288: "e2e_mtraining_nvidia-h200_4gpu_cudnn.log"}
