@@ -227,29 +227,35 @@ def _lead_call_ms(share: float, floor: Dict, kernels: Dict) -> float:
 def host_lead_share(results_dir: str, device: str, sparse_fwd: Dict, sparse_bwd: Dict) -> Dict:
     """What share of the floor the host spends before a ring call's first kernels can start (the
     plan conversion and the launches ahead of them): a call whose kernels outlast the floor still
-    pays it once per direction, on an idle GPU. From every session (commit) with two one-GPU runs:
+    pays it once per direction, on an idle GPU. From every session (one ring.py call) with two one-GPU runs:
     the shortest (with per-step telemetry) gives the floor per direction, and the share is the one
     with which the model's call, per direction max(floor, share x floor + kernels), takes the next
     run's measured time, where that run's kernels take under ``LEAD_MAX_FLOORS`` floors (beyond,
     the fits' error would swamp a fraction of a floor); the median over sessions (their hosts
     differ). 0 without such sessions."""
-    by_commit: Dict[str, List[Dict]] = {}
+    by_call: Dict[str, List[Dict]] = {}  # one ring.py call (file): one session's machine
     for p in one_gpu_ring_points(results_dir, device):
-        by_commit.setdefault(p["commit"], []).append(p)
+        by_call.setdefault(p["file"], []).append(p)
     hbm_gbps = SPEC[device]["hbm_gbps"]
+
+    def zero_ms(q):  # the backward's fp32 dK/dV zeroing, as the model has it
+        return 2 * q["seq_len"] * q["kv_heads"] * q["head_dim"] * 4 / (hbm_gbps * 1e9) * 1e3
+
     sessions = []
-    for commit, points in sorted(by_commit.items()):
+    for _, points in sorted(by_call.items()):
         points = sorted(points, key=lambda q: q["seq_len"])
         floors = [q for q in points if q["forward_share"] is not None]
-        if not floors or floors[0] is points[-1]:
+        if not floors:
             continue
         floor_point = floors[0]
-        nxt = next(q for q in points if q["seq_len"] > floor_point["seq_len"])
-        zero_ms = 2 * nxt["seq_len"] * nxt["kv_heads"] * nxt["head_dim"] * 4 / (hbm_gbps * 1e9) * 1e3
+        nxt = next((q for q in points if q["seq_len"] > floor_point["seq_len"]), None)
+        if nxt is None:
+            continue
+        commit = floor_point["commit"]
         kernels = {"fwd": _cost_ms(sparse_fwd, nxt["items"], nxt["tiles"]),
-                   "bwd": _cost_ms(sparse_bwd, nxt["items"], nxt["tiles"]) + zero_ms}
+                   "bwd": _cost_ms(sparse_bwd, nxt["items"], nxt["tiles"]) + zero_ms(nxt)}
         floor_kernels = _cost_ms(sparse_fwd, floor_point["items"], floor_point["tiles"]) \
-            + _cost_ms(sparse_bwd, floor_point["items"], floor_point["tiles"])
+            + _cost_ms(sparse_bwd, floor_point["items"], floor_point["tiles"]) + zero_ms(floor_point)
         total = floor_point["fwdbwd_ms"]
         if floor_kernels > HOST_BOUND_SHARE * total or sum(kernels.values()) > LEAD_MAX_FLOORS * total:
             continue  # no floor to take a share of (not host-bound), or the next run is far past it

@@ -124,12 +124,12 @@ def _commit(d: Dict) -> str:
 
 def lead_share_without(profile, commit: str) -> float:
     """The host's lead share (``calibrate.host_lead_share``) from every session but ``commit``'s: the
-    median of the others, so that session's runs are predicted, not fitted (the profile's own value
-    where no other session has one)."""
+    median of the others, so that session's runs are predicted, not fitted (0, no lead, where no
+    other session has one)."""
     others = sorted(e["share"] for e in profile.raw.get("ring", {}).get("lead_sources", [])
                     if e["commit"] != calibrate.short_commit(commit))
     if not others:
-        return profile.ring_host_floor.lead_share
+        return 0.0
     mid = len(others) // 2
     return others[mid] if len(others) % 2 else (others[mid - 1] + others[mid]) / 2
 

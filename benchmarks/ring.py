@@ -238,6 +238,8 @@ def profile_kernels(fn: Callable[[], None], device: torch.device) -> Dict:
         synchronize(device)
     totals: Dict[str, float] = {}
     for event in prof.key_averages():
+        if getattr(event, "is_user_annotation", False):
+            continue  # a record_function range (the ring's own): it spans the kernels counted below
         if cuda:
             ms = event.self_device_time_total / 1e3 if event.device_type == torch.autograd.DeviceType.CUDA else 0.0
         else:

@@ -37,10 +37,11 @@ def check(rank, world, layout, inner, seq_len, hq=8, hkv=2, d=128, B=64, batch=1
     if megatron_layout:  # strided q/k/v in (Megatron's views), gradients in the leaves' layout
         leaves, views = zip(*(megatron_views(shard(x).bfloat16()) for x in (q, k, v)))
         out = mm.sparse_ring_attention(*views, index, layout=layout, inner_size=inner, sequence_major_grads=True)
-        out.backward(shard(do).bfloat16())
-        # The gradients came back in [s, b, h, d] memory: the leaves' are contiguous, no copy made.
-        in_place = all(x.grad.is_contiguous() for x in leaves)
-        ql, kl, vl = (SimpleNamespace(grad=x.grad.permute(1, 2, 0, 3)) for x in leaves)
+        # autograd.grad, not .backward: a leaf's .grad is copied into the leaf's layout when it is not.
+        grads = torch.autograd.grad(out, leaves, shard(do).bfloat16())
+        # The gradients came back in [s, b, h, d] memory: contiguous as Megatron's tensors, no copy made.
+        in_place = all(g.is_contiguous() for g in grads)
+        ql, kl, vl = (SimpleNamespace(grad=g.permute(1, 2, 0, 3)) for g in grads)
     else:
         ql, kl, vl = (shard(x).bfloat16().requires_grad_() for x in (q, k, v))
         out = mm.sparse_ring_attention(ql, kl, vl, index, layout=layout, inner_size=inner)

@@ -551,7 +551,10 @@ def test_calibrate_takes_the_hosts_lead_from_each_sessions_next_one_gpu_run(tmp_
         # one run only, and a next run far past its floor: neither says anything of the lead
         "ring_nvidia-h200_1gpu_c.json": _ring_result(1, [(16384, 3.5, (1.0, 2.0))], commit="0000001"),
         "ring_nvidia-h200_1gpu_d.json": _ring_result(1, [(16384, 3.5, (1.0, 2.0)), (131072, 50.0, None)],
-                                                     commit="0000002")}
+                                                     commit="0000002"),
+        # a repeat at the floor's length only: no next run (skipped, not an error)
+        "ring_nvidia-h200_1gpu_e.json": _ring_result(1, [(16384, 3.5, (1.0, 2.0)), (16384, 3.6, None)],
+                                                     commit="0000003")}
     for name, data in files.items():
         (tmp_path / name).write_text(json.dumps(data))
     lead = calibrate.host_lead_share(str(tmp_path), "nvidia-h200", sp["fwd"], sp["bwd"])

@@ -238,7 +238,10 @@ def disable_telemetry(flush: bool = False) -> None:
             logger.warning("MTraining telemetry: iteration %d not logged: the process group was destroyed first",
                            _TELEMETRY._record.iteration)
         if flush and group_alive:
-            _TELEMETRY.flush()
+            try:
+                _TELEMETRY.flush()
+            except (RuntimeError, ValueError) as exc:  # e.g. CP groups destroyed, the default one kept
+                logger.warning("MTraining telemetry: the last log iteration was not logged: %s", exc)
         else:
             instrument.deactivate(_TELEMETRY._record.ring_timer)
     _TELEMETRY = None

@@ -8,8 +8,9 @@ dK/dV travel home with their K/V. The result equals ``sparse_attention`` on the 
 
 Per-step fixed costs: the plan of step 0 is built before the ring starts (a conversion error is
 raised before any transfer); the others just before their step (``SparseSteps.prepare``), so the
-host enqueues them while the GPU runs the previous step. The first step of each direction writes
-the fp32 output and dQ rather than merging into zeroed buffers.
+host enqueues them while the GPU runs the previous step. The forward's first step writes the fp32
+output rather than merging into zeroed buffers, and so does the backward's first dQ step where dQ
+has its own kernel (Triton).
 """
 
 from __future__ import annotations
