@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -219,6 +220,11 @@ def multi_rank_call_cost(results_dir: str, device: str, floor_point: Dict, floor
             "multi_rank_source": excess}
 
 
+def _dkdv_zeroing_ms(point: Dict, hbm_gbps: float) -> float:
+    """The backward's zeroing of its fp32 dK/dV at a one-GPU ring point, as the model has it."""
+    return 2 * point["seq_len"] * point["kv_heads"] * point["head_dim"] * 4 / (hbm_gbps * 1e9) * 1e3
+
+
 def _lead_call_ms(share: float, floor: Dict, kernels: Dict) -> float:
     """A one-GPU ring call as the model has it: per direction, max(floor, share x floor + kernels)."""
     return sum(max(floor[d], share * floor[d] + kernels[d]) for d in ("fwd", "bwd"))
@@ -237,10 +243,6 @@ def host_lead_share(results_dir: str, device: str, sparse_fwd: Dict, sparse_bwd:
     for p in one_gpu_ring_points(results_dir, device):
         by_call.setdefault(p["file"], []).append(p)
     hbm_gbps = SPEC[device]["hbm_gbps"]
-
-    def zero_ms(q):  # the backward's fp32 dK/dV zeroing, as the model has it
-        return 2 * q["seq_len"] * q["kv_heads"] * q["head_dim"] * 4 / (hbm_gbps * 1e9) * 1e3
-
     sessions = []
     for _, points in sorted(by_call.items()):
         points = sorted(points, key=lambda q: q["seq_len"])
@@ -253,9 +255,10 @@ def host_lead_share(results_dir: str, device: str, sparse_fwd: Dict, sparse_bwd:
             continue
         commit = floor_point["commit"]
         kernels = {"fwd": _cost_ms(sparse_fwd, nxt["items"], nxt["tiles"]),
-                   "bwd": _cost_ms(sparse_bwd, nxt["items"], nxt["tiles"]) + zero_ms(nxt)}
-        floor_kernels = _cost_ms(sparse_fwd, floor_point["items"], floor_point["tiles"]) \
-            + _cost_ms(sparse_bwd, floor_point["items"], floor_point["tiles"]) + zero_ms(floor_point)
+                   "bwd": _cost_ms(sparse_bwd, nxt["items"], nxt["tiles"]) + _dkdv_zeroing_ms(nxt, hbm_gbps)}
+        floor_kernels = (_cost_ms(sparse_fwd, floor_point["items"], floor_point["tiles"])
+                         + _cost_ms(sparse_bwd, floor_point["items"], floor_point["tiles"])
+                         + _dkdv_zeroing_ms(floor_point, hbm_gbps))
         total = floor_point["fwdbwd_ms"]
         if floor_kernels > HOST_BOUND_SHARE * total or sum(kernels.values()) > LEAD_MAX_FLOORS * total:
             continue  # no floor to take a share of (not host-bound), or the next run is far past it
@@ -271,10 +274,7 @@ def host_lead_share(results_dir: str, device: str, sparse_fwd: Dict, sparse_bwd:
                          "share": low})
     if not sessions:
         return {"host_lead_share": 0.0, "lead_sources": []}
-    shares = sorted(e["share"] for e in sessions)
-    mid = len(shares) // 2
-    median = shares[mid] if len(shares) % 2 else (shares[mid - 1] + shares[mid]) / 2
-    return {"host_lead_share": median, "lead_sources": sessions}
+    return {"host_lead_share": statistics.median(e["share"] for e in sessions), "lead_sources": sessions}
 
 
 def derive_ring_floor(results_dir: str, device: str, sparse_fwd: Dict, sparse_bwd: Dict,
@@ -290,8 +290,8 @@ def derive_ring_floor(results_dir: str, device: str, sparse_fwd: Dict, sparse_bw
     # The shortest run; of several at that length (one per session), the newest session's.
     p = min(sorted(points, key=lambda q: q["time_utc"], reverse=True), key=lambda q: q["seq_len"])
     # The kernels at that work, as the model has them (the backward also zeroes its fp32 dK/dV).
-    zero_ms = 2 * p["seq_len"] * p["kv_heads"] * p["head_dim"] * 4 / (hbm_gbps * 1e9) * 1e3
-    kernels = _cost_ms(sparse_fwd, p["items"], p["tiles"]) + _cost_ms(sparse_bwd, p["items"], p["tiles"]) + zero_ms
+    kernels = _cost_ms(sparse_fwd, p["items"], p["tiles"]) + _cost_ms(sparse_bwd, p["items"], p["tiles"]) \
+        + _dkdv_zeroing_ms(p, hbm_gbps)
     what = f"{p['file']} at {p['seq_len'] // 1024}K"
     floor = host_floor(p["fwdbwd_ms"], p["forward_share"], kernels, what)
     call = multi_rank_call_cost(results_dir, device, p, floor["fwd"] + floor["bwd"])

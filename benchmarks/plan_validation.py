@@ -126,12 +126,9 @@ def lead_share_without(profile, commit: str) -> float:
     """The host's lead share (``calibrate.host_lead_share``) from every session but ``commit``'s: the
     median of the others, so that session's runs are predicted, not fitted (0, no lead, where no
     other session has one)."""
-    others = sorted(e["share"] for e in profile.raw.get("ring", {}).get("lead_sources", [])
-                    if e["commit"] != calibrate.short_commit(commit))
-    if not others:
-        return 0.0
-    mid = len(others) // 2
-    return others[mid] if len(others) % 2 else (others[mid - 1] + others[mid]) / 2
+    others = [e["share"] for e in profile.raw.get("ring", {}).get("lead_sources", [])
+              if e["commit"] != calibrate.short_commit(commit)]
+    return statistics.median(others) if others else 0.0
 
 
 def session_floor(profile, commit: str):

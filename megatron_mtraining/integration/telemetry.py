@@ -232,18 +232,19 @@ def disable_telemetry(flush: bool = False) -> None:
     call it on every CP rank; at the end of training, the run's last log iteration, which no next
     forward logs), else it is dropped. A record whose process group is gone is dropped with a warning."""
     global _TELEMETRY
-    if _TELEMETRY is not None and _TELEMETRY._record is not None:
-        group_alive = _TELEMETRY._record.group is None or (dist.is_available() and dist.is_initialized())
-        if flush and not group_alive:
-            logger.warning("MTraining telemetry: iteration %d not logged: the process group was destroyed first",
-                           _TELEMETRY._record.iteration)
+    record = _TELEMETRY._record if _TELEMETRY is not None else None
+    if record is not None:
+        group_alive = record.group is None or (dist.is_available() and dist.is_initialized())
         if flush and group_alive:
             try:
                 _TELEMETRY.flush()
             except (RuntimeError, ValueError) as exc:  # e.g. CP groups destroyed, the default one kept
                 logger.warning("MTraining telemetry: the last log iteration was not logged: %s", exc)
         else:
-            instrument.deactivate(_TELEMETRY._record.ring_timer)
+            if flush:
+                logger.warning("MTraining telemetry: iteration %d not logged: the process group was destroyed "
+                               "first", record.iteration)
+            instrument.deactivate(record.ring_timer)
     _TELEMETRY = None
 
 
