@@ -67,7 +67,7 @@ KERNELS = {
               "DVP": "*fp32", "QBlk": "*i32", "ColCnt": "*i32", "Cols": "*i32", "ColPos": "*i64", "Words": "*i64",
               "HeadDiag": "*i8", "QFirst": "*i32", "QEnd": "*i32", "DocStart": "*i32",
               **{s: "i32" for s in _strides("q", "k", "v", "o", "l")}, "qk_scale": "fp32", "sm_scale": "fp32",
-              **{s: "i32" for s in ("HQ", "GROUP", "NQB", "MAX_V", "MAX_V_PAD", "N_WORDS", "SPLITS", "BH")},
+              **{s: "i32" for s in ("HQ", "GROUP", "NQB", "MAX_V", "N_TILES", "N_WORDS", "SPLITS")},
               **{c: "constexpr" for c in ("BLOCK", "HEAD_DIM", "INT64", "DOCS", "SMEM_LAYOUT")}},
         base=dict(BLOCK=64, HEAD_DIM=128, INT64=False, DOCS=False),
         changes=[{}, {"DOCS": True}, {"INT64": True}, {"BLOCK": 128}, {"HEAD_DIM": 64}, {"dtype": "fp16"}]),
@@ -96,7 +96,7 @@ KERNELS = {
 }
 # The JIT's specialisation on a GPU: 16-byte aligned pointers, strides and row lengths divisible by
 # 16 (row strides of [b, h, n, d] views are multiples of d).
-DIVISIBLE = ("MAX_S", "MAX_V", "MAX_V_PAD")
+DIVISIBLE = ("MAX_S", "MAX_V")
 
 
 def num_warps(cfg: dict) -> int:

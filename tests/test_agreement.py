@@ -4,6 +4,8 @@ per-tensor formula, see what they must, and the caches stay bounded."""
 import pytest
 import torch
 
+from conftest import requires_gpu
+
 from megatron_mtraining.collective import agreement
 from megatron_mtraining.collective.agreement import Checksum, checksum
 
@@ -90,14 +92,16 @@ def test_own_checks_raise_without_peers_and_record_with_them():
     assert agreement.OwnChecks(None).agree("f", lambda: 1 / 0, torch.device("cpu")) is None  # items not built
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_poison_is_the_cast_itself(dtype):
+def test_poison_is_the_cast_itself(dtype, device):
     """A good call's output is bit for bit ``out.to(dtype)`` (signed zeros, infinities, rounding);
-    a disagreement makes every entry NaN; the cast and the poison are one result."""
-    out = torch.randn(2, 3, 40, 8, generator=torch.Generator().manual_seed(0)) * 300
+    a disagreement makes every entry NaN; the cast and the poison are one result (PyTorch's on a
+    CPU, the row copy's on a GPU)."""
+    out = torch.randn(2, 3, 40, 8, generator=torch.Generator().manual_seed(0)).to(device) * 300
     out[0, 0, 0, :3] = torch.tensor([-0.0, float("inf"), -float("inf")])
-    good = agreement.poison(out.clone(), torch.tensor(False), dtype)
+    good = agreement.poison(out.clone(), torch.tensor(False, device=device), dtype)
     assert good.dtype == dtype and torch.equal(good.view(torch.uint8), out.to(dtype).view(torch.uint8))
-    bad = agreement.poison(out.clone(), torch.tensor(True), dtype)
+    bad = agreement.poison(out.clone(), torch.tensor(True, device=device), dtype)
     assert bad.dtype == dtype and bool(torch.isnan(bad).all())
     assert torch.equal(agreement.poison(out.clone(), None, dtype), out.to(dtype))

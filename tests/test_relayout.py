@@ -47,6 +47,20 @@ def test_row_copy_kernel_is_the_permuted_copy():
         assert torch.equal(back, x.permute(2, 0, 1, 3))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_gpu)])
+def test_row_copy_with_the_poison_flag(device):
+    """``nan_if`` (``agreement.poison``): False copies (casts) exactly, True writes NaN everywhere;
+    the flag is read by the kernel (under the interpreter on a CPU)."""
+    x = _sbhd(SHAPES[0], torch.float32, device, 5).permute(1, 2, 0, 3)
+    for dtype in (torch.float32, torch.float16):
+        good = relayout.copy_rows(x, torch.empty(x.shape, dtype=dtype, device=device),
+                                  nan_if=torch.tensor(False, device=device))
+        assert torch.equal(good, x.to(dtype))
+        bad = relayout.copy_rows(x, torch.zeros(x.shape, dtype=dtype, device=device),
+                                 nan_if=torch.tensor(True, device=device))
+        assert bool(torch.isnan(bad).all())
+
+
 @ON_CPU
 def test_autograd_functions_under_the_interpreter():
     _check_functions(relayout._HeadsMajor.apply, relayout._SequenceMajor.apply, "cpu", torch.float32)

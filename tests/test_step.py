@@ -50,12 +50,22 @@ def many_columns(n, B, g):
     return VSIndex.from_lists([[[0, 1, 4]] * 4], [cols], block_size=B)
 
 
+def uneven_columns(n, B, g):
+    """Heads whose columns fill a step's capacity very unevenly: 140 random (several live tiles in
+    every step), 3, none, and 70 in the even blocks only (none in a striped odd chunk), so the
+    column programs are dealt to 0, 1 or most tiles of the capacity (``column_partials``)."""
+    even = [c for c in torch.randperm(n, generator=g).tolist() if (c // B) % 2 == 0][:70]
+    cols = [sorted(torch.randperm(n, generator=g)[:140].tolist()), [5, 77, n - 1], [], sorted(even)]
+    return VSIndex.from_lists([[[0, 1, 4]] * 4], [cols], block_size=B)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("layout, world, kind", [("striped", 3, "random"), ("zigzag", 2, "random"),
                                                  ("striped", 1, "without_diagonal"),
                                                  ("striped", 2, "without_diagonal"),
                                                  ("striped", 1, "many_columns"),
-                                                 ("zigzag", 2, "many_columns")])
+                                                 ("zigzag", 2, "many_columns"),
+                                                 ("striped", 2, "uneven_columns")])
 def test_chunked_steps_equal_full_attention(backend, layout, world, kind):
     B, nb, d = 16, 12, 32
     n = nb * B
@@ -64,6 +74,8 @@ def test_chunked_steps_equal_full_attention(backend, layout, world, kind):
         index = VSIndex.random(1, 4, n, B, max_slash=5, max_vertical=30, generator=g)
     elif kind == "many_columns":
         index = many_columns(n, B, g)
+    elif kind == "uneven_columns":
+        index = uneven_columns(n, B, g)
     else:
         index = without_diagonal(n, B, g)
     index = index.to(DEVICE)
@@ -115,10 +127,21 @@ def test_chunked_steps_equal_full_attention(backend, layout, world, kind):
         assert any(bool(build_step_plan(index, c, c, nb).column_words[1].any()) for c in chunks)
 
 
-def test_column_scatter_launches_only_its_index_adds_per_gqa_position():
-    """The backward's column dK/dV scatter runs once per ring step, where launches bound small
-    steps: each more GQA position adds its two ``index_add_`` (dK, dV) and views, no copies or
-    arithmetic (counted as dispatched ops, Triton kernels under the interpreter on CPU)."""
+@pytest.mark.parametrize("programs", [1, 40])
+def test_column_programs_dealt_to_live_tiles(monkeypatch, programs):
+    """Fewer column programs than the default (one split per tile, so programs past the live
+    tiles idle; or two, so a live tile takes several): the same gradients (``column_partials``)."""
+    from megatron_mtraining.kernels import triton_common
+    monkeypatch.setattr(triton_common, "LAUNCH_OVERRIDES", {"bwd": {"COLUMN_PROGRAMS": programs}})
+    test_chunked_steps_equal_full_attention("triton", "striped", 2, "uneven_columns")
+    test_chunked_steps_equal_full_attention("triton", "zigzag", 2, "many_columns")
+
+
+def test_column_scatter_launches_one_kernel_per_gqa_position():
+    """The backward's column dK/dV sum and scatter runs once per ring step, where launches bound
+    small steps: each more GQA position adds one launch of ``column_partials``' kernel and nothing
+    else (counted as dispatched ops: none on a GPU, the interpreter's copies of the launch's
+    tensors on CPU, the same for every launch)."""
     import collections
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -150,6 +173,17 @@ def test_column_scatter_launches_only_its_index_adds_per_gqa_position():
         assert dk.abs().sum() > 0 and dv.abs().sum() > 0  # the columns did scatter
         return count.ops
 
-    two, eight = ops(2), ops(8)
+    def one_launch():  # the partials kernel alone, for one head
+        from megatron_mtraining.kernels.column_partials import add_column_partials, column_partials
+
+        dk_part, dv_part = column_partials(1, 1, 1, 2, 16, 16, torch.device("cpu"))
+        dk_part.zero_(), dv_part.zero_()
+        dk, dv = torch.zeros(1, 1, 32, 16), torch.zeros(1, 1, 32, 16)
+        with Count() as count:
+            add_column_partials(dk_part, dv_part, torch.tensor([[3]], dtype=torch.int32),
+                                torch.tensor([[[4, 9, 30]]], dtype=torch.int32), dk, dv)
+        return count.ops
+
+    two, eight, launch = ops(2), ops(8), one_launch()
     grown = {name: eight[name] - two[name] for name in set(two) | set(eight) if eight[name] != two[name]}
-    assert grown == {"aten.index_add_": 2 * (8 - 2)}, grown
+    assert grown == {name: (8 - 2) * n for name, n in launch.items()}, (grown, launch)

@@ -61,17 +61,30 @@ def column_words_reference(col_pos: torch.Tensor, q_block_ids: torch.Tensor, sla
 
 
 @triton.jit
-def _column_words_kernel(ColPos, QBlk, Bitmap, FirstDoc, LastDoc, Words, Diag, MAX_V, NQB, NB, N_WORDS,
+def _column_words_kernel(ColPos, ColCnt, QBlk, Bitmap, FirstDoc, LastDoc, Words, Diag, MAX_V, NQB, NB, N_WORDS,
                          BLOCK: tl.constexpr, WORDS_PER_ITER: tl.constexpr, QUERY_BLOCKS: tl.constexpr,
-                         INT64: tl.constexpr, DOCS: tl.constexpr):
+                         INT64: tl.constexpr, DOCS: tl.constexpr, COUNTS: tl.constexpr):
     pid_q = tl.program_id(0)
     bh = wide(tl.program_id(1), INT64)  # times the rows' lengths
     bit = tl.arange(0, 64)
     one = tl.full([WORDS_PER_ITER, 64], 1, tl.int64)
     diag = tl.zeros([QUERY_BLOCKS], tl.int32)
+    # Words past the head's columns (a ring step holds ~1/W of the capacity) are zero: stored
+    # without the gathers.
+    if COUNTS:
+        live_words = tl.cdiv(tl.load(ColCnt + bh), 64 * WORDS_PER_ITER) * WORDS_PER_ITER
+    else:
+        live_words = N_WORDS
+    empty = tl.zeros([WORDS_PER_ITER], tl.int64)
+    for w0 in range(live_words, N_WORDS, WORDS_PER_ITER):
+        word = w0 + tl.arange(0, WORDS_PER_ITER)
+        for qi in range(0, QUERY_BLOCKS):
+            i = pid_q * QUERY_BLOCKS + qi
+            if i < NQB:
+                tl.store(Words + (bh * NQB + i) * N_WORDS + word, empty, mask=word < N_WORDS)
     # Each program serves QUERY_BLOCKS query blocks, so each chunk of column positions is read
     # once for all of them, and WORDS_PER_ITER words at a time, so the gathers overlap.
-    for w0 in range(0, N_WORDS, WORDS_PER_ITER):
+    for w0 in range(0, tl.minimum(live_words, N_WORDS), WORDS_PER_ITER):
         word = w0 + tl.arange(0, WORDS_PER_ITER)
         slot = word[:, None] * 64 + bit[None, :]
         pos = tl.load(ColPos + bh * MAX_V + slot, mask=slot < MAX_V, other=NB * BLOCK)
@@ -96,8 +109,10 @@ def _column_words_kernel(ColPos, QBlk, Bitmap, FirstDoc, LastDoc, Words, Diag, M
 
 
 def column_words_triton(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_bitmap: torch.Tensor,
-                        block_size: int, documents=None):
-    """The same as ``column_words_reference``; one program per (8 query blocks, batch x head)."""
+                        block_size: int, documents=None, col_count=None):
+    """The same as ``column_words_reference``; one program per (8 query blocks, batch x head).
+    ``col_count`` (int32 ``[b, hq]``, the plan's): the words past a head's columns are zeroed
+    without reading their positions (empty slots are never live)."""
     b, hq, max_v = col_pos.shape
     nqb, nb = q_block_ids.numel(), slash_bitmap.shape[-1]
     n_words = column_word_count(max_v)
@@ -111,8 +126,10 @@ def column_words_triton(col_pos: torch.Tensor, q_block_ids: torch.Tensor, slash_
     # Without documents the kernel never reads the document pointers; Triton wants storage there.
     first, last = (documents.block_first_start, documents.block_last_start) if documents is not None \
         else (q_block_ids, q_block_ids)
+    counts = col_count.contiguous() if col_count is not None else q_block_ids  # (storage; COUNTS=False)
     _column_words_kernel[(triton.cdiv(nqb, query_blocks), b * hq)](
-        col_pos, q_block_ids, slash_bitmap, first, last, words, diag, max_v, nqb, nb, n_words,
+        col_pos, counts, q_block_ids, slash_bitmap, first, last, words, diag, max_v, nqb, nb, n_words,
         BLOCK=block_size, WORDS_PER_ITER=min(16, triton.next_power_of_2(n_words)), QUERY_BLOCKS=query_blocks,
-        INT64=int64_offsets(col_pos, slash_bitmap, words), DOCS=documents is not None, num_warps=4)
+        INT64=int64_offsets(col_pos, slash_bitmap, words), DOCS=documents is not None,
+        COUNTS=col_count is not None, num_warps=4)
     return words, diag

@@ -7,7 +7,7 @@ reduction, so the backward stays deterministic.
   * ``_dkdv_sm90_kernel`` dK, dV of one key block over the transposed slash lists of every query
     head of its GQA group (Q/dO tiles stream through two slots; each key row has one writer).
   * ``_dkdv_col_sm90_kernel`` dK, dV of 64 gathered columns over a range of query blocks: fp32
-    partials per range, summed in a fixed order by the caller.
+    partials per range, summed in a fixed order afterwards (``column_partials``).
 
 Per streamed tile, one warpgroup per 64 rows of the program runs, as asynchronous wgmma, the two
 score products (S, dP; or S^T, dP^T in the key-major kernels, where each key's mask scalars are a
@@ -96,6 +96,14 @@ def _issue_gradients_t(dk, dv, p_t, dp_t, di, q_tile, do_tile, a_layout: gl.cons
 
 
 @gluon.jit
+def _column_program(program, n_cols, PROGRAMS, TILE_COLS: gl.constexpr):
+    """``column_partials.column_program`` in Gluon: (tile, split, splits of that tile)."""
+    live = (n_cols + TILE_COLS - 1) // TILE_COLS
+    n_splits = PROGRAMS // gl.maximum(live, 1)
+    return program // n_splits, program % n_splits, n_splits
+
+
+@gluon.jit
 def _dkdv_col_sm90_kernel(
     Q, K, V, DO, Lse, Delta, DKP, DVP,
     QBlk, ColCnt, Cols, ColPos, Words, HeadDiag, QFirst, QEnd, DocStart,
@@ -105,11 +113,12 @@ def _dkdv_col_sm90_kernel(
     stride_ob, stride_oh, stride_on,
     stride_lb, stride_lh,
     qk_scale, sm_scale,
-    HQ, GROUP, NQB, MAX_V, MAX_V_PAD, N_WORDS, SPLITS, BH,
+    HQ, GROUP, NQB, MAX_V, N_TILES, N_WORDS, SPLITS,
     BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, INT64: gl.constexpr, DOCS: gl.constexpr,
     SMEM_LAYOUT: gl.constexpr,
 ):
-    """One program per (64-column tile, batch x query head, query-range split): the gathered K and
+    """N_TILES x SPLITS programs per (batch x query head), shared by the head's live 64-column
+    tiles (``column_programs``): one program per (live tile, query-range split). The gathered K and
     V rows sit in shared memory as wgmma operands for the whole loop (Triton's column kernel holds
     them in registers, spills and waits on memory: 5.7 ms against 4.5 at 128K)."""
     gl.static_assert(BLOCK % TILE == 0, "index blocks are whole 64-row tiles")
@@ -121,14 +130,14 @@ def _dkdv_col_sm90_kernel(
     queries_of_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # one entry per query (column of S^T)
     rows_c: gl.constexpr = gl.SliceLayout(1, c_layout)
 
-    pid_c = gl.program_id(0)
     pid_bh = gl.program_id(1)
-    pid_s = gl.program_id(2)
     b = wide(pid_bh // HQ, INT64)
     h = wide(pid_bh % HQ, INT64)
     kvh = h // GROUP
     bh = wide(pid_bh, INT64)  # times the plan's row lengths
     n_cols = gl.load(ColCnt + pid_bh)
+    program = gl.program_id(2) * N_TILES + gl.program_id(0)
+    pid_c, pid_s, n_splits = _column_program(program, n_cols, N_TILES * SPLITS, TILE)
 
     kc_smem = gl.allocate_shared_memory(K.dtype.element_ty, [TILE, HEAD_DIM], SMEM_LAYOUT)
     vc_smem = gl.allocate_shared_memory(V.dtype.element_ty, [TILE, HEAD_DIM], SMEM_LAYOUT)
@@ -146,16 +155,17 @@ def _dkdv_col_sm90_kernel(
 
     # The query blocks before q_first end before the tile's first column, those from q_end on (DOCS)
     # start their documents after its last column: the splits share the rest.
-    tile = pid_bh * gl.num_programs(0) + pid_c
+    # A program past the head's live tiles (pid_c * TILE >= n_cols) walks nothing.
+    tile = pid_bh * N_TILES + gl.minimum(pid_c, N_TILES - 1)
     q_first = gl.load(QFirst + tile)
     if DOCS:
         q_end = gl.load(QEnd + tile)
     else:
         q_end = q_first * 0 + NQB
-    per_split = (gl.maximum(q_end - q_first, 0) + SPLITS - 1) // SPLITS
+    per_split = (gl.maximum(q_end - q_first, 0) + n_splits - 1) // n_splits
     i_start = q_first + pid_s * per_split
     i_end = gl.minimum(i_start + per_split, q_end)
-    n_q = gl.maximum(i_end - i_start, 0) * (BLOCK // TILE)  # 64-row query tiles
+    n_q = gl.where(pid_c * TILE < n_cols, gl.maximum(i_end - i_start, 0) * (BLOCK // TILE), 0)  # 64-row tiles
     row0 = i_start * BLOCK
     q_base = Q + b * stride_qb + h * stride_qh
     do_base = DO + b * stride_ob + h * stride_oh
@@ -212,12 +222,12 @@ def _dkdv_col_sm90_kernel(
     dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
     async_copy.wait_group(0)  # no copy outlives the program (the K/V gather when n_q = 0)
 
-    # Partials [splits * b * hq, MAX_V_PAD, HEAD_DIM] can pass 2^31 elements: int64. Empty slots
-    # (they gathered row 0) store exact zeros, whatever row 0 holds: they are scattered onto row 0.
-    part = (pid_s * BH + pid_bh).to(gl.int64) * MAX_V_PAD * HEAD_DIM
+    # The partial of program p of head bh is at [bh, p] (``column_programs``); [b * hq, programs,
+    # 64, HEAD_DIM] can pass 2^31 elements: int64. Empty slots (they gathered row 0) store zeros.
+    part = (bh.to(gl.int64) * (N_TILES * SPLITS) + program) * TILE * HEAD_DIM
     out_rows = pid_c * TILE + gl.arange(0, TILE, layout=rows_c)
     ok = (out_rows < n_cols)[:, None]
-    offs = out_rows.to(gl.int64)[:, None] * HEAD_DIM + offs_d
+    offs = gl.arange(0, TILE, layout=rows_c).to(gl.int64)[:, None] * HEAD_DIM + offs_d
     gl.store(DKP + part + offs, gl.where(ok, gl.convert_layout(dk * sm_scale, c_layout), 0.0))
     gl.store(DVP + part + offs, gl.where(ok, gl.convert_layout(dv, c_layout), 0.0))
 
@@ -475,15 +485,15 @@ def column_gradients_hopper(q, k, v, do, lse, delta, dk_part, dv_part, plan, col
                             q_first, q_end, doc_start, docs: bool, int64: bool, strides, qk_scale: float,
                             softmax_scale: float, splits: int) -> None:
     """``_dkdv_col_kernel``'s launch with the same arguments (64-column tiles): fp32 partials of
-    dK (scaled) and dV per (split, batch x query head, column slot)."""
+    dK (scaled) and dV, one per column program (``column_partials``)."""
     b, hq, nq, d = q.shape
     B = plan.block_size
-    n_tiles = dk_part.shape[2] // TILE.value
+    n_tiles = dk_part.shape[1] // splits
     _dkdv_col_sm90_kernel[(n_tiles, b * hq, splits)](
         q, k, v, do, lse, delta, dk_part, dv_part,
         plan.q_block_ids, plan.col_count, cols, col_pos, words, head_diag, q_first, q_end, doc_start,
         *strides, qk_scale, softmax_scale,
-        hq, hq // k.shape[1], nq // B, plan.cols.shape[-1], dk_part.shape[2], words.shape[-1], splits, b * hq,
+        hq, hq // k.shape[1], nq // B, plan.cols.shape[-1], n_tiles, words.shape[-1], splits,
         BLOCK=B, HEAD_DIM=d, INT64=int64, DOCS=docs, SMEM_LAYOUT=shared_layout(d, q.dtype), num_warps=4,
     )
 

@@ -221,9 +221,11 @@ class StepPlan:
         first use (only the Triton kernels need it) and kept for the step's other kernels."""
         if self._column_words is None:
             # Through Triton on a GPU, in PyTorch elsewhere (CPU tests, the interpreter).
-            fn = column_words_triton if column_words_kernel(self.col_pos.device) == "triton" else column_words_reference
-            self._column_words = fn(self.col_pos, self.q_block_ids.to(torch.int32), self.slash_bitmap, self.block_size,
-                                    self.documents)
+            args = (self.col_pos, self.q_block_ids.to(torch.int32), self.slash_bitmap, self.block_size, self.documents)
+            if column_words_kernel(self.col_pos.device) == "triton":
+                self._column_words = column_words_triton(*args, col_count=self.col_count)
+            else:
+                self._column_words = column_words_reference(*args)
         return self._column_words
 
     @property

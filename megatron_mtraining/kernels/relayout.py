@@ -23,8 +23,8 @@ _ROWS_PER_PROGRAM = 64
 
 @triton.jit
 def _copy_rows_kernel(src, dst, S, H, D, S_TILES,
-                      src_b, src_h, src_s, dst_b, dst_h, dst_s,
-                      BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                      src_b, src_h, src_s, dst_b, dst_h, dst_s, NanIf,
+                      BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, POISON: tl.constexpr):
     # One grid axis (up to 2^31 - 1 programs): the second and third are capped at 65535.
     pid = tl.program_id(0)
     pid_s = pid % S_TILES
@@ -35,13 +35,18 @@ def _copy_rows_kernel(src, dst, S, H, D, S_TILES,
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < S) & (cols[None, :] < D)
     x = tl.load(src + b * src_b + h * src_h + rows[:, None] * src_s + cols[None, :], mask=mask)
+    if POISON:
+        x = tl.where(tl.load(NanIf) != 0, float("nan"), x)
     tl.store(dst + b * dst_b + h * dst_h + rows[:, None] * dst_s + cols[None, :], x, mask=mask)
 
 
-def copy_rows(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def copy_rows(x: torch.Tensor, out: Optional[torch.Tensor] = None, nan_if: Optional[torch.Tensor] = None
+              ) -> torch.Tensor:
     """``x`` ``[b, h, s, d]`` (any strides, the last one 1) copied into ``out`` of the same shape
     (any strides, the last one 1, any floating dtype: the copy casts; default a new contiguous
-    tensor in x's dtype) by the row-copy kernel."""
+    tensor in x's dtype) by the row-copy kernel. ``nan_if``: a one-element bool tensor on x's
+    device; where it holds True the copy writes NaN everywhere (``agreement.poison``), read by the
+    kernel: no host synchronisation."""
     if x.dim() != 4 or x.stride(-1) != 1:
         raise ValueError(f"copy_rows: x must be [b, h, s, d] with a contiguous last dim, got shape "
                          f"{tuple(x.shape)} and strides {x.stride()}")
@@ -55,7 +60,9 @@ def copy_rows(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tens
         tiles = triton.cdiv(s, _ROWS_PER_PROGRAM)
         _copy_rows_kernel[(tiles * b * h,)](x, out, s, h, d, tiles, x.stride(0), x.stride(1), x.stride(2),
                                             out.stride(0), out.stride(1), out.stride(2),
-                                            BLOCK_S=_ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(d))
+                                            x if nan_if is None else nan_if,  # (storage; POISON=False)
+                                            BLOCK_S=_ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(d),
+                                            POISON=nan_if is not None)
     return out
 
 

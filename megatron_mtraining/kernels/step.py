@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .column_partials import add_column_partials, column_partials
 from .common import HOPPER_TILE, LOG2E, column_arguments, document_arguments, int64_offsets, plan_tensors
 from .dispatch import BackwardParts, backward_kernel, backward_parts, forward_kernel, hopper_forward_rows
 from .plan import first_query_blocks, query_block_ends
@@ -117,8 +118,8 @@ def vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_sca
     ("triton": ``triton_bwd.py``, "hopper": ``hopper_bwd.py``, sm_90; ``dispatch.backward_parts``).
     ``accumulate_dq=False`` (a single step) writes ``dq`` in its own dtype instead of adding.
     ``dq=None`` skips the dQ part, ``dk=dv=None`` the dK/dV parts (a ring step runs them apart).
-    The column gradients go through fp32 partials per query-range split, summed here in a fixed
-    order: the backward is deterministic on either kernels.
+    The column gradients go through fp32 partials per query-range split, summed in a fixed order
+    (``column_partials``): the backward is deterministic on either kernels.
 
     ``lse`` and ``delta`` (fp32 ``[b, hq, nq]``, same strides) belong to the FINAL output.
     """
@@ -153,35 +154,13 @@ def vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_sca
     # The column tiles' width: the Hopper kernel's 64-row tile, or the Triton kernel's BLOCK_COL.
     block_col = HOPPER_TILE if parts.columns == "hopper" else tile_config(B, q.dtype, "bwd")["BLOCK_COL"]
     n_tiles = -(-max_v // block_col)
-    max_v_pad = n_tiles * block_col
     splits = _column_splits(nqb, n_tiles * b * hq, tile_config(B, q.dtype, "bwd")["COLUMN_PROGRAMS"])
     q_first = first_query_blocks(plan, block_col)
     q_end = query_block_ends(plan, block_col) if docs else q_first  # read only with DOCS
-    dk_part = torch.empty(splits, b * hq, max_v_pad, d, dtype=torch.float32, device=q.device)
-    dv_part = torch.empty_like(dk_part)
+    # n_tiles x splits programs per head, dealt out to its live tiles (``column_partials``).
+    dk_part, dv_part = column_partials(b, hq, n_tiles, splits, block_col, d, q.device)
     head_diag = diag.amax(-1).contiguous()
     column_gradients = _launchers(parts.columns)[2]
     column_gradients(q, k, v, do, lse, delta, dk_part, dv_part, plan, cols, col_pos, words, head_diag, q_first, q_end,
                      doc_start, docs, int64, strides, qk_scale, softmax_scale, splits)
-    # Fixed-order reduction over splits, then one scatter per GQA position: within one
-    # index_add_ every real target row is distinct (padding slots add exact zeros), so the
-    # result does not depend on the order of the adds. The per-position sources and rows are laid
-    # out GQA-position-major once, so the loop launches only its index_adds (no per-position
-    # copies): this glue runs once per ring step, where launches are what bounds small steps.
-    dk_flat = dk.view(-1, d) if dk.is_contiguous() else None
-    dv_flat = dv.view(-1, d) if dv.is_contiguous() else None
-    if dk_flat is None or dv_flat is None:
-        raise ValueError("vs_attention_backward: dk and dv accumulators must be contiguous")
-
-    def by_position(part):  # [splits, b*hq, max_v_pad, d] -> [group, b*hkv*max_v, d]
-        summed = part.sum(0)[:, :max_v].view(b, hkv, group, max_v, d)
-        return summed.permute(2, 0, 1, 3, 4).reshape(group, -1, d)
-
-    dk_cols, dv_cols = by_position(dk_part), by_position(dv_part)
-    slot_ok = torch.arange(max_v, device=q.device) < plan.col_count[..., None]
-    target = torch.where(slot_ok, plan.cols.long(), 0).view(b, hkv, group, max_v)
-    row_base = (torch.arange(b * hkv, device=q.device) * nk).view(b, hkv, 1, 1)
-    rows = (target + row_base).permute(2, 0, 1, 3).reshape(group, -1)
-    for g in range(group):
-        dk_flat.index_add_(0, rows[g], dk_cols[g])
-        dv_flat.index_add_(0, rows[g], dv_cols[g])
+    add_column_partials(dk_part, dv_part, plan.col_count, plan.cols, dk, dv)

@@ -8,7 +8,7 @@ and added into fp32 accumulators, so a ring can call this once per step:
     ``kb + delta`` reads key block ``kb``), so each key block has exactly one writer: no atomics.
   * ``_dkdv_col_kernel`` columns are read by every later query block: a split reduction over
     the query blocks from the first that can see the column tile (``first_query_blocks``)
-    writes fp32 partials, summed in a fixed order afterwards (deterministic).
+    writes fp32 partials, summed in a fixed order afterwards (deterministic; ``column_partials``).
 
 Each kernel has a launcher with the same arguments as its Hopper twin in ``hopper_bwd.py``
 (``query_gradients_*``, ``block_gradients_*``, ``column_gradients_*``). ``step.py`` runs the
@@ -21,6 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .column_partials import column_program
 from .common import column_arguments, document_arguments
 from .triton_common import (causal_columns, column_begin, column_tile, document_starts, head_offset, kernel_flags,
                             needs_token_mask, query_documents, tile_config, tile_ptrs, token_mask, token_mask_t, wide,
@@ -253,22 +254,24 @@ def _dkdv_col_kernel(
     stride_ob, stride_oh, stride_on,
     stride_lb, stride_lh,
     qk_scale, sm_scale,
-    HQ, GROUP, NQB, MAX_V, MAX_V_PAD, N_WORDS, SPLITS, BH,
+    HQ, GROUP, NQB, MAX_V, N_TILES, N_WORDS, SPLITS,
     BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_COL: tl.constexpr, HEAD_DIM: tl.constexpr,
     INT64: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, DOCS: tl.constexpr,
 ):
+    """N_TILES x SPLITS programs per (batch x query head), shared by the head's live column tiles:
+    one program per (live tile, query-range split) (``column_partials.column_program``)."""
     tl.static_assert(64 % BLOCK_COL == 0, "a column tile must lie within one 64-bit word")
-    pid_c = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
     b = pid_bh // HQ
     h = pid_bh % HQ
     kvh = h // GROUP
     bh = wide(pid_bh, INT64)  # times the plan's row lengths
+    n_cols = tl.load(ColCnt + pid_bh)
+    program = tl.program_id(2) * N_TILES + tl.program_id(0)
+    pid_c, pid_s, n_splits = column_program(program, n_cols, N_TILES * SPLITS, BLOCK_COL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_c = pid_c * BLOCK_COL + tl.arange(0, BLOCK_COL)
-    n_cols = tl.load(ColCnt + pid_bh)
     c_ok = offs_c < n_cols
     col = tl.load(Cols + bh * MAX_V + offs_c, mask=c_ok, other=0)
     c_pos = tl.load(ColPos + bh * MAX_V + offs_c, mask=c_ok, other=0)
@@ -282,15 +285,16 @@ def _dkdv_col_kernel(
     dv = tl.zeros([BLOCK_COL, HEAD_DIM], tl.float32)
     # The query blocks before q_first end before the tile's first column, those from q_end on (DOCS)
     # start their documents after its last column: the splits share the rest.
-    tile = pid_bh * tl.num_programs(0) + pid_c
+    # A program past the head's live tiles (pid_c * BLOCK_COL >= n_cols) walks nothing.
+    tile = pid_bh * N_TILES + tl.minimum(pid_c, N_TILES - 1)
     q_first = tl.load(QFirst + tile)
     if DOCS:
         q_end = tl.load(QEnd + tile)
     else:
         q_end = NQB
-    per_split = tl.cdiv(tl.maximum(q_end - q_first, 0), SPLITS)
+    per_split = tl.cdiv(tl.maximum(q_end - q_first, 0), n_splits)
     i_start = q_first + pid_s * per_split
-    i_end = tl.minimum(i_start + per_split, q_end)  # empty tiles (q_first = NQB) write zero partials
+    i_end = tl.where(pid_c * BLOCK_COL < n_cols, tl.minimum(i_start + per_split, q_end), i_start)
     words = Words + bh * NQB * N_WORDS + (pid_c * BLOCK_COL) // 64  # this tile's word, per query block
     # A live column inside some query block of this head (never for a valid index) needs the
     # token-level test; folded into the mask without a branch (a branch, or two copies of the
@@ -300,12 +304,12 @@ def _dkdv_col_kernel(
                                Q, DO, Lse, Delta, QBlk, DocStart, b, h, offs_m, offs_d, qk_scale, stride_qb,
                                stride_qh, stride_qn, stride_ob, stride_oh, stride_on, stride_lb, stride_lh, N_WORDS,
                                BLOCK, BLOCK_M, BLOCK_COL, INT64, UPCAST, DOT_PRECISION, DOCS)
-    # Partials [splits * b * hq, MAX_V_PAD, HEAD_DIM] can pass 2^31 elements too; one store, so int64.
-    part = (pid_s * BH + pid_bh).to(tl.int64) * MAX_V_PAD * HEAD_DIM
-    # Empty slots (they gathered row 0) store exact zeros, whatever row 0 holds: they are scattered
-    # onto row 0 afterwards.
-    tl.store(tile_ptrs(DKP + part, offs_c, HEAD_DIM, offs_d, True), tl.where(c_ok[:, None], dk * sm_scale, 0.0))
-    tl.store(tile_ptrs(DVP + part, offs_c, HEAD_DIM, offs_d, True), tl.where(c_ok[:, None], dv, 0.0))
+    # The partial of program p of head bh is at [bh, p]: [b * hq, programs, BLOCK_COL, HEAD_DIM] can
+    # pass 2^31 elements too; one store, so int64. Empty slots (they gathered row 0) store zeros.
+    part = (bh.to(tl.int64) * (N_TILES * SPLITS) + program) * BLOCK_COL * HEAD_DIM
+    rows = tl.arange(0, BLOCK_COL)
+    tl.store(tile_ptrs(DKP + part, rows, HEAD_DIM, offs_d, True), tl.where(c_ok[:, None], dk * sm_scale, 0.0))
+    tl.store(tile_ptrs(DVP + part, rows, HEAD_DIM, offs_d, True), tl.where(c_ok[:, None], dv, 0.0))
 
 
 def _launch(q, block_size: int, int64: bool) -> tuple:
@@ -352,15 +356,15 @@ def block_gradients_triton(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc
 def column_gradients_triton(q, k, v, do, lse, delta, dk_part, dv_part, plan, cols, col_pos, words, head_diag,
                             q_first, q_end, doc_start, docs: bool, int64: bool, strides, qk_scale: float,
                             softmax_scale: float, splits: int) -> None:
-    """fp32 partials of dK (scaled) and dV per (split, batch x query head, column slot), in tiles of
-    ``tile_config``'s BLOCK_COL columns (``dk_part``'s slots are padded to a whole number of them)."""
+    """fp32 partials of dK (scaled) and dV of ``tile_config``'s BLOCK_COL-column tiles, one per column
+    program (``column_partials``: ``dk_part`` ``[b * hq, n_tiles * splits, BLOCK_COL, d]``)."""
     b, hq, nq, d = q.shape
     B = plan.block_size
     cfg, launch = _launch(q, B, int64)
-    max_v_pad = dk_part.shape[2]
-    _dkdv_col_kernel[(max_v_pad // cfg["BLOCK_COL"], b * hq, splits)](
+    n_tiles = dk_part.shape[1] // splits
+    _dkdv_col_kernel[(n_tiles, b * hq, splits)](
         q, k, v, do, lse, delta, dk_part, dv_part,
         plan.q_block_ids, plan.col_count, cols, col_pos, words, head_diag, q_first, q_end, doc_start,
         *strides, qk_scale, softmax_scale,
-        hq, hq // k.shape[1], nq // B, plan.cols.shape[-1], max_v_pad, words.shape[-1], splits, b * hq,
+        hq, hq // k.shape[1], nq // B, plan.cols.shape[-1], n_tiles, words.shape[-1], splits,
         BLOCK=B, BLOCK_M=cfg["BLOCK_M"], BLOCK_COL=cfg["BLOCK_COL"], HEAD_DIM=d, DOCS=docs, **launch)

@@ -224,8 +224,8 @@ class RingAttentionFunction(torch.autograd.Function):
             dq = gradient_like(q)  # written once, in q's dtype
 
             def queries(kv, source):
-                k_all[:, :, source].copy_(kv[0])
-                v_all[:, :, source].copy_(kv[1])
+                copy_into(kv[0], k_all[:, :, source])  # the row copy: PyTorch's strided copy is ~2.5x slower
+                copy_into(kv[1], v_all[:, :, source])
                 done[0] += 1
                 if done[0] == W:
                     ctx.steps.backward_all_queries(q, k_all.view(b, hkv, W * n, d), v_all.view(b, hkv, W * n, d),
