@@ -138,6 +138,7 @@ def _dkdv_col_sm90_kernel(
     n_cols = gl.load(ColCnt + pid_bh)
     program = gl.program_id(2) * N_TILES + gl.program_id(0)
     pid_c, pid_s, n_splits = _column_program(program, n_cols, N_TILES * SPLITS, TILE)
+    rows_left = n_cols - pid_c * TILE  # this tile's slots that hold a column (none: <= 0)
 
     kc_smem = gl.allocate_shared_memory(K.dtype.element_ty, [TILE, HEAD_DIM], SMEM_LAYOUT)
     vc_smem = gl.allocate_shared_memory(V.dtype.element_ty, [TILE, HEAD_DIM], SMEM_LAYOUT)
@@ -222,11 +223,13 @@ def _dkdv_col_sm90_kernel(
     dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv,))
     async_copy.wait_group(0)  # no copy outlives the program (the K/V gather when n_q = 0)
 
-    # The partial of program p of head bh is at [bh, p] (``column_programs``); [b * hq, programs,
+    # The partial of program p of head bh is at [bh, p] (``column_partials``); [b * hq, programs,
     # 64, HEAD_DIM] can pass 2^31 elements: int64. Empty slots (they gathered row 0) store zeros.
-    part = (bh.to(gl.int64) * (N_TILES * SPLITS) + program) * TILE * HEAD_DIM
-    out_rows = pid_c * TILE + gl.arange(0, TILE, layout=rows_c)
-    ok = (out_rows < n_cols)[:, None]
+    # Only rows_left and the program ids are live across the loop: at 255 registers, values kept
+    # through it are spilled and reloaded per tile (keeping the program's tile there cost 60%).
+    program = gl.program_id(2) * N_TILES + gl.program_id(0)
+    part = (gl.program_id(1).to(gl.int64) * (N_TILES * SPLITS) + program) * TILE * HEAD_DIM
+    ok = (gl.arange(0, TILE, layout=rows_c) < rows_left)[:, None]
     offs = gl.arange(0, TILE, layout=rows_c).to(gl.int64)[:, None] * HEAD_DIM + offs_d
     gl.store(DKP + part + offs, gl.where(ok, gl.convert_layout(dk * sm_scale, c_layout), 0.0))
     gl.store(DVP + part + offs, gl.where(ok, gl.convert_layout(dv, c_layout), 0.0))
