@@ -326,8 +326,9 @@ def ptxas_report(ptx: str) -> Dict:
         proc = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", cubin], capture_output=True, text=True,
                               timeout=120)
         nvdisasm = os.path.join(os.path.dirname(ptxas), "nvdisasm")
-        sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, timeout=120).stdout \
+        disasm = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True, timeout=120) \
             if proc.returncode == 0 and os.path.exists(nvdisasm) else None
+        sass = disasm.stdout if disasm is not None and disasm.returncode == 0 else None
     text = proc.stdout + proc.stderr
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", text)]
     spilled = [int(x) for x in re.findall(r"(\d+) bytes spill stores", text)]
@@ -335,12 +336,13 @@ def ptxas_report(ptx: str) -> Dict:
             "spills": "0 bytes spill stores, 0 bytes spill loads" not in text,
             "spill_bytes": max(spilled) if spilled else None,
             "wgmma_serialized": "C7513" in text or "C7514" in text,
-            "loop_spill_loads": None if sass is None else loop_spill_loads(sass)}
+            "loop_spill_loads": loop_spill_loads(sass) if sass else None}
 
 
-def loop_spill_loads(sass: str) -> int:
+def loop_spill_loads(sass: str) -> Optional[int]:
     """The most local-memory loads (LDL: spill reloads) between a backward branch and its target in
-    ``nvdisasm -c`` output: the spills a loop pays per iteration (0 without loops)."""
+    ``nvdisasm -c`` output: the spills a loop pays per iteration (0 without loops; None where the
+    text holds no instructions, so a failed disassembly never reads as a clean one)."""
     code, labels, pending = [], {}, []
     for line in sass.splitlines():
         label = re.match(r"\s*(\.L_x_\d+):", line)
@@ -353,6 +355,8 @@ def loop_spill_loads(sass: str) -> int:
                 labels[name] = len(code)
             pending = []
             code.append(instr.group(2))
+    if not code:
+        return None
     most = 0
     for i, text in enumerate(code):
         target = re.search(r"BRA.*?(\.L_x_\d+)", text)

@@ -50,7 +50,7 @@ TOP_LEVEL = {
 KERNEL_TIERS = {
     "common": 0,
     "dispatch": 1,
-    "triton_common": 2, "hopper_common": 2, "reference": 2,
+    "triton_common": 2, "hopper_common": 2, "reference": 2, "column_partials": 2,
     "triton_fwd": 3, "triton_bwd": 3, "triton_delta": 3, "triton_approx": 3, "column_words": 3,
     "hopper_fwd": 3, "hopper_bwd": 3, "torch_step": 3, "dense": 3,
     "plan": 4,

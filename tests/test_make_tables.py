@@ -146,3 +146,22 @@ def test_packed_targets_come_from_the_benchmark_mix_where_it_ran():
     summary = make_tables.summarise({"ringpacked": [("r/ringpacked_2gpu.json", ring)]})
     assert summary["packed_ring_speedup_vs_dense_512k_2gpu"] == 20.0
     assert summary["packed_ring_step_imbalance"] == 1.09 and summary["packed_ring_worker_imbalance"] == 1.02
+
+
+def test_imbalance_figures_come_from_the_newest_h200_run_not_the_last_file_name():
+    """The paper's imbalance keys take the same precedence as the other ring figures (an H200's
+    run, then the newest), whatever the files' names sort as."""
+    def run(commit, device, when, step):
+        result = _ring_result(commit, 4, 150.0)
+        result["meta"].update(device=device, time_utc=when)
+        result["runs"][0]["variants"]["sparse_striped"]["steps"] = {
+            "fwd_bwd": {"imbalance": {"worker_imbalance": 1.01, "step_imbalance": step, "computation_ratio": 0.99}}}
+        return result
+
+    results = [("r/ring_4gpu_scaling.json", run("ccccccc", "NVIDIA H200", "2026-11-27T08:00", 1.05)),
+               ("r/ring_4gpu_scaling_aaaaaaa.json", run("aaaaaaa", "NVIDIA H200", "2026-11-26T08:00", 1.8)),
+               ("r/ring_4gpu_scaling_zzz.json", run("bbbbbbb", "NVIDIA H100", "2026-11-28T08:00", 1.6))]
+    summary = make_tables.summarise({"ring": results})
+    assert summary["step_imbalance"] == 1.05 and summary["details"]["step_imbalance"]["met"] is True
+    assert summary["details"]["step_imbalance"]["source"] == "r/ring_4gpu_scaling.json"
+    assert "commit ccccccc" in summary["details"]["step_imbalance"]["note"]

@@ -9,9 +9,12 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from megatron_mtraining import VSIndex, reference_attention
 from megatron_mtraining.kernels import build_step_plan, step_backward, step_forward
+from megatron_mtraining.kernels.column_partials import column_program
 from oracle import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,6 +140,7 @@ def test_column_programs_dealt_to_live_tiles(monkeypatch, programs):
     test_chunked_steps_equal_full_attention("triton", "zigzag", 2, "many_columns")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's ops (a GPU's launches dispatch none)")
 def test_column_scatter_launches_one_kernel_per_gqa_position():
     """The backward's column dK/dV sum and scatter runs once per ring step, where launches bound
     small steps: each more GQA position adds one launch of ``column_partials``' kernel and nothing
@@ -174,9 +178,9 @@ def test_column_scatter_launches_one_kernel_per_gqa_position():
         return count.ops
 
     def one_launch():  # the partials kernel alone, for one head
-        from megatron_mtraining.kernels.column_partials import add_column_partials, column_partials
+        from megatron_mtraining.kernels.column_partials import add_column_partials, empty_column_partials
 
-        dk_part, dv_part = column_partials(1, 1, 1, 2, 16, 16, torch.device("cpu"))
+        dk_part, dv_part = empty_column_partials(1, 1, 1, 2, 16, 16, torch.device("cpu"))
         dk_part.zero_(), dv_part.zero_()
         dk, dv = torch.zeros(1, 1, 32, 16), torch.zeros(1, 1, 32, 16)
         with Count() as count:
@@ -187,3 +191,37 @@ def test_column_scatter_launches_one_kernel_per_gqa_position():
     two, eight, launch = ops(2), ops(8), one_launch()
     grown = {name: eight[name] - two[name] for name in set(two) | set(eight) if eight[name] != two[name]}
     assert grown == {name: (8 - 2) * n for name, n in launch.items()}, (grown, launch)
+
+
+
+@triton.jit
+def _deal_column_programs(Counts, Out, PROGRAMS, TILE_COLS: tl.constexpr):
+    """(tile, split, splits) of every column program of every head count (the test below)."""
+    program = tl.program_id(0)
+    head = tl.program_id(1)
+    tile, split, n_splits = column_program(program, tl.load(Counts + head), PROGRAMS, TILE_COLS)
+    at = Out + (head * PROGRAMS + program) * 3
+    tl.store(at, tile)
+    tl.store(at + 1, split)
+    tl.store(at + 2, n_splits)
+
+
+@pytest.mark.skipif(DEVICE == "cpu" and not __import__("os").environ.get("TRITON_INTERPRET"),
+                    reason="needs a GPU or Triton's interpreter")
+@pytest.mark.parametrize("n_tiles, splits, tile_cols", [(7, 1, 16), (7, 3, 64), (5, 2, 16)])
+def test_column_programs_cover_each_live_tile_once(n_tiles, splits, tile_cols):
+    """``column_partials.column_program`` (the Triton kernel's; the Gluon twin is the same
+    arithmetic): for every count of columns, the programs past the live tiles idle and the others
+    cover each (live tile, split) exactly once, programs // live tiles splits per tile: never fewer
+    than the launch's, more where few tiles are live."""
+    programs = n_tiles * splits
+    counts = torch.arange(0, n_tiles * tile_cols + 1, dtype=torch.int32, device=DEVICE)
+    out = torch.empty(len(counts), programs, 3, dtype=torch.int32, device=DEVICE)
+    _deal_column_programs[(programs, len(counts))](counts, out, programs, TILE_COLS=tile_cols)
+    for count, dealt in zip(counts.tolist(), out.cpu()):
+        live = -(-count // tile_cols)
+        want_splits = programs // max(live, 1)
+        assert want_splits >= splits and bool((dealt[:, 2] == want_splits).all()), (count, dealt)
+        assert bool((dealt[:, 0] < n_tiles).all())
+        working = sorted((t, s) for t, s, _ in dealt.tolist() if t < live)
+        assert working == [(t, s) for t in range(live) for s in range(want_splits)], count

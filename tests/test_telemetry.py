@@ -212,3 +212,27 @@ def test_a_record_whose_group_is_gone_is_dropped_not_reduced(tele, caplog, monke
     with caplog.at_level("WARNING"):
         telemetry.disable_telemetry(flush=True)
     assert tele.history == [] and "iteration 2 not logged" in caplog.text
+
+
+def test_step_timer_shares_spread_work_among_the_steps():
+    """A SPREAD interval (the backward's one-pass dQ, timed inside the last step) leaves that
+    step's compute and is shared evenly among the phase's steps: the per-step compute compares
+    the steps' own work and still sums to the phase's; other phases and kinds are untouched."""
+
+    class Fixed:
+        cuda = False
+
+        def __init__(self, ms):
+            self._ms = ms
+
+        def ms(self):
+            return self._ms
+
+    timer = instrument.StepTimer()
+    timer._intervals = [("backward", "compute", 0, Fixed(10.0)), ("backward", "compute", 1, Fixed(14.0)),
+                        ("backward", "compute", 2, Fixed(52.0)), ("backward", instrument.SPREAD, 2, Fixed(36.0)),
+                        ("backward", "wait", 2, Fixed(1.0)), ("forward", "compute", 0, Fixed(5.0)),
+                        ("forward", "compute", 1, Fixed(6.0))]
+    steps = timer.summary()
+    assert steps["backward"] == {"compute_ms": [22.0, 26.0, 28.0], "wait_ms": [0.0, 0.0, 1.0]}
+    assert steps["forward"] == {"compute_ms": [5.0, 6.0]}

@@ -7,14 +7,17 @@ fills only the columns its key chunk holds: about 1/W of them. The column kernel
 (batch x query head), ``programs = n_tiles x splits`` (``n_tiles`` tiles cover the capacity), and
 the programs are dealt out to the head's LIVE tiles (those holding a column) at run time:
 
-  live      = ceil(col_count / tile)          tiles holding a column
-  n_splits  = programs // max(live, 1)        query-range splits per live tile (>= splits)
+  live      = ceil(col_count / tile)               tiles holding a column
+  n_splits  = programs // max(live, 1)             query-range splits per live tile (>= splits)
   program p -> tile p // n_splits, split p % n_splits; tiles from ``live`` on walk nothing
 
-So on one device (every tile live) this is the launch's (tile, split) grid, and at W = 4 the same
-programs split each live tile about 4 ways instead of idling on empty tiles (at 512K over 4 H200s
-the column kernel took 25.7 ms per rank against 18.5 / 4 on one GPU: a quarter of its programs
-had work, and they were the long ones).
+A head whose columns fill the capacity gets ``splits`` per tile, as a plain (tile, split) grid
+would; at W = 4 a step's heads hold about a quarter of it, and the same programs split each live
+tile about 4 ways instead of idling on empty tiles (at 512K over 4 H200s the column kernel took
+25.7 ms per rank against 18.5, the 1-GPU time / 4: a quarter of its programs had work, and they
+were the long ones). A split past a tile's query range walks nothing and writes zeros (with few
+live tiles there can be more splits than query blocks; capping them in the kernel moved its
+register allocation, doubling the spill reloads in its loop in one build).
 
 Program p of head bh writes its fp32 partial (dK scaled, dV) at ``[bh, p]`` of
 ``[b * hq, programs, tile, d]``; ``add_column_partials`` sums each live tile's ``n_splits``
@@ -34,9 +37,14 @@ import triton.language as tl
 def column_program(program, n_cols, PROGRAMS, TILE_COLS: tl.constexpr):
     """(tile, split, splits of that tile) of ``program`` among a head's ``PROGRAMS`` column
     programs, for a head with ``n_cols`` columns (the module's mapping)."""
-    live = tl.cdiv(n_cols, TILE_COLS)
-    n_splits = PROGRAMS // tl.maximum(live, 1)
+    n_splits = column_splits(n_cols, PROGRAMS, TILE_COLS)
     return program // n_splits, program % n_splits, n_splits
+
+
+@triton.jit
+def column_splits(n_cols, PROGRAMS, TILE_COLS: tl.constexpr):
+    """Query-range splits of each live tile of a head with ``n_cols`` columns."""
+    return PROGRAMS // tl.maximum(tl.cdiv(n_cols, TILE_COLS), 1)
 
 
 @triton.jit
@@ -50,7 +58,7 @@ def _add_column_partials_kernel(DKP, DVP, DK, DV, ColCnt, Cols, g, HQ, GROUP, HK
     n_cols = tl.load(ColCnt + bh)
     live = tl.cdiv(n_cols, TILE_COLS)
     if tile < live:
-        n_splits = PROGRAMS // tl.maximum(live, 1)
+        n_splits = column_splits(n_cols, PROGRAMS, TILE_COLS)
         rows = tl.arange(0, TILE_COLS)
         offs_d = tl.arange(0, HEAD_DIM)
         tile_offs = rows[:, None] * HEAD_DIM + offs_d[None, :]
@@ -58,7 +66,7 @@ def _add_column_partials_kernel(DKP, DVP, DK, DV, ColCnt, Cols, g, HQ, GROUP, HK
         dk = tl.zeros([TILE_COLS, HEAD_DIM], tl.float32)
         dv = tl.zeros([TILE_COLS, HEAD_DIM], tl.float32)
         for split in range(0, n_splits):  # in split order: the sum does not depend on the schedule
-            at = first + split * (TILE_COLS * HEAD_DIM) + tile_offs
+            at = first + tl.cast(split, tl.int64) * (TILE_COLS * HEAD_DIM) + tile_offs
             dk += tl.load(DKP + at)
             dv += tl.load(DVP + at)
         slot = tile * TILE_COLS + rows
@@ -70,10 +78,11 @@ def _add_column_partials_kernel(DKP, DVP, DK, DV, ColCnt, Cols, g, HQ, GROUP, HK
         tl.store(DV + dst, tl.load(DV + dst, mask=mask, other=0.0) + dv, mask=mask)
 
 
-def column_partials(b: int, hq: int, n_tiles: int, splits: int, tile_cols: int, head_dim: int,
-                    device: torch.device) -> tuple:
+def empty_column_partials(b: int, hq: int, n_tiles: int, splits: int, tile_cols: int, head_dim: int,
+                          device: torch.device) -> tuple:
     """Uninitialised fp32 (dK, dV) partials ``[b * hq, n_tiles * splits, tile_cols, head_dim]``: one
-    ``[tile_cols, head_dim]`` tile per column program; programs without work leave theirs unread."""
+    ``[tile_cols, head_dim]`` tile per column program (every program of a live tile writes its tile,
+    zeros for an empty query range; those past the live tiles are never read)."""
     shape = (b * hq, n_tiles * splits, tile_cols, head_dim)
     return (torch.empty(shape, dtype=torch.float32, device=device),
             torch.empty(shape, dtype=torch.float32, device=device))
@@ -81,15 +90,22 @@ def column_partials(b: int, hq: int, n_tiles: int, splits: int, tile_cols: int, 
 
 def add_column_partials(dk_part: torch.Tensor, dv_part: torch.Tensor, col_count: torch.Tensor,
                         cols: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
-    """Add the column programs' partials (``column_partials``) into fp32 ``dk``/``dv``
+    """Add the column programs' partials (``empty_column_partials``) into fp32 ``dk``/``dv``
     ``[b, hkv, nk, d]`` (contiguous) at the plan's columns (``col_count`` ``[b, hq]``, ``cols``
     ``[b, hq, max_v]``, local key rows)."""
-    if not (dk.is_contiguous() and dv.is_contiguous()):
-        raise ValueError("add_column_partials: dk and dv accumulators must be contiguous")
     b, hkv, nk, d = dk.shape
     hq, max_v = cols.shape[1], cols.shape[-1]
     programs, tile_cols = dk_part.shape[1], dk_part.shape[2]
     n_tiles = -(-max_v // tile_cols)
+    if not all(x.is_contiguous() for x in (dk, dv, dk_part, dv_part, cols, col_count)):
+        raise ValueError("add_column_partials: dk, dv, the partials, cols and col_count must be contiguous")
+    if dk.dtype != torch.float32 or dv.dtype != torch.float32 or dv.shape != dk.shape:
+        raise ValueError(f"add_column_partials: dk and dv must be fp32 accumulators of one shape, got "
+                         f"{dk.dtype} {tuple(dk.shape)} and {dv.dtype} {tuple(dv.shape)}")
+    if (dk_part.shape != dv_part.shape or dk_part.shape[0] != b * hq or dk_part.shape[3] != d
+            or n_tiles == 0 or programs % n_tiles):
+        raise ValueError(f"add_column_partials: partials {tuple(dk_part.shape)} do not fit {b * hq} heads, "
+                         f"{n_tiles} tiles of {tile_cols} columns and head dim {d}")
     for g in range(hq // hkv):  # one after the other: heads of a group may share rows
         _add_column_partials_kernel[(n_tiles, b * hkv)](
             dk_part, dv_part, dk, dv, col_count, cols, g, hq, hq // hkv, hkv, nk, max_v, programs,

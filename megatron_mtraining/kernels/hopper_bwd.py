@@ -118,7 +118,7 @@ def _dkdv_col_sm90_kernel(
     SMEM_LAYOUT: gl.constexpr,
 ):
     """N_TILES x SPLITS programs per (batch x query head), shared by the head's live 64-column
-    tiles (``column_programs``): one program per (live tile, query-range split). The gathered K and
+    tiles (``column_partials``): one program per (live tile, query-range split). The gathered K and
     V rows sit in shared memory as wgmma operands for the whole loop (Triton's column kernel holds
     them in registers, spills and waits on memory: 5.7 ms against 4.5 at 128K)."""
     gl.static_assert(BLOCK % TILE == 0, "index blocks are whole 64-row tiles")
@@ -156,7 +156,9 @@ def _dkdv_col_sm90_kernel(
 
     # The query blocks before q_first end before the tile's first column, those from q_end on (DOCS)
     # start their documents after its last column: the splits share the rest.
-    # A program past the head's live tiles (pid_c * TILE >= n_cols) walks nothing.
+    # A program past the head's live tiles (pid_c * TILE >= n_cols) walks nothing (n_q = 0 below).
+    # pid_c < N_TILES always (column_partials); the clamp is kept for the register allocation: without
+    # it the INT64 build's loop reloads 16 spilled values per tile, with it 8.
     tile = pid_bh * N_TILES + gl.minimum(pid_c, N_TILES - 1)
     q_first = gl.load(QFirst + tile)
     if DOCS:

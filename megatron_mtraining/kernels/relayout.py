@@ -55,6 +55,9 @@ def copy_rows(x: torch.Tensor, out: Optional[torch.Tensor] = None, nan_if: Optio
             or out.device != x.device or out.stride(-1) != 1):
         raise ValueError(f"copy_rows: out {tuple(out.shape)} {out.dtype} on {out.device} (strides {out.stride()}) "
                          f"does not fit x {tuple(x.shape)} {x.dtype} on {x.device}")
+    if nan_if is not None and (nan_if.numel() != 1 or nan_if.device != x.device):
+        raise ValueError(f"copy_rows: nan_if must be one element on {x.device}, got {tuple(nan_if.shape)} on "
+                         f"{nan_if.device}")
     b, h, s, d = x.shape
     if x.numel():
         tiles = triton.cdiv(s, _ROWS_PER_PROGRAM)

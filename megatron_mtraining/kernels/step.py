@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .column_partials import add_column_partials, column_partials
+from .column_partials import add_column_partials, empty_column_partials
 from .common import HOPPER_TILE, LOG2E, column_arguments, document_arguments, int64_offsets, plan_tensors
 from .dispatch import BackwardParts, backward_kernel, backward_parts, forward_kernel, hopper_forward_rows
 from .plan import first_query_blocks, query_block_ends
@@ -106,8 +106,9 @@ def _launchers(kernel: str) -> tuple:
 
 
 def _column_splits(nqb: int, programs_per_split: int, target: int) -> int:
-    """Query-range splits of the column reduction: about ``target`` programs, to fill a large GPU
-    (more splits: shorter programs, more fp32 partials to sum)."""
+    """Query-range splits per tile of the column capacity: about ``target`` column programs, to
+    fill a large GPU (more splits: shorter programs, more fp32 partials to sum). At run time the
+    programs are dealt to the live tiles, which then get more splits each (``column_partials``)."""
     return max(1, min(nqb, -(-target // max(1, programs_per_split))))
 
 
@@ -124,8 +125,6 @@ def vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_sca
     ``lse`` and ``delta`` (fp32 ``[b, hq, nq]``, same strides) belong to the FINAL output.
     """
     b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    group = hq // hkv
     B = plan.block_size
     nqb = nq // B
     max_v = plan.cols.shape[-1]
@@ -158,7 +157,7 @@ def vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_sca
     q_first = first_query_blocks(plan, block_col)
     q_end = query_block_ends(plan, block_col) if docs else q_first  # read only with DOCS
     # n_tiles x splits programs per head, dealt out to its live tiles (``column_partials``).
-    dk_part, dv_part = column_partials(b, hq, n_tiles, splits, block_col, d, q.device)
+    dk_part, dv_part = empty_column_partials(b, hq, n_tiles, splits, block_col, d, q.device)
     head_diag = diag.amax(-1).contiguous()
     column_gradients = _launchers(parts.columns)[2]
     column_gradients(q, k, v, do, lse, delta, dk_part, dv_part, plan, cols, col_pos, words, head_diag, q_first, q_end,

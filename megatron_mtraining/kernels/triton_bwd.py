@@ -285,8 +285,9 @@ def _dkdv_col_kernel(
     dv = tl.zeros([BLOCK_COL, HEAD_DIM], tl.float32)
     # The query blocks before q_first end before the tile's first column, those from q_end on (DOCS)
     # start their documents after its last column: the splits share the rest.
-    # A program past the head's live tiles (pid_c * BLOCK_COL >= n_cols) walks nothing.
-    tile = pid_bh * N_TILES + tl.minimum(pid_c, N_TILES - 1)
+    # pid_c < N_TILES always (column_partials); a program past the head's live tiles
+    # (pid_c * BLOCK_COL >= n_cols) walks nothing: its query range is empty.
+    tile = pid_bh * N_TILES + pid_c
     q_first = tl.load(QFirst + tile)
     if DOCS:
         q_end = tl.load(QEnd + tile)

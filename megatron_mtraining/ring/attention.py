@@ -227,9 +227,10 @@ class RingAttentionFunction(torch.autograd.Function):
                 copy_into(kv[0], k_all[:, :, source])  # the row copy: PyTorch's strided copy is ~2.5x slower
                 copy_into(kv[1], v_all[:, :, source])
                 done[0] += 1
-                if done[0] == W:
-                    ctx.steps.backward_all_queries(q, k_all.view(b, hkv, W * n, d), v_all.view(b, hkv, W * n, d),
-                                                   d_out, lse, delta, dq)
+                if done[0] == W:  # (its time is every step's dQ: the step timer shares it among them)
+                    with instrument.measure("backward", instrument.SPREAD, W - 1):
+                        ctx.steps.backward_all_queries(q, k_all.view(b, hkv, W * n, d), v_all.view(b, hkv, W * n, d),
+                                                       d_out, lse, delta, dq)
         else:
             dq = (torch.empty if writes else torch.zeros)(q.shape, dtype=torch.float32, device=q.device)
 

@@ -21,6 +21,9 @@ import torch
 
 _active: Optional["StepTimer"] = None
 
+# The kind of an interval whose time belongs to every step of its phase (``StepTimer.summary``).
+SPREAD = "spread"
+
 
 class Interval:
     """One timed interval: CUDA events on the current stream (no host sync until ``ms``), or host
@@ -67,7 +70,11 @@ class StepTimer:
 
     def summary(self) -> Dict[str, Dict[str, List[float]]]:
         """Milliseconds per step, per phase ("forward"/"backward") and kind ("compute"/"wait");
-        repeated calls of one phase are summed step by step."""
+        repeated calls of one phase are summed step by step. A ``SPREAD`` interval (timed inside
+        one step's compute: work done there for every step, such as the backward's one-pass dQ
+        over every source's K/V) is moved out of that step's compute and shared evenly among the
+        phase's steps, so the per-step compute compares the steps' work (the step-level imbalance)
+        and still sums to the phase's compute."""
         if any(x[3].cuda for x in self._intervals):
             torch.cuda.synchronize()
         out: Dict[str, Dict[str, List[float]]] = {}
@@ -75,6 +82,13 @@ class StepTimer:
             series = out.setdefault(phase, {}).setdefault(f"{kind}_ms", [])
             series.extend([0.0] * (step + 1 - len(series)))
             series[step] += interval.ms()
+        for kinds in out.values():
+            spread = kinds.pop(f"{SPREAD}_ms", None)
+            compute = kinds.get("compute_ms")
+            if spread and compute:
+                share = sum(spread) / len(compute)
+                kinds["compute_ms"] = [c - (spread[i] if i < len(spread) else 0.0) + share
+                                       for i, c in enumerate(compute)]
         return out
 
 
