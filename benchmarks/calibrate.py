@@ -38,7 +38,7 @@ sys.path.insert(0, HERE)
 
 from megatron_mtraining.plan.cli import read_telemetry as telemetry  # noqa: E402
 from megatron_mtraining.plan.model import ModelShape  # noqa: E402
-from megatron_mtraining.plan.profiles import PROFILE_DIR  # noqa: E402
+from megatron_mtraining.plan.profiles import PROFILE_DIR, KernelCost  # noqa: E402
 
 # The e2e benchmark's model (benchmarks/e2e.py): Qwen2.5-3B layers, vocabulary 8192.
 E2E_VOCAB = 8192
@@ -143,8 +143,10 @@ def kernel_points(results_dir: str) -> Tuple[List[Dict], List[Dict], List[str]]:
     return sparse, dense, sources
 
 
-def _cost_ms(cost: Dict, items: float, tiles: float) -> float:
-    return cost["per_call"] + cost["per_item"] * items + cost["per_tile"] * tiles
+def _cost_ms(cost: Dict, items: float, tiles: float, head_dim: int = 128) -> float:
+    """A profile's kernel cost (``per_call``, ``per_item``, ``per_tile``) as the model reads it
+    (``KernelCost.ms``: the tiles' work scales with the head dim)."""
+    return KernelCost(cost["per_call"], cost["per_item"], cost["per_tile"]).ms(items, tiles, head_dim)
 
 
 def short_commit(commit) -> str:
@@ -254,10 +256,11 @@ def host_lead_share(results_dir: str, device: str, sparse_fwd: Dict, sparse_bwd:
         if nxt is None:
             continue
         commit = floor_point["commit"]
-        kernels = {"fwd": _cost_ms(sparse_fwd, nxt["items"], nxt["tiles"]),
-                   "bwd": _cost_ms(sparse_bwd, nxt["items"], nxt["tiles"]) + _dkdv_zeroing_ms(nxt, hbm_gbps)}
-        floor_kernels = (_cost_ms(sparse_fwd, floor_point["items"], floor_point["tiles"])
-                         + _cost_ms(sparse_bwd, floor_point["items"], floor_point["tiles"])
+        kernels = {"fwd": _cost_ms(sparse_fwd, nxt["items"], nxt["tiles"], nxt["head_dim"]),
+                   "bwd": _cost_ms(sparse_bwd, nxt["items"], nxt["tiles"], nxt["head_dim"])
+                   + _dkdv_zeroing_ms(nxt, hbm_gbps)}
+        floor_kernels = (_cost_ms(sparse_fwd, floor_point["items"], floor_point["tiles"], floor_point["head_dim"])
+                         + _cost_ms(sparse_bwd, floor_point["items"], floor_point["tiles"], floor_point["head_dim"])
                          + _dkdv_zeroing_ms(floor_point, hbm_gbps))
         total = floor_point["fwdbwd_ms"]
         if floor_kernels > HOST_BOUND_SHARE * total or sum(kernels.values()) > LEAD_MAX_FLOORS * total:
@@ -290,8 +293,8 @@ def derive_ring_floor(results_dir: str, device: str, sparse_fwd: Dict, sparse_bw
     # The shortest run; of several at that length (one per session), the newest session's.
     p = min(sorted(points, key=lambda q: q["time_utc"], reverse=True), key=lambda q: q["seq_len"])
     # The kernels at that work, as the model has them (the backward also zeroes its fp32 dK/dV).
-    kernels = _cost_ms(sparse_fwd, p["items"], p["tiles"]) + _cost_ms(sparse_bwd, p["items"], p["tiles"]) \
-        + _dkdv_zeroing_ms(p, hbm_gbps)
+    kernels = _cost_ms(sparse_fwd, p["items"], p["tiles"], p["head_dim"]) \
+        + _cost_ms(sparse_bwd, p["items"], p["tiles"], p["head_dim"]) + _dkdv_zeroing_ms(p, hbm_gbps)
     what = f"{p['file']} at {p['seq_len'] // 1024}K"
     floor = host_floor(p["fwdbwd_ms"], p["forward_share"], kernels, what)
     call = multi_rank_call_cost(results_dir, device, p, floor["fwd"] + floor["bwd"])
@@ -762,8 +765,8 @@ def profile_from_measurement(m: Dict, name: Optional[str] = None) -> Dict:
                          "calibrate.py --gpu")
     ring = m["ring_floor"]
     zero_ms = 2 * ring["seq_len"] * ring["kv_heads"] * ring["head_dim"] * 4 / (spec["hbm_gbps"] * 1e9) * 1e3
-    kernels = (_cost_ms(profile["sparse"]["fwd"], ring["items"], ring["tiles"])
-               + _cost_ms(profile["sparse"]["bwd"], ring["items"], ring["tiles"]) + zero_ms)
+    kernels = (_cost_ms(profile["sparse"]["fwd"], ring["items"], ring["tiles"], ring["head_dim"])
+               + _cost_ms(profile["sparse"]["bwd"], ring["items"], ring["tiles"], ring["head_dim"]) + zero_ms)
     # The smoke run's CPU "kernels" are never host-bound: its floor only exercises the path.
     floor = host_floor(ring["fwdbwd_ms"], ring["fwd_ms"] / ring["fwdbwd_ms"], 0.0 if m.get("smoke") else kernels,
                        f"the one-rank ring call at {ring['seq_len']} tokens")

@@ -17,7 +17,7 @@ from megatron_mtraining.plan import (Cluster, ModelShape, Workload, load_profile
                                      with_recompute)
 from megatron_mtraining.plan.cli import main as cli_main
 from megatron_mtraining.plan.cli import read_telemetry
-from megatron_mtraining.plan.profiles import PROFILE_DIR, HostFloor, Profile
+from megatron_mtraining.plan.profiles import PROFILE_DIR, HostFloor, KernelCost, Profile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
@@ -736,3 +736,15 @@ def test_a_call_over_several_ranks_pays_its_set_up_once_where_the_host_binds():
         a, b = (predict_mtraining(shape, Workload(S), Cluster(W, W), p) for p in (base, paid))
         assert b.attention_ms - a.attention_ms == pytest.approx(extra), (W, S)
         assert b.host_wait_ms - a.host_wait_ms == pytest.approx(extra), (W, S)
+
+
+def test_calibration_reads_kernel_costs_as_the_model_does():
+    """calibrate.py's kernel cost is the model's (``KernelCost.ms``): the tiles' work scales with the
+    head dim, the fixed costs do not; at d = 128 (every committed run) both read the fit as is."""
+    import calibrate
+
+    cost = {"per_call": 0.5, "per_item": 0.01, "per_tile": 0.002}
+    assert calibrate._cost_ms(cost, 100, 1000) == pytest.approx(0.5 + 1.0 + 2.0)
+    assert calibrate._cost_ms(cost, 100, 1000, head_dim=64) == pytest.approx(0.5 + 1.0 + 1.0)
+    assert calibrate._cost_ms(cost, 100, 1000, head_dim=64) == pytest.approx(
+        KernelCost(0.5, 0.01, 0.002).ms(100, 1000, 64))
