@@ -94,6 +94,14 @@ def test_copy_rows_refuses_what_it_cannot_copy():
         relayout.copy_rows(x, torch.zeros(1, 2, 8, 4, device="meta"))
 
 
+def test_copy_rows_refuses_a_poison_flag_it_cannot_read():
+    x = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="nan_if must be one element"):
+        relayout.copy_rows(x, nan_if=torch.zeros(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="nan_if must be one element"):
+        relayout.copy_rows(x, nan_if=torch.zeros((), dtype=torch.bool, device="meta"))
+
+
 def test_sequence_major_gradients_need_no_copy_to_reach_megatrons_layout():
     """The ring's gradient buffers: [b, h, s, d] in shape, [s, b, h, d] in memory, so the permute back
     to Megatron's layout is contiguous; ``copy_into`` fills one (casting) from any layout."""
@@ -108,7 +116,7 @@ def test_sequence_major_gradients_need_no_copy_to_reach_megatrons_layout():
 def test_row_copy_on_the_gpu():
     _check_functions(relayout.heads_major, relayout.sequence_major, "cuda", torch.bfloat16)
     x = _sbhd((131, 2, 4, 128), torch.bfloat16, "cuda", 9)
-    assert relayout._row_copy_applies(x)
+    assert relayout.row_copy_applies(x)
     assert torch.equal(relayout.heads_major(x), x.permute(1, 2, 0, 3).contiguous())
     many = _sbhd((3, 2, 40000, 16), torch.bfloat16, "cuda", 10)  # b x h = 80000 programs' rows: past 65535
     assert torch.equal(relayout.heads_major(many), many.permute(1, 2, 0, 3).contiguous())

@@ -225,3 +225,18 @@ def test_column_programs_cover_each_live_tile_once(n_tiles, splits, tile_cols):
         assert bool((dealt[:, 0] < n_tiles).all())
         working = sorted((t, s) for t, s, _ in dealt.tolist() if t < live)
         assert working == [(t, s) for t in range(live) for s in range(want_splits)], count
+
+
+def test_column_partials_refuse_what_they_cannot_add():
+    """``add_column_partials`` names a bad accumulator or partials buffer before any launch."""
+    from megatron_mtraining.kernels.column_partials import add_column_partials, empty_column_partials
+
+    counts, cols = torch.tensor([[3]], dtype=torch.int32), torch.tensor([[[4, 9, 30]]], dtype=torch.int32)
+    dk_part, dv_part = empty_column_partials(1, 1, 1, 2, 16, 16, torch.device("cpu"))
+    dk = torch.zeros(1, 1, 32, 16)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        add_column_partials(dk_part, dv_part, counts, cols, dk.transpose(-1, -2), dk.transpose(-1, -2))
+    with pytest.raises(ValueError, match="fp32 accumulators"):
+        add_column_partials(dk_part, dv_part, counts, cols, dk.bfloat16(), dk.bfloat16())
+    with pytest.raises(ValueError, match="do not fit"):
+        add_column_partials(dk_part[:, :1].contiguous(), dv_part, counts, cols, dk, dk.clone())

@@ -392,11 +392,11 @@ def poison(out: torch.Tensor, bad: Optional[torch.Tensor], dtype: Optional[torch
     dtype = out.dtype if dtype is None else dtype
     if bad is None:
         return out.to(dtype)
-    if (out.is_cuda and bad.device == out.device and out.dim() == 4 and out.stride(-1) == 1
-            and out.dtype.is_floating_point):  # (a gloo group's verdict is on the CPU: PyTorch's multiply)
-        from ..kernels.relayout import copy_rows  # (Triton: imported only where a GPU runs it)
+    if out.is_cuda and bad.device == out.device and out.dtype.is_floating_point:  # (a gloo verdict: on the CPU)
+        from ..kernels.relayout import copy_rows, row_copy_applies  # (Triton: imported only where a GPU runs it)
 
-        return copy_rows(out, torch.empty(out.shape, dtype=dtype, device=out.device), nan_if=bad)
+        if row_copy_applies(out):
+            return copy_rows(out, torch.empty(out.shape, dtype=dtype, device=out.device), nan_if=bad)
     factor = torch.where(bad, float("nan"), 1.0)  # 0-d fp32 on bad's device
     if dtype == out.dtype:
         return out.mul_(factor)

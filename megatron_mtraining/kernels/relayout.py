@@ -113,18 +113,19 @@ def sequence_major_empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
 def copy_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``x`` ``[b, h, s, d]`` copied (cast) into ``out`` of the same shape, any layouts: the row
     copy on CUDA, PyTorch's copy elsewhere. Returns ``out``."""
-    if _row_copy_applies(x) and _row_copy_applies(out):
+    if row_copy_applies(x) and row_copy_applies(out):
         return copy_rows(x, out)
     return out.copy_(x)
 
 
-def _row_copy_applies(x: torch.Tensor) -> bool:
+def row_copy_applies(x: torch.Tensor) -> bool:
+    """Whether ``copy_rows`` takes ``x``: a CUDA ``[b, h, s, d]`` tensor with a contiguous last dim."""
     return x.is_cuda and x.dim() == 4 and x.stride(-1) == 1
 
 
 def heads_major(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[s, b, h, d]`` (Megatron's layout, any strides) as a contiguous ``[b, h, s, d]``."""
-    if _row_copy_applies(x):
+    if row_copy_applies(x):
         return _HeadsMajor.apply(x)
     return x.permute(1, 2, 0, 3).contiguous()
 
@@ -135,9 +136,9 @@ def sequence_major(x: torch.Tensor) -> torch.Tensor:
     view = x.permute(2, 0, 1, 3)
     if view.is_contiguous():
         return view
-    if _row_copy_applies(x):
+    if row_copy_applies(x):
         return _SequenceMajor.apply(x)
     return view.contiguous()
 
 
-__all__ = ["copy_into", "copy_rows", "heads_major", "sequence_major", "sequence_major_empty"]
+__all__ = ["copy_into", "copy_rows", "row_copy_applies", "heads_major", "sequence_major", "sequence_major_empty"]
