@@ -43,8 +43,8 @@ from megatron_mtraining.plan.profiles import PROFILE_DIR, KernelCost  # noqa: E4
 # The e2e benchmark's model (benchmarks/e2e.py): Qwen2.5-3B layers, vocabulary 8192.
 E2E_VOCAB = 8192
 # Device facts (vendor specifications), not measurements.
-SPEC = {"nvidia-h200": {"memory_gib": 141.0, "hbm_gbps": 4800.0},
-        "nvidia-h100": {"memory_gib": 80.0, "hbm_gbps": 3350.0}}
+SPEC = {"nvidia-h200": {"memory_gib": 140.4, "hbm_gbps": 4800.0},
+        "nvidia-h100": {"memory_gib": 79.6, "hbm_gbps": 3350.0}}
 # The approximator's collectives per layer (megatron_mtraining/approx.py): all-reduces of the last
 # queries, the row maxima, the normaliser and the slash masses; two all-gathers of candidates.
 APPROX_COLLECTIVES = 6
@@ -54,6 +54,8 @@ HOST_BOUND_SHARE = 0.5
 LEAD_MAX_FLOORS = 4.0  # host_lead_share reads runs whose kernels take under this many floors
 # The ring benchmark's per-step telemetry kinds (benchmarks/ring.py: steps.timeline).
 STEP_KINDS = ("compute", "wait", "plan", "merge")
+# Sequence-parallel TP collectives inside a node (all-gather / reduce-scatter bus bandwidth): assumed.
+TP_COLLECTIVE_GBPS_ASSUMED = 350.0
 # NCCL point-to-point inside a node: no committed result holds it (see "assumed").
 INTRA_GBPS_DOCUMENTED = 161.0
 INTRA_LATENCY_US_ASSUMED = 10.0
@@ -364,17 +366,21 @@ def derive_h200(results_dir: str) -> Dict:
 
 
 # The profiled TE-CP iterations that calibrate the rest of the layer on Transformer Engine's layers.
-TE_REST_RUNS = (("bf16", "e2e_te_nvidia-h200_2gpu.json"), ("fp8", "e2e_te_fp8_nvidia-h200_2gpu.json"))
+TE_REST_RUNS = {
+    "nvidia-h200": (("bf16", "e2e_te_nvidia-h200_2gpu.json"), ("fp8", "e2e_te_fp8_nvidia-h200_2gpu.json")),
+    "nvidia-h100": (("bf16", "e2e_te_nvidia-h100-80gb-hbm3_4gpu.json"),
+                    ("fp8", "e2e_te_fp8_nvidia-h100-80gb-hbm3_4gpu.json")),
+}
 
 
-def te_rest_rates(results_dir: str) -> Dict:
+def te_rest_rates(results_dir: str, profile: str = "nvidia-h200") -> Dict:
     """The rest of the layer on TE's layers (bf16 and FP8 GEMMs), from the GPU time by category of the
     profiled iteration of TE's own CP run (no MTraining in it): the GEMMs give the rate, everything
     but attention, GEMMs and NCCL (norms, RoPE, activations, casts, the optimizer) the elementwise time.
     The output layer stays bf16 under FP8, so the FP8 rate is what is left after it at the bf16 rate."""
     rates: Dict[str, Dict] = {}
     sources = []
-    for precision, name in TE_REST_RUNS:
+    for precision, name in TE_REST_RUNS[profile]:
         d = _load(results_dir, name)
         run = next(r for r in d["runs"] if r["name"] == "te_cp")
         if bool(d.get("fp8")) != (precision == "fp8") or d.get("transformer_impl") != "transformer_engine":
@@ -465,6 +471,9 @@ def derive_h100(results_dir: str, h200: Dict) -> Dict:
         profile["sources"].append(f"benchmarks/results/{ring_floor['source']['file']} (one GPU: the ring's "
                                   "host/launch floor)")
     profile["ring"] = ring_floor
+    te_rest = te_rest_rates(results_dir, "nvidia-h100")
+    profile["rest_of_layer_te"] = {"rates": te_rest["rates"]}
+    profile["sources"] += te_rest["sources"]
     return profile
 
 
@@ -480,17 +489,21 @@ def _profile(name, device, sparse_fwd, sparse_bwd, dense_fwd, dense_bwd, approx_
                                             "bwd": dense_bwd["max_abs_rel_error"]}},
         "approximator": {"ms_per_token_head": approx_rate, "collectives": APPROX_COLLECTIVES},
         "p2p": {"intra_gbps": INTRA_GBPS_DOCUMENTED, "intra_latency_us": INTRA_LATENCY_US_ASSUMED},
+        "tensor_parallel": {"collective_gbps": TP_COLLECTIVE_GBPS_ASSUMED},
         "rest_of_layer": {"gemm_tflops": gemm_tflops, "elementwise_ns_per_token_layer": elementwise,
                           "step_fixed_ms": 0.0},
         "kernel_generation": generation,
         "sources": sources,
         "assumed": {
-            "memory_gib, hbm_gbps": "vendor specifications",
+            "memory_gib, hbm_gbps": "the memory CUDA reports (nvidia-smi: 143771 MiB on an H200, 81559 MiB on an H100 80GB HBM3) and the vendor bandwidth",
             "p2p.intra_gbps": "NCCL ring exchange of 134 MB on 4 H200s, measured in an early session and recorded "
                               "in docs/benchmarks.md, not in a result file; `calibrate.py --gpu` under torchrun "
                               "measures it",
             "p2p.intra_latency_us": "not measured here; typical NCCL point-to-point latency on NVLink",
             "rest_of_layer.step_fixed_ms": "0: the optimizer step of the 4-layer runs is inside the elementwise rate",
+            "tensor_parallel.collective_gbps": "not measured: NCCL all-gather / reduce-scatter bus bandwidth of "
+                                               "large messages over NVLink inside an 8-GPU node (NCCL tests report "
+                                               "350-450 GB/s on H100 / H200 NVSwitch nodes), the low end",
         },
         "derivation": fits or {},
     }

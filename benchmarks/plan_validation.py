@@ -225,7 +225,8 @@ def approx_cases(profile, gens, reference_ms) -> List[Dict]:
 # Why the dense index through MTraining's own kernels is reported apart: a configuration the planner does
 # not offer, whose work (every causal block as slash blocks, no column tiles) is unlike the 2.5-10% indexes
 # the kernel fits and the generation factors were measured on (a quarter of that work is column tiles,
-# which cost up to 2.8x a slash tile in the early kernels: benchmarks/NOTES.md, session 6).
+# which cost up to 2.8x a slash tile in the early kernels: docs/performance.md, "Causally dead column
+# tiles" and "Column liveness as 64-bit words").
 OUTSIDE_MODEL = ("dense index through the sparse kernels: all slash blocks, no columns, unlike the 2.5-10% "
                  "indexes the kernel fits and the kernel-generation factors come from")
 
@@ -315,7 +316,7 @@ def te_cases(profile, gens, reference_ms) -> List[Dict]:
     rest of TE's layer (``calibrate.te_rest_rates``): reported as calibration, not counted."""
     from calibrate import TE_REST_RUNS
 
-    calibration_files = {name for _, name in TE_REST_RUNS}
+    calibration_files = {name for _, name in TE_REST_RUNS["nvidia-h200"]}
     cases = []
     for name in TE_RESULTS:
         d = _load(name)
@@ -326,10 +327,10 @@ def te_cases(profile, gens, reference_ms) -> List[Dict]:
         scale = gen["fwdbwd_128k_ms"] / reference_ms
         dens = density_at(S)
         work = Workload(S, dens["density"], layers="transformer_engine", fp8=bool(d["fp8"]),
-                        recompute=bool(d["recompute"]))
+                        recompute="full" if d["recompute"] else "none")
         cluster = Cluster(W, W)
         setup = ", ".join(x for x in ("TE layers", "FP8 GEMMs" if work.fp8 else "bf16 GEMMs",
-                                      "full recompute" if work.recompute else "") if x)
+                                      "full recompute" if work.recompute == "full" else "") if x)
         for run in d["runs"]:
             measured = run.get("mean_iteration_ms")
             if not measured:
@@ -353,7 +354,7 @@ def te_cases(profile, gens, reference_ms) -> List[Dict]:
                                 "rest of TE's layer; the attention is predicted")
             else:
                 raise ValueError(f"{name}: run {run['name']!r} is neither MTraining nor a TE CP run")
-            if work.recompute:
+            if work.recompute == "full":
                 p = with_recompute(p, shape, work)
             base.update(predicted_ms=p.step_ms, predicted_exposed_comm_ms=shape.layers * p.exposed_comm_ms)
             cases.append(base)
@@ -418,12 +419,13 @@ DOCS = os.path.join(REPO, "docs")
 
 
 def scaling_plans(seq_len: int, profile_name: str = "nvidia-h100", density: float = 0.05) -> List[Dict]:
-    """The planner on Qwen2.5-3B over 8-64 GPUs in nodes of 8, 50 GB/s and 5 us between nodes."""
+    """The planner on Qwen2.5-3B over 8-64 GPUs in nodes of 8, 50 GB/s and 5 us between nodes, context
+    parallelism only (TP 1), each configuration with the fewest recomputed layers that fit."""
     from megatron_mtraining.plan import plan
 
     profile = load_profile(profile_name)
     return [plan(ModelShape(), Workload(seq_len, density), Cluster(W, 8, inter_gbps=50.0, inter_latency_us=5.0),
-                 profile) for W in SCALING_GPUS]
+                 profile, tp=1) for W in SCALING_GPUS]
 
 
 def _best_hierarchical(r: Dict) -> Dict:
@@ -442,15 +444,14 @@ def scaling_charts(profile_name: str = "nvidia-h100", density: float = 0.05) -> 
         def series(label, pick):
             picked = [pick(r) for r in rows]
             notes = []
-            for r, p in zip(rows, picked):
-                rec = r["recommendation"]
+            for p in picked:
                 extra = [f"inner ring {p['inner']}" if p["name"].startswith("mtraining_hier") else "",
                          f"limited by {p['limit']}", f"exposed comm {p['exposed_comm_ms']:.1f} of "
                          f"{p['attention_ms']:.1f} ms attention per layer",
                          f"GPU waits {p['host_wait_ms']:.1f} ms per layer for the host (launch floor)"
                          if p["host_wait_ms"] > 0 else "",
-                         "full recompute" if rec["recompute"] == "full" else "",
-                         "" if rec["fits"] else "does not fit in memory"]
+                         f"recompute {p['recompute']}" if p["recompute_layers"] else "",
+                         "" if p["fits"] else "does not fit in memory"]
                 notes.append("; ".join(x for x in extra if x))
             return Series(label, [p["tokens_per_s"] / 1e3 for p in picked], notes)
 
@@ -491,22 +492,23 @@ def scaling_tables(profile_name: str = "nvidia-h100", density: float = 0.05) -> 
         out.append(f"\n**{S // 1024}K tokens**, density {density:g}, {profile.name}, nodes of 8, 50 GB/s and 5 us "
                    "per GPU between nodes; tokens/s of the whole step (36 layers)\n")
         out.append("| GPUs | tokens / GPU | recompute | MTraining flat | best hierarchical | TE p2p | TE a2a+p2p | "
-                   "best MTraining / best dense | memory GiB (none / full recompute) |")
+                   "best MTraining / best dense | peak GiB per GPU (MTraining flat) |")
         out.append("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             W = r["cluster"]["gpus"]
             preds = {p["name"]: p for p in r["predictions"]}
             best_hier = _best_hierarchical(r)
-            rec, mem = r["recommendation"], r["memory"]
+            rec, flat = r["recommendation"], preds["mtraining_flat"]
 
             def tps(p):
                 return f"{p['tokens_per_s'] / 1e3:.1f}K" if p else "-"
-            fits = "" if rec["fits"] else ", does not fit"
-            out.append(f"| {W} | {S // W // 1024}K | {rec['recompute']}{fits} | {tps(preds['mtraining_flat'])} | "
+            fits = "" if flat["fits"] else ", does not fit"
+            speedup = rec["speedup_over_best_dense"] if rec else None
+            out.append(f"| {W} | {S // W // 1024}K | {flat['recompute']}{fits} | {tps(flat)} | "
                        f"{tps(best_hier)} (inner {best_hier['inner']}) | {tps(preds.get('dense_te_p2p'))} | "
-                       f"{tps(preds.get('dense_te_a2a_p2p'))} | {rec['speedup_over_best_dense']:.2f}x | "
-                       f"{mem['no_recompute_gib']:.0f} / {mem['full_recompute_gib']:.0f} |")
-        out.append("\nPer layer and GPU, ms (forward + backward; the recompute's extra forward not included):\n")
+                       f"{tps(preds.get('dense_te_a2a_p2p'))} | {f'{speedup:.2f}x' if speedup else '-'} | "
+                       f"{flat['memory']['peak_gib']:.0f} |")
+        out.append("\nPer layer and GPU, ms (forward + backward; a recomputed layer's extra forward not included):\n")
         out.append("| GPUs | configuration | attention | of which kernels | of which exposed comm | kernels' fixed "
                    "costs | host floor (GPU waits) | approximator | rest of layer | limited by |")
         out.append("|---|---|---|---|---|---|---|---|---|---|")

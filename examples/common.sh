@@ -24,6 +24,9 @@
 # persistent LayerNorm kernel is apex's). One line on stderr says which. TRANSFORMER_IMPL=
 # transformer_engine or local chooses explicitly; transformer_engine where TE does not import stops
 # with an error, except under DRY_RUN=1, which prints the command for a machine that has TE.
+# MTRAINING=0 runs the same command without the --mtraining flags (Megatron's own CP attention: the
+# baseline). PLAN_PROFILE (auto | a profile such as nvidia-h200 | none) selects the device profile of
+# the planner's start-up line.
 # Independently of the layers, --no-gradient-accumulation-fusion is added when apex's
 # fused_weight_gradient_mlp_cuda does not import: megatron-core's output layer needs it for that
 # fusion on TE layers too.
@@ -208,7 +211,15 @@ mtraining_launch() {
         --eval-interval 1000
         --eval-iters 0
     )
-    local cmd=("$PYTHON" -m torch.distributed.run "${distributed_args[@]}" "${ENTRY[@]}"
+    # MTRAINING=0: the same run on Megatron's own context-parallel attention (Transformer Engine's
+    # p2p ring), the baseline to compare with.
+    if [[ "${MTRAINING:-1}" == 0 ]]; then
+        mtraining_args=()
+    elif [[ "${MTRAINING:-1}" != 1 ]]; then
+        echo "error: MTRAINING=${MTRAINING} is neither 1 (MTraining attention) nor 0 (Megatron's own CP attention)" >&2
+        exit 1
+    fi
+    local megatron_args=(
         "${MODEL_ARGS[@]}"
         "${common_model_args[@]}"
         "${IMPL_ARGS[@]}"
@@ -220,6 +231,16 @@ mtraining_launch() {
         "${CHECKPOINT_ARGS[@]}"
         "$@"
     )
+    local cmd=("$PYTHON" -m torch.distributed.run "${distributed_args[@]}" "${ENTRY[@]}" "${megatron_args[@]}")
+    # One line on stderr before the run: the planner's tokens/s and peak memory per GPU for these
+    # settings, and the fastest configuration that fits (PLAN_PROFILE: a device profile; auto, the
+    # default, asks nvidia-smi and says nothing on a machine without it; none: no line).
+    local plan_profile=${PLAN_PROFILE:-auto}
+    if [[ "$plan_profile" != none && "$NODE_RANK" == 0 ]] && { [[ "$plan_profile" != auto ]] || command -v nvidia-smi >/dev/null 2>&1; }; then
+        "$PYTHON" -m megatron_mtraining.plan --startup --gpu-type "$plan_profile" --gpus-per-node "$GPUS_PER_NODE" \
+            "${megatron_args[@]}" >&2 \
+            || echo "[$LAUNCHER_NAME] the planner could not predict this run (its error is above); training goes on" >&2
+    fi
     # DRY_RUN=1 prints the command (shell-quoted) instead of running it.
     if [[ "${DRY_RUN:-0}" == 1 ]]; then
         printf '%q ' "${cmd[@]}"

@@ -85,3 +85,79 @@ install_split_wheels() {
   printf 'import site\nsite.addsitedir(%s)\n' "'$site'" > "$site/sitecustomize.py"
   export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 }
+
+# ---- the real Megatron-LM tree (scripts/gpu_megatron_lm.sh, scripts/gpu_flagship.sh) ----
+# unpack_tree DEST (prints the folder holding pretrain_gpt.py), apply_patch TREE (the fork patch) and
+# prepare_dataset_helpers TREE... read TARBALL, PATCH, BUILD and PY when called.
+unpack_tree() {  # DEST: prints the folder that holds pretrain_gpt.py
+  local dest=$1 root
+  rm -rf "$dest" && mkdir -p "$dest" && tar -xzf "$TARBALL" -C "$dest" || return 1
+  root=$(dirname "$(find "$dest" -maxdepth 2 -name pretrain_gpt.py | head -1)")
+  [ -f "$root/pretrain_gpt.py" ] || { echo "error: no pretrain_gpt.py in $TARBALL" >&2; return 1; }
+  echo "$root"
+}
+apply_patch() {  # TREE
+  local tree=$1
+  if command -v git >/dev/null 2>&1; then
+    # GIT_CEILING_DIRECTORIES: $BUILD lies inside this repository, and git apply run in a
+    # repository's subfolder would skip the paths outside it instead of patching the tree.
+    (cd "$tree" && GIT_CEILING_DIRECTORIES=$(dirname "$tree") git apply --check "$PATCH" \
+                && GIT_CEILING_DIRECTORIES=$(dirname "$tree") git apply "$PATCH") || return 1
+  else
+    (cd "$tree" && patch -p1 --forward --batch --dry-run < "$PATCH" >/dev/null && patch -p1 --forward --batch < "$PATCH") || return 1
+  fi
+  grep -q "_add_mtraining_args" "$tree/megatron/training/arguments.py"
+}
+# Megatron-LM's dataset helpers:
+# Megatron-LM (unlike the megatron-core wheel, which ships it built) compiles
+# megatron/core/datasets/helpers_cpp at start-up: rank 0 runs `make` there, and the Makefile asks
+# `python3 -m pybind11 --includes` and `python3-config --extension-suffix` of PATH, not the
+# interpreter that runs the job (on the GPU machines: no pybind11 module, maybe no
+# python3-config). So the library is put in place here for $PY (the installed megatron-core's,
+# built from the same helpers.cpp, else compiled with pybind11's or torch's headers), and a
+# python3-config that answers for $PY goes first on PATH, so that make finds it up to date.
+prepare_dataset_helpers() {  # TREE...
+  local suffix inc built tree dir
+  suffix=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))') || return 1
+  built=$("$PY" -c 'import os, megatron.core.datasets as d; print(os.path.dirname(d.__file__))' 2>/dev/null)
+  for tree in "$@"; do
+    dir=$tree/megatron/core/datasets
+    if [ -n "$built" ] && [ -f "$built/helpers_cpp$suffix" ] && cmp -s "$built/helpers.cpp" "$dir/helpers.cpp"; then
+      cp "$built/helpers_cpp$suffix" "$dir/" || return 1
+      echo "[megatron-lm] dataset helpers: copied helpers_cpp$suffix from $built"
+    else
+      inc=$("$PY" -c '
+import sysconfig
+paths = [sysconfig.get_paths()["include"]]
+try:
+    import pybind11
+    paths.append(pybind11.get_include())
+except ImportError:
+    from torch.utils.cpp_extension import include_paths
+    paths += include_paths()
+print(" ".join("-I" + p for p in paths))') || return 1
+      # shellcheck disable=SC2086  # $inc is a list of -I flags
+      "${CXX:-g++}" -O3 -Wall -shared -std=c++17 -fPIC $inc "$dir/helpers.cpp" -o "$dir/helpers_cpp$suffix" || return 1
+      echo "[megatron-lm] dataset helpers: compiled helpers_cpp$suffix"
+      built=$dir
+    fi
+    touch "$dir/helpers_cpp$suffix"
+  done
+  mkdir -p "$BUILD/bin"
+  cat > "$BUILD/bin/python3-config" <<EOF
+#!/usr/bin/env bash
+# Written by scripts/gpu_megatron_lm.sh: Megatron-LM's dataset Makefile asks python3-config; this
+# answers for the job's interpreter, $PY.
+case "\$1" in
+  --extension-suffix) echo "$suffix" ;;
+  --includes) "$PY" -c 'import sysconfig; print("-I" + sysconfig.get_paths()["include"])' ;;
+  *) echo "python3-config shim: \$1 not supported" >&2; exit 1 ;;
+esac
+EOF
+  chmod +x "$BUILD/bin/python3-config"
+  export PATH="$BUILD/bin:$PATH"
+  for tree in "$@"; do  # make -q: up to date, so rank 0's make at start-up will compile nothing
+    make -q -C "$tree/megatron/core/datasets" >/dev/null 2>&1 || { echo "error: make would rebuild $tree/megatron/core/datasets" >&2; return 1; }
+  done
+}
+

@@ -12,9 +12,8 @@ import sys
 
 import pytest
 
-from megatron_mtraining.plan import (Cluster, ModelShape, Workload, load_profile, memory_estimate, plan,
-                                     predict_dense_a2a_p2p, predict_dense_p2p, predict_mtraining, simulate_ring,
-                                     with_recompute)
+from megatron_mtraining.plan import (Cluster, ModelShape, Workload, load_profile, plan, predict_dense_a2a_p2p,
+                                     predict_dense_p2p, predict_mtraining, simulate_ring, with_recompute)
 from megatron_mtraining.plan.cli import main as cli_main
 from megatron_mtraining.plan.cli import read_telemetry
 from megatron_mtraining.plan.profiles import PROFILE_DIR, HostFloor, KernelCost, Profile
@@ -206,7 +205,7 @@ def test_host_floor_is_a_max_per_direction_and_counts_once_per_layer_call():
     assert floored.step_ms - unfloored.step_ms == pytest.approx(4 * (floored.attention_ms - unfloored.attention_ms))
     assert floored.rest_of_layer_ms == unfloored.rest_of_layer_ms and floored.head_ms == unfloored.head_ms
     # Full recompute runs every layer's ring forward again, floor included.
-    work = Workload(65536, 0.05, recompute=True)
+    work = Workload(65536, 0.05, recompute="full")
     p = predict_mtraining(shape, work, Cluster(4, 4), H200)
     forward = p.attention_fwd_ms + p.approximator_ms + p.rest_of_layer_ms / 3
     before = p.step_ms
@@ -254,41 +253,20 @@ def test_hierarchical_beats_flat_over_a_slow_link_as_measured():
     assert flat.limit == "exposed communication"
 
 
-def test_memory_estimate_is_monotone():
-    cluster = Cluster(16, 8)
-    previous = None
-    for seq_len in (131072, 262144, 524288, 1048576):
-        m = memory_estimate(QWEN, Workload(seq_len), cluster, H100)
-        assert m["full_recompute_gib"] < m["no_recompute_gib"]
-        if previous:
-            assert m["no_recompute_gib"] > previous["no_recompute_gib"]
-            assert m["full_recompute_gib"] > previous["full_recompute_gib"]
-        previous = m
-    fewer = memory_estimate(QWEN, Workload(524288), Cluster(8, 8), H100)
-    more = memory_estimate(QWEN, Workload(524288), Cluster(32, 8), H100)
-    assert more["no_recompute_gib"] < fewer["no_recompute_gib"]
-
-
-def test_memory_estimate_agrees_with_the_e2e_runs():
-    """The e2e model (4 layers, vocabulary 8192) trained 128K tokens per GPU without recompute on
-    80 GB H100s; a 36-layer Qwen2.5-3B at 128K per GPU cannot."""
-    e2e = ModelShape(layers=4, vocab=8192)
-    assert not memory_estimate(e2e, Workload(262144), Cluster(2, 8), H100)["recompute_needed"]
-    assert memory_estimate(QWEN, Workload(262144), Cluster(2, 8), H100)["recompute_needed"]
-
-
-def test_plan_lists_every_configuration_and_recommends_the_fastest():
-    result = plan(QWEN, Workload(524288, 0.05), Cluster(32, 8), H100)
+def test_plan_lists_every_configuration_and_recommends_the_fastest_that_fits():
+    result = plan(QWEN, Workload(524288, 0.05), Cluster(32, 8), H100, tp=1)
     names = [p["name"] for p in result["predictions"]]
     hierarchical = [f"mtraining_hier_{i}" for i in (2, 4, 8, 16)]
     assert names == ["mtraining_flat"] + hierarchical + ["dense_te_p2p", "dense_te_a2a_p2p"]
-    sparse = [p for p in result["predictions"] if p["method"] == "mtraining"]
+    sparse = [p for p in result["predictions"] if p["method"] == "mtraining" and p["fits"]]
     best = min(sparse, key=lambda p: p["step_ms"])
     rec = result["recommendation"]
     assert rec["configuration"] == best["name"] and rec["speedup_over_best_dense"] > 1
     for p in result["predictions"]:
         assert p["tokens_per_s"] == pytest.approx(524288 / p["step_ms"] * 1e3)
-    assert rec["recompute"] == ("full" if result["memory"]["recompute_needed"] else "none")
+    # With TP searched, every split the model takes is listed (2 query groups: TP 1 and 2).
+    searched = plan(QWEN, Workload(524288, 0.05), Cluster(32, 8), H100)
+    assert sorted({p["tp"] for p in searched["predictions"]}) == [1, 2]
 
 
 def test_te_layers_and_fp8_change_only_the_rest_of_the_layer():
@@ -310,15 +288,17 @@ def test_te_layers_and_fp8_change_only_the_rest_of_the_layer():
 
 
 def test_te_layers_need_a_profile_calibrated_on_te_runs():
-    assert not H100.te_rest_of_layer
+    assert set(H100.te_rest_of_layer) == set(H200.te_rest_of_layer) == {"bf16", "fp8"}
+    uncalibrated = dataclasses.replace(H100, te_rest_of_layer={})
     with pytest.raises(ValueError, match="no Transformer Engine bf16 rates"):
-        predict_mtraining(QWEN, Workload(524288, layers="transformer_engine"), Cluster(8, 8), H100)
+        predict_mtraining(QWEN, Workload(524288, layers="transformer_engine"), Cluster(8, 8), uncalibrated)
 
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"fp8": True}, "FP8 GEMMs need Transformer Engine"),
     ({"layers": "te"}, "layers must be one of"),
-    ({"recompute": "full"}, "recompute must be True, False or None"),
+    ({"recompute": True}, "recompute must be 'full', 'none', a number of layers or None"),
+    ({"recompute": -1}, "recompute must be 'full', 'none', a number of layers or None"),
 ])
 def test_workload_rejects_bad_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -327,18 +307,24 @@ def test_workload_rejects_bad_settings(kwargs, message):
 
 def test_recompute_adds_each_layers_forward_and_can_be_forced():
     shape, cluster = ModelShape(layers=4, vocab=8192), Cluster(4, 4)
-    work = Workload(1048576, 0.015, layers="transformer_engine", recompute=True)
+    work = Workload(1048576, 0.015, layers="transformer_engine", recompute="full")
     p = predict_mtraining(shape, work, cluster, H200)
     before = p.step_ms
     forward = p.attention_fwd_ms + p.approximator_ms + p.rest_of_layer_ms / 3
     with_recompute(p, shape, work)
-    assert p.step_ms == pytest.approx(before + 4 * forward) and "recompute" in p.note
-    # recompute=True/False overrides the memory estimate; recompute slows every configuration.
-    free = plan(shape, Workload(1048576, 0.015, recompute=False), cluster, H200)
-    forced = plan(shape, Workload(1048576, 0.015, recompute=True), cluster, H200)
-    assert forced["recommendation"]["recompute"] == "full" and free["recommendation"]["recompute"] == "none"
-    for a, b in zip(free["predictions"], forced["predictions"]):
-        assert b["step_ms"] > a["step_ms"]
+    assert p.step_ms == pytest.approx(before + 4 * forward) and "full recompute" in p.note
+    # Block recompute of k layers adds k layers' forwards.
+    p = with_recompute(predict_mtraining(shape, work, cluster, H200), shape, work, 3)
+    assert p.step_ms == pytest.approx(before + 3 * forward) and "3 of 4 layers recomputed" in p.note
+    with pytest.raises(ValueError, match=r"integer in \[0, 4\]"):
+        with_recompute(p, shape, work, 5)
+    # "full" / "none" / k override the planner's choice; each recomputed layer slows every configuration.
+    runs = {r: plan(shape, Workload(1048576, 0.015, recompute=r), cluster, H200, tp=1) for r in ("none", 2, "full")}
+    assert runs["full"]["recommendation"]["recompute"] == "full"
+    assert runs["none"]["recommendation"]["recompute"] == "none"
+    assert runs[2]["recommendation"]["recompute"] == "2/4 layers"
+    for a, b, c in zip(runs["none"]["predictions"], runs[2]["predictions"], runs["full"]["predictions"]):
+        assert a["step_ms"] < b["step_ms"] < c["step_ms"]
 
 
 def test_a2a_size_groups_and_its_ring_uses_the_links_it_crosses():
@@ -370,21 +356,22 @@ def test_cli_table_and_json_end_to_end(capsys):
                          capture_output=True, text=True, env=_env(), timeout=60, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "recommended: mtraining_" in out.stdout and "dense_te_p2p" in out.stdout and "memory per GPU" in out.stdout
-    assert "host floor" in out.stdout
+    assert "host floor" in out.stdout and "flags: --tensor-model-parallel-size" in out.stdout
     assert cli_main(["--gpus", "16", "--seq-length", "524288", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["cluster"]["gpus"] == 16 and result["profile"] == "nvidia-h100"
-    assert {"predictions", "memory", "recommendation"} <= set(result)
+    assert {"predictions", "recommendation", "advice", "skipped"} <= set(result)
+    assert all("memory" in p and "fits" in p for p in result["predictions"])
 
 
 def test_cli_says_where_the_host_floor_binds(capsys):
-    assert cli_main(["--gpus", "64", "--seq-length", "524288"]) == 0
+    assert cli_main(["--gpus", "64", "--seq-length", "524288", "--tp", "1"]) == 0
     text = capsys.readouterr().out
     flat = next(line for line in text.splitlines() if line.startswith("mtraining_flat"))
     assert flat.endswith("host/launch floor") and "*" in flat
     assert "limited by host/launch floor" in text
     assert "note: dense_te_p2p (dense) is predicted faster here (MTraining's ring is host-bound" in text
-    assert cli_main(["--gpus", "8", "--seq-length", "524288"]) == 0
+    assert cli_main(["--gpus", "8", "--seq-length", "524288", "--tp", "1"]) == 0
     flat = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("mtraining_flat"))
     assert "*" not in flat and flat.endswith("attention kernels (work)")
 
@@ -407,8 +394,9 @@ def test_cli_takes_megatron_flags_and_telemetry(capsys):
     assert cli_main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["workload"]["density"] == pytest.approx(0.029)
+    # Megatron's flags bring Megatron's defaults: tied embeddings, no QKV bias (the flags do not say otherwise).
     assert result["shape"] == {"hidden": 2048, "heads": 16, "kv_groups": 2, "head_dim": 128, "layers": 4,
-                               "ffn": 11008, "vocab": 8192}
+                               "ffn": 11008, "vocab": 8192, "qkv_bias": False, "untied_embeddings": False}
     assert result["ignored_args"] == ["--group-query-attention", "--swiglu"]
     # The run this log came from: 982.5 ms per iteration.
     flat = next(p for p in result["predictions"] if p["name"] == "mtraining_flat")
@@ -450,8 +438,9 @@ def test_read_telemetry_json(tmp_path):
     (["--gpus", "0", "--seq-length", "524288"], "gpus must be a positive integer"),
     (["--gpus", "8", "--seq-length", "524288", "--fp8-format", "hybrid"],
      "needs --transformer-impl transformer_engine"),
-    (["--gpus", "8", "--seq-length", "524288", "--transformer-impl", "transformer_engine"],
-     "no Transformer Engine bf16 rates"),
+    (["--gpus", "8", "--seq-length", "524288", "--tp", "3"], "do not split over TP 3"),
+    (["--gpus", "8", "--seq-length", "524288", "--context-parallel-size", "4"], "disagrees with"),
+    (["--gpus", "8", "--seq-length", "524288", "--mtraining-block-size", "128"], "calibrated at block size 64"),
 ])
 def test_cli_bad_inputs_say_what_is_wrong(argv, message, capsys):
     assert cli_main(argv) == 2

@@ -1,27 +1,30 @@
-"""``python -m megatron_mtraining.plan``: predict a training step and recommend a configuration.
+"""``python -m megatron_mtraining.plan``: the fastest configuration that fits, its step time and memory.
 
-    python -m megatron_mtraining.plan --gpus 32 --seq-length 524288
+    python -m megatron_mtraining.plan --gpus 8 --seq-length 524288 --gpu-type h200
     python -m megatron_mtraining.plan --gpus 16 --seq-length 1048576 --gpu-type h200 --json
-    python -m megatron_mtraining.plan $MEGATRON_ARGS --context-parallel-size 32   # Megatron's own flags
+    python -m megatron_mtraining.plan $MEGATRON_ARGS --gpu-type h200   # Megatron's own flags: also "as configured"
     python -m megatron_mtraining.plan --gpus 8 --seq-length 262144 --telemetry train.log
 
 The model shape defaults to Qwen2.5-3B; Megatron's flags (``--hidden-size``, ``--num-attention-heads``,
 ``--num-query-groups``, ``--kv-channels``, ``--ffn-hidden-size``, ``--num-layers``, ``--seq-length``,
-``--padded-vocab-size``, ``--context-parallel-size``, ``--micro-batch-size``, ``--transformer-impl``,
-``--fp8-format``, ``--recompute-granularity full``) are accepted as they are,
-and Megatron flags the planner does not use are listed as ignored. See docs/scaling.md.
+``--padded-vocab-size``, ``--context-parallel-size``, ``--tensor-model-parallel-size``,
+``--micro-batch-size``, ``--transformer-impl``, ``--fp8-format``, ``--recompute-*``, ``--cp-comm-type``,
+``--use-distributed-optimizer``, ``--mtraining*``) are accepted as they are, and Megatron flags the
+planner does not use are listed as ignored. See docs/scaling.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 import sys
 from typing import Dict, List, Optional
 
-from .model import Cluster, ModelShape, Workload, plan
+from .model import Cluster, ModelShape, Workload
+from .search import configurations, plan
 from .profiles import available_profiles, load_profile
 
 TELEMETRY_LINE = re.compile(r"\[MTraining\] iteration \d+ \| density ([0-9.]+)(?:.*?approximator ([0-9.]+) ms"
@@ -57,14 +60,24 @@ def read_telemetry(path: str) -> Dict:
     return out
 
 
+# Megatron flags the planner reads only to know the run's configuration, or that set nothing it models.
+NOT_MODELLED = ("--mtraining-top-p", "--mtraining-layout", "--mtraining-log-interval", "--mtraining-index",
+                "--mtraining-min-vertical", "--mtraining-last-q")
+DEVICE_PROFILES = (("H200", "nvidia-h200"), ("H100", "nvidia-h100"))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m megatron_mtraining.plan",
-        description="Predict one training step of context-parallel attention (MTraining's sparse ring, flat and "
-                    "hierarchical, against Transformer Engine's dense p2p and a2a+p2p) from a calibrated device "
-                    "profile, and recommend a configuration. The model and its validation: docs/scaling.md.",
-        epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = p.add_argument_group("model shape (default Qwen2.5-3B; Megatron's flag names work)")
+        description="The fastest way to train a model at a sequence length on a number of GPUs, and whether it "
+                    "fits: every tensor x context-parallel split, attention (MTraining's sparse ring, flat and "
+                    "hierarchical; Transformer Engine's dense p2p and a2a+p2p) and recompute choice, its step time "
+                    "from a calibrated device profile and its peak memory per GPU. The model and its validation: "
+                    "docs/scaling.md.",
+        epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False)  # a Megatron flag such as --fp8 must not read as an abbreviation of --fp8-format
+    m = p.add_argument_group("model shape (default Qwen2.5-3B; Megatron's flag names work, and with any of them "
+                             "Megatron's defaults hold: tied embeddings, no QKV bias, unless the flags say otherwise)")
     m.add_argument("--hidden", "--hidden-size", dest="hidden", type=int, default=None)
     m.add_argument("--heads", "--num-attention-heads", dest="heads", type=int, default=None)
     m.add_argument("--kv-groups", "--num-query-groups", dest="kv_groups", type=int, default=None)
@@ -73,35 +86,58 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--layers", "--num-layers", dest="layers", type=int, default=None)
     m.add_argument("--ffn", "--ffn-hidden-size", dest="ffn", type=int, default=None)
     m.add_argument("--vocab", "--padded-vocab-size", "--vocab-size", dest="vocab", type=int, default=None)
+    m.add_argument("--add-qkv-bias", action="store_true", default=None)
+    m.add_argument("--untie-embeddings-and-output-weights", dest="untied", action="store_true", default=None)
     w = p.add_argument_group("workload")
     w.add_argument("--seq-length", "--seq-len", dest="seq_length", type=int, required=True, help="tokens per sequence")
     w.add_argument("--density", type=float, default=None,
-                   help="active / causal pairs of the sparse index (default 0.05, the paper's 95%% sparsity)")
+                   help="active / causal pairs of the sparse index (default 0.05, the paper's 95%% sparsity; "
+                        "--mtraining-top-p does not set it: a run's telemetry does)")
     w.add_argument("--telemetry", default=None, help="take the density from a run: its log or telemetry JSON")
     w.add_argument("--micro-batch-size", type=int, default=1)
     w.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
-                   help="the layers' implementation (the rest of the layer's rates; default local: the one every "
-                        "profile has; transformer_engine needs a profile calibrated on TE runs, nvidia-h200)")
+                   help="the layers' implementation (the rest of the layer's rates; default local)")
     w.add_argument("--fp8-format", default=None, help="any value: TE's FP8 GEMMs (attention stays bf16)")
-    w.add_argument("--recompute-granularity", choices=("full",), default=None,
-                   help="full: plan with full activation recompute (default: as the memory estimate needs)")
-    c = p.add_argument_group("cluster")
-    c.add_argument("--gpus", "--context-parallel-size", dest="gpus", type=int, default=None,
-                   help="GPUs of the context-parallel group")
+    w.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                   help="full: recompute as --recompute-method says (default: the fewest layers that fit); "
+                        "selective is planned as no recompute (with flash-style attention it saves no memory)")
+    w.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
+    w.add_argument("--recompute-num-layers", type=int, default=1,
+                   help="with --recompute-method block: the layers recomputed")
+    w.add_argument("--use-distributed-optimizer", dest="distributed_optimizer", action="store_true", default=True,
+                   help="(the default) Adam's states sharded over the data x context-parallel ranks")
+    w.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
+    c = p.add_argument_group("GPUs")
+    c.add_argument("--gpus", type=int, default=None, help="GPUs in all (tensor x context parallel)")
+    c.add_argument("--context-parallel-size", dest="cp", type=int, default=None,
+                   help="a run's CP size: the GPUs are CP x TP, and the run's own configuration is predicted too")
+    c.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=None,
+                   help="fix the TP size (default: every size the model takes is searched)")
     c.add_argument("--gpus-per-node", type=int, default=8)
-    c.add_argument("--gpu-type", "--profile", dest="gpu_type", default="nvidia-h100",
-                   help=f"device profile: {', '.join(available_profiles())}, or a profile JSON")
+    c.add_argument("--gpu-type", dest="gpu_type", default="nvidia-h100",
+                   help=f"device profile: {', '.join(available_profiles())}, a profile JSON, or auto (this "
+                        "machine's GPU, through nvidia-smi)")
     c.add_argument("--intra-gbps", type=float, default=None,
                    help="NCCL p2p GB/s per GPU in a node (default: the profile's)")
     c.add_argument("--intra-latency-us", type=float, default=None)
     c.add_argument("--inter-gbps", type=float, default=50.0,
                    help="GB/s per GPU between nodes (default 50: 400 Gb/s InfiniBand)")
     c.add_argument("--inter-latency-us", type=float, default=5.0)
+    r = p.add_argument_group("the run's own attention (with --context-parallel-size)")
+    r.add_argument("--mtraining", action="store_true", help="the run uses MTraining (else TE's dense CP)")
+    r.add_argument("--mtraining-inner-ring-size", type=int, default=None)
+    r.add_argument("--mtraining-block-size", type=int, default=None)
+    r.add_argument("--cp-comm-type", default="p2p")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
+    p.add_argument("--startup", action="store_true",
+                   help="one line for a launcher's log: the run's predicted tokens/s and memory, and the fastest "
+                        "configuration that fits")
     return p
 
 
 def shape_from(args) -> ModelShape:
+    given = [args.hidden, args.heads, args.kv_groups, args.head_dim, args.layers, args.ffn, args.vocab]
+    megatron_style = any(x is not None for x in given) or args.add_qkv_bias or args.untied
     head_dim = args.head_dim
     if head_dim is None:
         if args.hidden is not None or args.heads is not None:
@@ -113,50 +149,141 @@ def shape_from(args) -> ModelShape:
             head_dim = QWEN.head_dim
     return ModelShape(hidden=args.hidden or QWEN.hidden, heads=args.heads or QWEN.heads,
                       kv_groups=args.kv_groups or QWEN.kv_groups, head_dim=head_dim,
-                      layers=args.layers or QWEN.layers, ffn=args.ffn or QWEN.ffn, vocab=args.vocab or QWEN.vocab)
+                      layers=args.layers or QWEN.layers, ffn=args.ffn or QWEN.ffn, vocab=args.vocab or QWEN.vocab,
+                      qkv_bias=bool(args.add_qkv_bias) if megatron_style else QWEN.qkv_bias,
+                      untied_embeddings=bool(args.untied) if megatron_style else QWEN.untied_embeddings)
+
+
+def detect_profile(query=None) -> str:
+    """The profile of this machine's GPU (nvidia-smi's first GPU name), or ValueError."""
+    import shutil
+    import subprocess
+    if query is None:
+        if shutil.which("nvidia-smi") is None:
+            raise ValueError("--gpu-type auto: no nvidia-smi here (no NVIDIA GPU); name a profile: "
+                             + ", ".join(available_profiles()))
+        query = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout
+    name = query.strip().splitlines()[0] if query.strip() else ""
+    for key, profile in DEVICE_PROFILES:
+        if key in name:
+            return profile
+    raise ValueError(f"--gpu-type auto: no profile for {name or 'this GPU'!r}; known: "
+                     + ", ".join(available_profiles()) + " (benchmarks/calibrate.py --gpu writes one)")
+
+
+def _recompute(args):
+    """Workload.recompute for the run's flags (None: the planner chooses)."""
+    if args.recompute_granularity is None:
+        return None
+    if args.recompute_granularity == "selective":
+        return "none"
+    if args.recompute_method == "block":
+        return args.recompute_num_layers
+    return "full"
+
+
+def _configured_row(args, shape, work, cluster, profile) -> Optional[Dict]:
+    """The run's own configuration (its split, attention and recompute), when the flags give its CP size."""
+    if args.cp is None:
+        return None
+    fixed = work if work.recompute is not None else dataclasses.replace(work, recompute="none")
+    rows = configurations(shape, fixed, cluster, profile, tp=args.tp or 1,
+                          distributed_optimizer=args.distributed_optimizer)["rows"]
+    if args.mtraining:
+        inner = args.mtraining_inner_ring_size
+        name = "mtraining_flat" if inner in (None, args.cp) else f"mtraining_hier_{inner}"
+    else:
+        name = "dense_te_a2a_p2p" if args.cp_comm_type == "a2a+p2p" else "dense_te_p2p"
+    row = next((r for r in rows if r["name"] == name), None)
+    if row is None:
+        raise ValueError(f"the run's configuration ({name}) cannot be predicted for these settings")
+    return row
+
+
+def _gib(x: float) -> str:
+    return f"{x:.1f}"
 
 
 def format_table(result: Dict) -> str:
-    w, c, rec, mem = result["workload"], result["cluster"], result["recommendation"], result["memory"]
-    s = result["shape"]
+    w, c, rec, s = result["workload"], result["cluster"], result["recommendation"], result["shape"]
     lines = [f"{result['profile']} x {c['gpus']} (nodes of {c['gpus_per_node']}, {c['inter_gbps']:g} GB/s between), "
              f"{w['seq_len']} tokens, density {w['density']:.3g}, {w['layers']} layers"
              f"{', FP8 GEMMs' if w['fp8'] else ''}; model: hidden {s['hidden']}, "
-             f"{s['heads']}/{s['kv_groups']} heads, d {s['head_dim']}, {s['layers']} layers, FFN {s['ffn']}",
-             "per layer and GPU (ms): attention fwd / bwd with the ring's exposed communication; fwd/bwd per step: "
-             "the kernels alone; host floor: the host's time to enqueue the ring's steps (* where it binds: the GPU "
-             "waits for the host); step = all layers"]
-    header = ["configuration", "fwd/step", "bwd/step", "attn fwd", "attn bwd", "exposed comm", "host floor", "approx",
-              "rest", "step ms", "tokens/s", "limited by"]
+             f"{s['heads']}/{s['kv_groups']} heads, d {s['head_dim']}, {s['layers']} layers, FFN {s['ffn']}, "
+             f"vocabulary {s['vocab']}",
+             "per layer and GPU (ms): attention fwd / bwd with the ring's exposed communication; host floor: the "
+             "host's time to enqueue the ring's steps (* where it binds); recompute: the fewest layers that fit "
+             "(or as given); GiB: peak allocated per GPU; step = all layers"]
+    header = ["configuration", "TP", "CP", "recompute", "GiB", "fits", "attn fwd", "attn bwd", "exposed comm",
+              "host floor", "approx", "rest", "step ms", "tokens/s", "limited by"]
     rows = []
     for p in result["predictions"]:
         floor = (f"{p['host_floor_ms']:.1f}" + ("*" if p["host_wait_ms"] > 0 else "")) if p["host_floor_ms"] else "-"
-        rows.append([p["name"], f"{p['fwd_step_ms']:.2f}", f"{p['bwd_step_ms']:.2f}", f"{p['attention_fwd_ms']:.1f}",
-                     f"{p['attention_bwd_ms']:.1f}", f"{p['exposed_comm_ms']:.1f}", floor,
-                     f"{p['approximator_ms']:.2f}", f"{p['rest_of_layer_ms']:.1f}", f"{p['step_ms']:.0f}",
-                     f"{p['tokens_per_s']:.0f}", p["limit"]])
+        rows.append([p["name"], str(p["tp"]), str(p["cp"]), p["recompute"], _gib(p["memory"]["peak_gib"]),
+                     "yes" if p["fits"] else "NO", f"{p['attention_fwd_ms']:.1f}", f"{p['attention_bwd_ms']:.1f}",
+                     f"{p['exposed_comm_ms']:.1f}", floor, f"{p['approximator_ms']:.2f}",
+                     f"{p['rest_of_layer_ms']:.1f}", f"{p['step_ms']:.0f}", f"{p['tokens_per_s']:.0f}", p["limit"]])
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         lines.append("  ".join(x.ljust(wd) for x, wd in zip(row, widths)).rstrip())
     for name, why in result["skipped"].items():
         lines.append(f"skipped {name}: {why}")
+    configured = result.get("configured")
+    if configured:
+        lines.append(f"as configured: {configured['name']}, TP {configured['tp']} x CP {configured['cp']}, "
+                     f"recompute {configured['recompute']}: {configured['tokens_per_s']:.0f} tokens/s, "
+                     f"{_gib(configured['memory']['peak_gib'])} GiB per GPU"
+                     + ("" if configured["fits"] else " (does NOT fit)"))
+    if rec is None:
+        adv = result["advice"]
+        options = []
+        if adv["gpus"]:
+            options.append(f"{adv['gpus']} GPUs at this length")
+        if adv["seq_len"]:
+            options.append(f"at most {adv['seq_len']} tokens on these {c['gpus']} GPUs")
+        lines.append(f"nothing fits in {result['capacity_gib']:.0f} GiB per GPU, even with full recompute and every "
+                     "TP size" + (f"; what would: {' or '.join(options)}" if options else
+                                  "; no tried GPU count or length does (pipeline parallelism is not planned)"))
+        return "\n".join(lines)
     speedup = rec["speedup_over_best_dense"]
     inner = f" (inner ring {rec['inner_ring_size']})" if rec["inner_ring_size"] else ""
-    versus = f", {speedup:.2f}x over {rec['best_dense']}" if speedup else ""
-    lines.append(f"recommended: {rec['configuration']}{inner}, {rec['tokens_per_s']:.0f} tokens/s{versus}; "
-                 f"limited by {rec['limited_by']}; steps with {rec['recompute']} recompute")
+    versus = f", {speedup:.2f}x over {rec['best_dense']} (the fastest dense that fits)" if speedup else (
+        ", no dense configuration fits")
+    lines.append(f"recommended: {rec['configuration']}{inner}, TP {rec['tp']} x CP {rec['cp']}, recompute "
+                 f"{rec['recompute']}: {rec['tokens_per_s']:.0f} tokens/s ({rec['tokens_per_s_per_gpu']:.0f} per GPU)"
+                 f"{versus}; limited by {rec['limited_by']}")
     if speedup and speedup < 1:
         lines.append(f"note: {rec['best_dense']} (dense) is predicted faster here"
                      + (" (MTraining's ring is host-bound: fewer GPUs, or fewer launches per ring step, e.g. CUDA "
                         "graphs)" if rec["limited_by"] == "host/launch floor" else ""))
-    lines.append(f"memory per GPU: {mem['no_recompute_gib']:.1f} GiB without recompute, "
-                 f"{mem['full_recompute_gib']:.1f} GiB with full recompute, of {mem['capacity_gib']:.0f}: "
-                 + ("recompute needed" if mem["recompute_needed"] else "no recompute needed")
-                 + ("" if mem["fits_with_recompute"] else "; does NOT fit even with full recompute (more GPUs, or "
-                    "tensor/pipeline parallelism)"))
+    best = next(p for p in result["predictions"] if p["megatron_flags"] == rec["megatron_flags"])
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in best["memory"]["components_gib"].items() if v)
+    lines.append(f"memory per GPU: {_gib(rec['peak_gib'])} GiB peak of {result['capacity_gib']:.0f} ({parts}; "
+                 f"transient: {best['memory']['transient']})")
+    lines.append("flags: " + " ".join(rec["megatron_flags"]))
+    alt = result.get("fp8_alternative")
+    if alt:
+        lines.append(f"with FP8 GEMMs (--fp8-format hybrid): {alt['configuration']}, TP {alt['tp']}, recompute "
+                     f"{alt['recompute']}: {alt['tokens_per_s']:.0f} tokens/s")
     if result.get("ignored_args"):
         lines.append(f"ignored flags: {' '.join(result['ignored_args'])}")
     return "\n".join(lines)
+
+
+def startup_line(result: Dict) -> str:
+    """One line for a launcher's log: the run as configured against the fastest configuration that fits."""
+    c, rec, run = result["cluster"], result["recommendation"], result.get("configured")
+    head = f"[mtraining plan] {result['profile']} x {c['gpus']}, {result['workload']['seq_len']} tokens"
+    if run is not None:
+        head += (f": this run ({run['name']}, TP {run['tp']} x CP {run['cp']}, recompute {run['recompute']}) predicted "
+                 f"{run['tokens_per_s']:.0f} tokens/s ({run['tokens_per_s'] / c['gpus']:.0f} per GPU), peak "
+                 f"{run['memory']['peak_gib']:.1f} GiB per GPU of {result['capacity_gib']:.0f}"
+                 + (" (fits)" if run["fits"] else " (does NOT fit)"))
+    if rec is None:
+        return head + "; nothing fits on these GPUs (python -m megatron_mtraining.plan for what would)"
+    return head + (f"; fastest that fits: {rec['configuration']}, TP {rec['tp']}, recompute {rec['recompute']}, "
+                   f"{rec['tokens_per_s']:.0f} tokens/s ({' '.join(rec['megatron_flags'])})")
 
 
 def run(argv: Optional[List[str]] = None) -> Dict:
@@ -166,23 +293,39 @@ def run(argv: Optional[List[str]] = None) -> Dict:
     # A bare value after an unknown flag is that flag's value; a leading bare value is a mistake.
     if unknown and not unknown[0].startswith("--"):
         raise ValueError(f"unexpected argument {unknown[0]!r}")
-    if args.gpus is None:
+    tp = args.tp
+    if args.cp is not None:
+        gpus = args.cp * (tp or 1)
+        if args.gpus is not None and args.gpus != gpus:
+            raise ValueError(f"--gpus {args.gpus} disagrees with --context-parallel-size {args.cp} x "
+                             f"--tensor-model-parallel-size {tp or 1}")
+    elif args.gpus is None:
         raise ValueError("give the GPU count: --gpus N (or Megatron's --context-parallel-size N)")
+    else:
+        gpus = args.gpus
     if args.density is not None and args.telemetry is not None:
         raise ValueError("give --density or --telemetry, not both")
     density = read_telemetry(args.telemetry)["density"] if args.telemetry else (
         0.05 if args.density is None else args.density)
-    profile = load_profile(args.gpu_type)
+    profile = load_profile(detect_profile() if args.gpu_type == "auto" else args.gpu_type)
+    if args.mtraining_block_size not in (None, profile.block_size):
+        raise ValueError(f"profile {profile.name} is calibrated at block size {profile.block_size}, not "
+                         f"--mtraining-block-size {args.mtraining_block_size}")
     shape = shape_from(args)
     if args.fp8_format is not None and args.transformer_impl != "transformer_engine":
         raise ValueError("--fp8-format needs --transformer-impl transformer_engine (FP8 GEMMs are TE's)")
     work = Workload(args.seq_length, density, args.micro_batch_size, layers=args.transformer_impl,
-                    fp8=args.fp8_format is not None, recompute=True if args.recompute_granularity else None)
-    cluster = Cluster(args.gpus, args.gpus_per_node, args.inter_gbps, args.inter_latency_us, args.intra_gbps,
+                    fp8=args.fp8_format is not None, recompute=_recompute(args))
+    cluster = Cluster(gpus, args.gpus_per_node, args.inter_gbps, args.inter_latency_us, args.intra_gbps,
                       args.intra_latency_us)
-    result = plan(shape, work, cluster, profile)
-    result["ignored_args"] = [u for u in unknown if u.startswith("--")]
-    result["as_json"] = args.json
+    # With a run's CP size the flags describe that run: it is predicted as configured, and the
+    # recommendation searches every TP size and recompute choice; otherwise they constrain the search.
+    searched = dataclasses.replace(work, recompute=None) if args.cp is not None else work
+    result = plan(shape, searched, cluster, profile, tp=None if args.cp is not None else tp,
+                  distributed_optimizer=args.distributed_optimizer)
+    result["configured"] = _configured_row(args, shape, work, cluster, profile)
+    result["ignored_args"] = [u for u in unknown if u.startswith("--") and u.split("=")[0] not in NOT_MODELLED]
+    result["output"] = "json" if args.json else "startup" if args.startup else "table"
     return result
 
 
@@ -192,5 +335,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(result, indent=1) if result.pop("as_json") else format_table(result))
+    output = result.pop("output")
+    if output == "json":
+        print(json.dumps(result, indent=1))
+    else:
+        print(startup_line(result) if output == "startup" else format_table(result))
     return 0

@@ -52,6 +52,8 @@ class ModelShape:
     layers: int = 36
     ffn: int = 11008
     vocab: int = 151936
+    qkv_bias: bool = True           # Qwen2.5's q/k/v projections have biases (Llama's do not)
+    untied_embeddings: bool = True  # separate input embedding and output layer
 
     def __post_init__(self):
         for name in ("hidden", "heads", "kv_groups", "head_dim", "layers", "ffn", "vocab"):
@@ -72,10 +74,9 @@ class ModelShape:
     def head_flops_per_token(self) -> float:
         return 6.0 * self.hidden * self.vocab
 
-    def parameters(self) -> float:
-        h, d = self.hidden, self.head_dim
-        layer = h * (self.heads + 2 * self.kv_groups) * d + self.heads * d * h + 3 * h * self.ffn + 2 * h
-        return self.layers * layer + 2 * self.vocab * h + h  # untied embedding and output layer
+    def attention_shard(self, tp: int) -> "ModelShape":
+        """The heads one of ``tp`` tensor-parallel ranks holds (Megatron splits query heads and groups)."""
+        return dataclasses.replace(self, heads=self.heads // tp, kv_groups=self.kv_groups // tp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,18 @@ class Cluster:
     def same_node(self, a: int, b: int) -> bool:
         return a // self.gpus_per_node == b // self.gpus_per_node
 
+    def context_parallel(self, tp: int) -> "Cluster":
+        """The context-parallel ring's view of the GPUs when ``tp`` consecutive GPUs of a node form a
+        tensor-parallel group: ``gpus / tp`` ring ranks, ``gpus_per_node / tp`` of them per node."""
+        if not isinstance(tp, int) or tp < 1 or self.gpus % tp:
+            raise ValueError(f"tensor parallel size {tp!r} must divide the {self.gpus} GPUs")
+        if tp == 1:
+            return self
+        if self.gpus_per_node % tp and self.gpus > tp:
+            raise ValueError(f"tensor parallel size {tp} must divide the {self.gpus_per_node} GPUs of a node "
+                             "(a TP group stays inside a node)")
+        return dataclasses.replace(self, gpus=self.gpus // tp, gpus_per_node=max(1, self.gpus_per_node // tp))
+
 
 LAYER_IMPLS = ("local", "transformer_engine")
 
@@ -122,14 +135,15 @@ class Workload:
 
     ``layers``: Megatron's ``--transformer-impl`` (its rest-of-layer rates differ: TE fuses the
     norms into the GEMMs); ``fp8``: TE's FP8 GEMMs (``--fp8-format``; attention stays bf16);
-    ``recompute``: full activation recompute (True), none (False), or as the memory needs (None)."""
+    ``recompute``: "full" (every layer recomputed), "none", a number of layers recomputed
+    (Megatron's ``--recompute-method block --recompute-num-layers k``), or None: the fewest that fit."""
 
     seq_len: int
     density: float = 0.05       # active pairs / causal pairs of the sparse index
     micro_batch: int = 1        # sequences per micro-batch
     layers: str = "local"
     fp8: bool = False
-    recompute: Optional[bool] = None
+    recompute: Optional[object] = None
 
     def __post_init__(self):
         if not isinstance(self.seq_len, int) or self.seq_len < 1:
@@ -142,8 +156,21 @@ class Workload:
             raise ValueError(f"workload: layers must be one of {', '.join(LAYER_IMPLS)}, got {self.layers!r}")
         if self.fp8 and self.layers != "transformer_engine":
             raise ValueError("workload: FP8 GEMMs need Transformer Engine's layers (layers='transformer_engine')")
-        if self.recompute not in (None, True, False):
-            raise ValueError(f"workload: recompute must be True, False or None, got {self.recompute!r}")
+        if not (self.recompute in (None, "full", "none") or (type(self.recompute) is int and self.recompute >= 0)):
+            raise ValueError(f"workload: recompute must be 'full', 'none', a number of layers or None, "
+                             f"got {self.recompute!r}")
+
+    def recomputed_layers(self, layers: int) -> Optional[int]:
+        """Layers recomputed out of ``layers`` (None: the planner chooses)."""
+        if self.recompute is None:
+            return None
+        if self.recompute == "full":
+            return layers
+        if self.recompute == "none":
+            return 0
+        if self.recompute > layers:
+            raise ValueError(f"workload: {self.recompute} recomputed layers of a {layers}-layer model")
+        return self.recompute
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,18 +361,37 @@ def rest_rates(profile: Profile, layers: str = "local", fp8: bool = False) -> Tu
     return gemm_tflops, elementwise, profile.te_rest_of_layer["bf16"][0]
 
 
+def tp_collectives_ms(shape: ModelShape, tokens: float, tp: int, profile: Profile, collectives: int) -> float:
+    """Sequence-parallel TP traffic: ``collectives`` all-gathers or reduce-scatters of the layer's
+    [tokens x hidden] bf16 activations (4 in a layer's forward, 6 in its backward: Megatron's and
+    TE's defaults, not overlapped with the GEMMs)."""
+    if tp == 1:
+        return 0.0
+    if not profile.tp_collective_gbps > 0:
+        raise ValueError(f"profile {profile.name} has no tensor-parallel collective rate (tensor_parallel."
+                         "collective_gbps); plan without TP or add it to the profile")
+    nbytes = tokens * shape.hidden * BF16 * (tp - 1) / tp
+    return collectives * nbytes / (profile.tp_collective_gbps * 1e9) * 1e3
+
+
+TP_FORWARD_COLLECTIVES, TP_BACKWARD_COLLECTIVES = 4, 6
+
+
 def rest_of_layer_ms(shape: ModelShape, tokens: float, profile: Profile, layers: str = "local",
-                     fp8: bool = False) -> Tuple[float, float]:
-    """(one layer's non-attention fwd+bwd, the output layer and loss) for ``tokens`` on one GPU."""
+                     fp8: bool = False, tp: int = 1) -> Tuple[float, float]:
+    """(one layer's non-attention fwd+bwd, the output layer and loss) for ``tokens`` on one of ``tp``
+    tensor-parallel GPUs (the GEMMs and, with sequence parallelism, the elementwise work split over
+    them; the layer's TP collectives added)."""
     gemm_tflops, elementwise_ns, head_tflops = rest_rates(profile, layers, fp8)
-    gemm = shape.layer_gemm_flops_per_token() * tokens / (gemm_tflops * 1e12) * 1e3
-    elementwise = elementwise_ns * 1e-6 * tokens * (shape.hidden / 2048.0)
-    head = shape.head_flops_per_token() * tokens / (head_tflops * 1e12) * 1e3
-    return gemm + elementwise, head
+    gemm = shape.layer_gemm_flops_per_token() * tokens / tp / (gemm_tflops * 1e12) * 1e3
+    elementwise = elementwise_ns * 1e-6 * tokens * (shape.hidden / 2048.0) / tp
+    comm = tp_collectives_ms(shape, tokens, tp, profile, TP_FORWARD_COLLECTIVES + TP_BACKWARD_COLLECTIVES)
+    head = shape.head_flops_per_token() * tokens / tp / (head_tflops * 1e12) * 1e3
+    return gemm + elementwise + comm, head
 
 
-def _rest(shape: ModelShape, work: Workload, tokens: float, profile: Profile) -> Tuple[float, float]:
-    return rest_of_layer_ms(shape, tokens, profile, work.layers, work.fp8)
+def _rest(shape: ModelShape, work: Workload, tokens: float, profile: Profile, tp: int = 1) -> Tuple[float, float]:
+    return rest_of_layer_ms(shape, tokens, profile, work.layers, work.fp8, tp)
 
 
 def _small_collective_ms(world: int, cluster: Cluster, profile: Profile) -> float:
@@ -369,13 +415,16 @@ def _limit(parts: Dict[str, float]) -> str:
 
 def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile,
                       inner: Optional[int] = None, kernel_scale: float = 1.0,
-                      grad_home_in_kv_dtype: bool = True, queries_after_send: bool = True) -> Prediction:
-    """MTraining's striped sparse ring, flat (``inner`` None or W) or hierarchical.
+                      grad_home_in_kv_dtype: bool = True, queries_after_send: bool = True,
+                      tp: int = 1) -> Prediction:
+    """MTraining's striped sparse ring, flat (``inner`` None or W) or hierarchical, over the
+    ``cluster.gpus / tp`` context-parallel ranks (``tp``: tensor parallelism, heads split).
 
     ``kernel_scale`` multiplies the sparse kernel times (validation uses it for results taken with
     older kernels, from that generation's own one-GPU kernel benchmark; planning leaves it at 1);
     ``grad_home_in_kv_dtype=False`` models the rings before 4e729d3, whose hop home was in fp32;
     ``queries_after_send=False`` those before 92e682c, whose backward step sent its sums after dQ."""
+    model, shape, cluster = shape, shape.attention_shard(tp), cluster.context_parallel(tp)
     W = cluster.gpus
     inner = W if inner is None else int(inner)
     if inner < 1 or W % inner:
@@ -435,7 +484,7 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
             parts["attention kernels (work)"] += W * (kernels - fixed_part)
             parts["per-step fixed costs"] += W * fixed_part
     approx = approximator_ms(shape, work, W, cluster, profile)
-    rest, head = _rest(shape, work, n_local * b, profile)
+    rest, head = _rest(model, work, n_local * b, profile, tp)
     layer = fwd + bwd + approx + rest
     step = shape.layers * layer + head + profile.step_fixed_ms
     name = "mtraining_flat" if inner == W else f"mtraining_hier_{inner}"
@@ -453,11 +502,12 @@ def _dense_step(profile: Profile, calls: int, tiles: float, d: int) -> Tuple[flo
 
 
 def predict_dense_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile,
-                      grad_bytes_per_value: int = BF16, grad_home_in_kv_dtype: bool = True) -> Prediction:
+                      grad_bytes_per_value: int = BF16, grad_home_in_kv_dtype: bool = True, tp: int = 1) -> Prediction:
     """Transformer Engine's ``p2p`` context parallelism: a flat ring of cuDNN calls on the load-balanced
     (zigzag) layout, every step a causal half of its chunk pair. (``grad_bytes_per_value`` 4 models
     this package's own dense zigzag ring, which sends dK/dV in fp32 and, from 4e729d3, home in bf16:
     ``grad_home_in_kv_dtype``.)"""
+    model, shape, cluster = shape, shape.attention_shard(tp), cluster.context_parallel(tp)
     W, B, H, d, b = cluster.gpus, profile.block_size, shape.heads, shape.head_dim, work.micro_batch
     if work.seq_len % (2 * W):
         raise ValueError(f"sequence length {work.seq_len} must split into 2 x {W} zigzag chunks")
@@ -475,7 +525,7 @@ def predict_dense_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profi
     compute = W * (fwd_step + bwd_step)
     exposed = max(0.0, fwd + bwd - compute - (W - 1) * add_ms)
     fixed = W * 2 * (profile.dense_fwd.per_call + profile.dense_bwd.per_call)
-    rest, head = _rest(shape, work, n_local * b, profile)
+    rest, head = _rest(model, work, n_local * b, profile, tp)
     layer = fwd + bwd + rest
     step = shape.layers * layer + head + profile.step_fixed_ms
     limit = _limit({"attention kernels (work)": compute - fixed, "per-step fixed costs": fixed,
@@ -485,12 +535,13 @@ def predict_dense_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profi
 
 
 def predict_dense_a2a_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile,
-                          a2a_size: Optional[int] = None) -> Prediction:
+                          a2a_size: Optional[int] = None, tp: int = 1) -> Prediction:
     """Transformer Engine's ``a2a+p2p``: an all-to-all over the heads among groups of a consecutive
     ranks (each then holds a x the tokens and 1/a of the heads), a p2p ring across the groups.
     ``a2a_size`` is Megatron's first ``--hierarchical-context-parallel-sizes`` entry; by default
     a = min(GPUs per node, GPUs): the all-to-all inside a node, the ring across nodes. K/V heads are
     replicated up to a when there are fewer (GQA); the all-to-alls are not overlapped with compute."""
+    model, shape, cluster = shape, shape.attention_shard(tp), cluster.context_parallel(tp)
     W, B, H, d, b = cluster.gpus, profile.block_size, shape.heads, shape.head_dim, work.micro_batch
     a = min(cluster.gpus_per_node, W) if a2a_size is None else a2a_size
     if not isinstance(a, int) or a < 1 or W % a:
@@ -531,7 +582,7 @@ def predict_dense_a2a_p2p(shape: ModelShape, work: Workload, cluster: Cluster, p
     compute = nodes * (fwd_step + bwd_step)
     exposed = max(0.0, fwd + bwd - compute - (nodes - 1) * add_ms)
     fixed = nodes * 2 * (profile.dense_fwd.per_call + profile.dense_bwd.per_call)
-    rest, head = _rest(shape, work, n_local * b, profile)
+    rest, head = _rest(model, work, n_local * b, profile, tp)
     layer = fwd + bwd + rest
     step = shape.layers * layer + head + profile.step_fixed_ms
     limit = _limit({"attention kernels (work)": compute - fixed, "per-step fixed costs": fixed,
@@ -542,84 +593,21 @@ def predict_dense_a2a_p2p(shape: ModelShape, work: Workload, cluster: Cluster, p
                       exposed, fixed, 0.0, rest, head, step, work.seq_len * b / step * 1e3, limit, note)
 
 
-def with_recompute(p: Prediction, shape: ModelShape, work: Workload) -> Prediction:
-    """The step under full recompute: every layer's forward runs again inside the backward (the
-    attention forward with its ring, the approximator, which rebuilds the same index, and the forward
-    third of the rest of the layer)."""
-    p.step_ms += shape.layers * (p.attention_fwd_ms + p.approximator_ms + p.rest_of_layer_ms / 3)
+def with_recompute(p: Prediction, shape: ModelShape, work: Workload, layers: Optional[int] = None) -> Prediction:
+    """The step with ``layers`` recomputed (default all: full recompute): each such layer's forward runs
+    again inside the backward (the attention forward with its ring, the approximator, which rebuilds
+    the same index, and the forward third of the rest of the layer)."""
+    layers = shape.layers if layers is None else layers
+    if not isinstance(layers, int) or not 0 <= layers <= shape.layers:
+        raise ValueError(f"recomputed layers must be an integer in [0, {shape.layers}], got {layers!r}")
+    p.step_ms += layers * (p.attention_fwd_ms + p.approximator_ms + p.rest_of_layer_ms / 3)
     p.tokens_per_s = work.seq_len * work.micro_batch / p.step_ms * 1e3
-    p.note = "; ".join(x for x in (p.note, "with full recompute") if x)
+    if layers:
+        what = "full recompute" if layers == shape.layers else f"{layers} of {shape.layers} layers recomputed"
+        p.note = "; ".join(x for x in (p.note, f"with {what}") if x)
     return p
-
-
-# ----------------------------------------------------------------------------------------------
-# Memory
-# ----------------------------------------------------------------------------------------------
-
-
-def memory_estimate(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile,
-                    data_parallel: int = 1) -> Dict:
-    """GiB per GPU without recompute and with full recompute (Megatron's ``--recompute-granularity
-    full --recompute-method uniform``), bf16 weights, fp32 gradients, Adam in the distributed
-    optimizer sharded over data x context parallel ranks. Activations per token per layer are the
-    tensors a layer saves for its backward (inputs of the norms, projections and MLP, q/k/v before
-    and after RoPE, the attention output and its log-sum-exp); the output layer's logits are
-    counted at 6 bytes per vocabulary entry (bf16 logits and an fp32 loss buffer)."""
-    GiB = 2 ** 30
-    h, d, L = shape.hidden, shape.head_dim, shape.layers
-    tokens = work.seq_len // cluster.gpus * work.micro_batch
-    params = shape.parameters()
-    states = params * (BF16 + FP32) + params * 12 / (cluster.gpus * data_parallel)
-    per_token_layer = BF16 * (4 * h + (shape.heads + 2 * shape.kv_groups) * d + (shape.heads + shape.kv_groups) * d
-                              + shape.heads * d + 3 * shape.ffn) + FP32 * shape.heads
-    logits = tokens * shape.vocab * 6
-    attention_buffers = tokens * d * (2 * shape.heads * FP32 + 4 * shape.kv_groups * FP32 + 4 * shape.kv_groups * BF16)
-    none = states + L * tokens * per_token_layer + logits + attention_buffers
-    full = states + L * tokens * h * BF16 + tokens * per_token_layer + logits + attention_buffers
-    capacity = profile.memory_gib * 0.9  # headroom for the allocator's fragmentation and NCCL buffers
-    return {"params": params, "tokens_per_gpu": tokens, "model_states_gib": states / GiB,
-            "activations_per_layer_gib": tokens * per_token_layer / GiB, "logits_gib": logits / GiB,
-            "no_recompute_gib": none / GiB, "full_recompute_gib": full / GiB, "capacity_gib": profile.memory_gib,
-            "recompute_needed": none / GiB > capacity, "fits_with_recompute": full / GiB <= capacity}
-
-
-# ----------------------------------------------------------------------------------------------
-# The plan: every configuration, and the recommendation
-# ----------------------------------------------------------------------------------------------
 
 
 def inner_sizes(gpus: int) -> List[int]:
     """Every hierarchical inner ring size: divisors of the GPU count strictly between 1 and it."""
     return [i for i in range(2, gpus) if gpus % i == 0]
-
-
-def plan(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile) -> Dict:
-    """Every configuration's prediction, the memory estimate and the recommended configuration."""
-    predictions = [predict_mtraining(shape, work, cluster, profile)]
-    predictions += [predict_mtraining(shape, work, cluster, profile, inner=i) for i in inner_sizes(cluster.gpus)]
-    skipped = {}
-    for fn in (predict_dense_p2p, predict_dense_a2a_p2p):
-        try:
-            predictions.append(fn(shape, work, cluster, profile))
-        except ValueError as exc:
-            skipped[fn.__name__.replace("predict_", "")] = str(exc)
-    memory = memory_estimate(shape, work, cluster, profile)
-    recompute = memory["recompute_needed"] if work.recompute is None else work.recompute
-    if recompute:
-        predictions = [with_recompute(p, shape, work) for p in predictions]
-    sparse = [p for p in predictions if p.method == "mtraining"]
-    dense = [p for p in predictions if p.method == "dense"]
-    best = min(sparse, key=lambda p: p.step_ms)
-    best_dense = min(dense, key=lambda p: p.step_ms) if dense else None
-    recommendation = {
-        "configuration": best.name, "inner_ring_size": best.inner, "step_ms": best.step_ms,
-        "tokens_per_s": best.tokens_per_s, "limited_by": best.limit,
-        "speedup_over_best_dense": best_dense.step_ms / best.step_ms if best_dense else None,
-        "best_dense": best_dense.name if best_dense else None,
-        "recompute": "full" if recompute else "none",
-        "fits": memory["fits_with_recompute"] if recompute else not memory["recompute_needed"],
-    }
-    return {"shape": dataclasses.asdict(shape), "workload": dataclasses.asdict(work),
-            "cluster": dataclasses.asdict(cluster), "profile": profile.name,
-            "predictions": [p.as_dict() for p in predictions], "skipped": skipped, "memory": memory,
-            "recommendation": recommendation}

@@ -85,6 +85,8 @@ class Profile:
     # The rest of the layer on Transformer Engine's layers, per GEMM precision ("bf16", "fp8"): a
     # (GEMM TFLOP/s, elementwise ns per token and layer) pair; empty where no TE run calibrates it.
     te_rest_of_layer: Dict[str, Tuple[float, float]] = dataclasses.field(default_factory=dict)
+    # Sequence-parallel TP all-gathers / reduce-scatters inside a node, GB/s per GPU (0: not in the profile).
+    tp_collective_gbps: float = 0.0
 
     @classmethod
     def from_dict(cls, d: Dict) -> "Profile":
@@ -107,7 +109,8 @@ class Profile:
                 kernel_generation=dict(d.get("kernel_generation", {})), sources=list(d.get("sources", [])),
                 assumed=dict(d.get("assumed", {})), raw=d,
                 te_rest_of_layer={precision: (float(r["gemm_tflops"]), float(r["elementwise_ns_per_token_layer"]))
-                                  for precision, r in d.get("rest_of_layer_te", {}).get("rates", {}).items()})
+                                  for precision, r in d.get("rest_of_layer_te", {}).get("rates", {}).items()},
+                tp_collective_gbps=float(d.get("tensor_parallel", {}).get("collective_gbps", 0.0)))
         except KeyError as exc:
             raise ValueError(f"profile {d.get('name', '?')!r} lacks the field {exc}; rewrite it with "
                              "benchmarks/calibrate.py") from None
