@@ -132,10 +132,13 @@ for label, world_size, argv in request["commands"]:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             args = parse(argv, world_size)
             arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-        config = MTrainingConfig.from_args(args)
-        integration_options(args)
-        patches.validate_megatron_config(args, config, seq_length=args.seq_length)
-        report["commands"][label] = dict(ok=args.mtraining, cp=args.context_parallel_size,
+        if args.mtraining:
+            config = MTrainingConfig.from_args(args)
+            integration_options(args)
+            patches.validate_megatron_config(args, config, seq_length=args.seq_length)
+        # A baseline command (MTRAINING=0) runs Megatron's own CP attention: --mtraining off.
+        report["commands"][label] = dict(ok=args.mtraining != label.endswith(" baseline"),
+                                         cp_comm_type=args.cp_comm_type, cp=args.context_parallel_size,
                                          tp=args.tensor_model_parallel_size, dp=args.data_parallel_size,
                                          seq=args.seq_length, impl=args.transformer_impl,
                                          rope_fusion=args.apply_rope_fusion)
@@ -339,6 +342,13 @@ def parser_report(trees, tmp_path_factory):
             nproc, argv = _megatron_argv(_dry_run(script, MEGATRON_LM=str(tree), GPUS_PER_NODE="8",
                                                   MTRAINING_ENTRY=entry, TRANSFORMER_IMPL="transformer_engine"))
             commands.append([f"{script.name} {entry} x8 te", nproc, argv])
+            if "512k" in script.name:  # the flagship runs: 4 and 8 GPUs, and their baselines (MTRAINING=0)
+                for gpus, mtraining in (("4", "1"), ("4", "0"), ("8", "0")):
+                    nproc, argv = _megatron_argv(_dry_run(script, MEGATRON_LM=str(tree), GPUS_PER_NODE=gpus,
+                                                          MTRAINING_ENTRY=entry, MTRAINING=mtraining,
+                                                          TRANSFORMER_IMPL="transformer_engine"))
+                    commands.append([f"{script.name} {entry} x{gpus} te" + (" baseline" if mtraining == "0" else ""),
+                                     nproc, argv])
     gpu_out = _gpu_script_dry_run(tmp)
     assert "[megatron-lm] layers: local (--transformer-impl local: Transformer Engine does not import)" in gpu_out
     # On the GPU machines (TE installed) the runs use TE layers: their CP=2 commands, printed here.
@@ -403,7 +413,8 @@ def test_patched_parser_without_plugin_names_interpreter(parser_report):
 
 def test_example_and_gpu_script_commands_pass_megatron_validation(parser_report):
     """Every launcher command line (examples/pretrain_*.sh at 1 and 8 GPUs, at 8 with TP=2, and at 8
-    on Transformer Engine layers; launcher and fork entries; scripts/gpu_megatron_lm.sh's 12 runs and
+    on Transformer Engine layers; the flagship launchers at 4 GPUs on TE layers and, with MTRAINING=0,
+    their baselines at 4 and 8 (Megatron's own CP, --mtraining off); launcher and fork entries; scripts/gpu_megatron_lm.sh's 12 runs and
     its 6 CP=2 runs on TE layers) passes Megatron-LM's parse_args + validate_args and MTraining's
     start-up checks, with --mtraining on."""
     results = parser_report["commands"]
@@ -423,6 +434,13 @@ def test_example_and_gpu_script_commands_pass_megatron_validation(parser_report)
             assert results[f"{script} {entry} x8 te"]["rope_fusion"] is ("qwen" not in script), script
             assert (results[f"{script} {entry} x8"]["impl"], results[f"{script} {entry} x8"]["rope_fusion"]) == (
                 "local", False), script
+    for script in ("pretrain_qwen2.5_3b_512k_mtraining.sh", "pretrain_llama3.1_8b_512k_mtraining.sh"):
+        for entry in ("launcher", "fork"):
+            for gpus in (4, 8):
+                baseline = results[f"{script} {entry} x{gpus} te baseline"]
+                assert (baseline["cp"], baseline["cp_comm_type"], baseline["impl"]) == (
+                    gpus, ["p2p"], "transformer_engine"), script  # Megatron keeps it as a list
+            assert results[f"{script} {entry} x4 te"]["cp"] == 4
     assert results["gpu_megatron_lm.sh launcher_cp2 save"]["cp"] == 2
     assert results["gpu_megatron_lm.sh fork_cp1 full"]["cp"] == 1
     gpu = {label: r for label, r in results.items() if label.startswith("gpu_megatron_lm.sh")}
