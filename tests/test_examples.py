@@ -199,18 +199,18 @@ def test_layers_override_and_apex(tmp_path):
     at = cmd.index("--transformer-impl")
     assert cmd[at:at + 4] == LOCAL_FLAGS and len(_impl_lines(r.stderr)) == 1
     # With apex's kernel, Megatron's gradient-accumulation fusion stays on.
-    r, cmd = _dry_run(script, tmp_path / "a", te=True, apex=True)
+    r, cmd = _dry_run(script, tmp_path / "b", te=True, apex=True)
     assert r.returncode == 0 and "--no-gradient-accumulation-fusion" not in cmd, r.stderr
     # TE asked for where it does not import: a dry run prints the TE command (for a machine that has
     # TE), a real run stops before anything starts.
-    r, cmd = _dry_run(script, tmp_path / "a", TRANSFORMER_IMPL="transformer_engine")
+    r, cmd = _dry_run(script, tmp_path / "c", TRANSFORMER_IMPL="transformer_engine")
     assert r.returncode == 0, r.stderr
     assert cmd[cmd.index("--transformer-impl") + 1] == "transformer_engine" and "--no-rope-fusion" not in cmd
     assert "not importable here" in r.stderr
-    r, _ = _dry_run(script, tmp_path / "a", TRANSFORMER_IMPL="transformer_engine", DRY_RUN="0")
+    r, _ = _dry_run(script, tmp_path / "d", TRANSFORMER_IMPL="transformer_engine", DRY_RUN="0")
     assert r.returncode == 1 and not r.stdout
     assert "TRANSFORMER_IMPL=transformer_engine but Transformer Engine does not import" in r.stderr
-    r, _ = _dry_run(script, tmp_path / "a", TRANSFORMER_IMPL="te")
+    r, _ = _dry_run(script, tmp_path / "e", TRANSFORMER_IMPL="te")
     assert r.returncode == 1 and "TRANSFORMER_IMPL=te is none of auto, transformer_engine, local" in r.stderr
 
 
@@ -236,26 +236,26 @@ def test_launchers_print_the_planners_line_and_run_the_baseline_with_mtraining_0
     stderr, the command itself unchanged); MTRAINING=0 runs the same command without MTraining's
     flags: Megatron's own context parallelism, the baseline."""
     script = EXAMPLES / "pretrain_qwen2.5_3b_512k_mtraining.sh"
-    r, cmd = _dry_run(script, tmp_path / "a", te=True, GPUS_PER_NODE="8", PLAN_PROFILE="nvidia-h200")
+    r, cmd = _dry_run(script, tmp_path / "plan", te=True, GPUS_PER_NODE="8", PLAN_PROFILE="nvidia-h200")
     assert r.returncode == 0, r.stderr
     lines = _plan_lines(r.stderr)
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("[mtraining plan] nvidia-h200 x 8, 524288 tokens: this run (mtraining_flat, "
                                "TP 1 x CP 8, recompute full) predicted"), lines[0]
     assert "fastest that fits" in lines[0]
-    r, base = _dry_run(script, tmp_path / "a", te=True, GPUS_PER_NODE="8", PLAN_PROFILE="nvidia-h200", MTRAINING="0")
+    r, base = _dry_run(script, tmp_path / "plan", te=True, GPUS_PER_NODE="8", PLAN_PROFILE="nvidia-h200", MTRAINING="0")
     assert r.returncode == 0, r.stderr
     assert base == _without_mtraining_flags(cmd) and "--mtraining" not in base and "--cp-comm-type" in base
     assert "this run (dense_te_p2p, TP 1 x CP 8, recompute full)" in _plan_lines(r.stderr)[0]
     # No line where nvidia-smi is missing (auto, the default) or with PLAN_PROFILE=none.
     for env in ({}, {"PLAN_PROFILE": "none"}):
-        r, again = _dry_run(script, tmp_path / "a", te=True, GPUS_PER_NODE="8", PATH="/usr/bin:/bin", **env)
+        r, again = _dry_run(script, tmp_path / "plan", te=True, GPUS_PER_NODE="8", PATH="/usr/bin:/bin", **env)
         assert r.returncode == 0 and again == cmd and not _plan_lines(r.stderr), r.stderr
     # A profile the planner does not know: its error, and the run goes on.
-    r, again = _dry_run(script, tmp_path / "a", te=True, GPUS_PER_NODE="8", PLAN_PROFILE="a100")
+    r, again = _dry_run(script, tmp_path / "plan", te=True, GPUS_PER_NODE="8", PLAN_PROFILE="a100")
     assert r.returncode == 0 and again == cmd
     assert "unknown GPU profile 'a100'" in r.stderr and "training goes on" in r.stderr
-    r, _ = _dry_run(script, tmp_path / "a", MTRAINING="yes")
+    r, _ = _dry_run(script, tmp_path / "plan", MTRAINING="yes")
     assert r.returncode == 1 and "MTRAINING=yes is neither 1" in r.stderr
 
 
