@@ -526,6 +526,65 @@ def scaling_tables(profile_name: str = "nvidia-h100", density: float = 0.05) -> 
     return "\n".join(out)
 
 
+# The flagship launchers' runs (issue-free names: model, sequence, GPUs), as a user starts them:
+# TE layers on H200s, bf16 and FP8 GEMMs.
+FLAGSHIP_RUNS = (("qwen2.5_3b", 262144, 4), ("qwen2.5_3b", 524288, 8), ("llama3.1_8b", 524288, 8))
+FLAGSHIP_SHAPES = {"qwen2.5_3b": ModelShape(),
+                   "llama3.1_8b": ModelShape(hidden=4096, heads=32, kv_groups=8, head_dim=128, layers=32, ffn=14336,
+                                             vocab=128256, qkv_bias=False)}
+
+
+def flagship_rows(profile_name: str = "nvidia-h200", density: float = 0.05) -> List[Dict]:
+    """The planner on the flagship launchers: each side (MTraining, TE's p2p ring) at the launcher's
+    setting (TP 1, full recompute) and at its fastest setting that fits; with the measured run where
+    ``benchmarks/results/flagship_<model>_<seq>k_<profile>_<gpus>gpu.json`` holds one."""
+    from megatron_mtraining.plan import configurations, plan
+
+    profile = load_profile(profile_name)
+    rows = []
+    for model, seq, gpus in FLAGSHIP_RUNS:
+        shape = FLAGSHIP_SHAPES[model]
+        measured_path = os.path.join(RESULTS, f"flagship_{model}_{seq // 1024}k_{profile_name}_{gpus}gpu.json")
+        measured = json.load(open(measured_path)) if os.path.isfile(measured_path) else None
+        for fp8 in (False, True):
+            work = Workload(seq, density, layers="transformer_engine", fp8=fp8)
+            cluster = Cluster(gpus, 8)
+            shipped = {r["name"]: r for r in configurations(shape, dataclasses.replace(work, recompute="full"),
+                                                               cluster, profile, tp=1)["rows"]}
+            best = plan(shape, work, cluster, profile)
+            fastest = {m: min((r for r in best["predictions"] if r["method"] == m and r["fits"]),
+                              key=lambda r: r["step_ms"], default=None) for m in ("mtraining", "dense")}
+            runs = {r["name"]: r for r in measured["runs"]} if measured and bool(measured.get("fp8")) == fp8 else {}
+            rows.append({"model": model, "seq_len": seq, "gpus": gpus, "fp8": fp8,
+                         "shipped": {"mtraining": shipped["mtraining_flat"], "dense": shipped["dense_te_p2p"]},
+                         "fastest": fastest, "measured": runs})
+    return rows
+
+
+def flagship_table(profile_name: str = "nvidia-h200") -> str:
+    """docs/scaling.md's flagship table: predicted (and, once run, measured) tokens/s and peak GiB per GPU."""
+    def cell(r):
+        if r is None:
+            return "does not fit"
+        return f"{r['tokens_per_s'] / 1e3:.1f}K, {r['memory']['peak_gib']:.0f} GiB" + ("" if r["fits"] else " (NO fit)")
+
+    def setting(r):
+        return "-" if r is None else f"TP {r['tp']}, recompute {r['recompute']}"
+
+    out = ["| model, length, GPUs | GEMMs | MTraining as shipped | TE CP as shipped | speed-up | MTraining fastest "
+           "that fits | TE CP fastest that fits | speed-up | measured |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in flagship_rows(profile_name):
+        sm, sd = row["shipped"]["mtraining"], row["shipped"]["dense"]
+        fm, fd = row["fastest"]["mtraining"], row["fastest"]["dense"]
+        fast = f"{fd['step_ms'] / fm['step_ms']:.2f}x" if fm and fd else "-"
+        measured = ", ".join(f"{name} {r['tokens_per_s'] / 1e3:.1f}K" for name, r in row["measured"].items()
+                             if r.get("tokens_per_s")) or "not yet run"
+        out.append(f"| {row['model']}, {row['seq_len'] // 1024}K, {row['gpus']} | {'FP8' if row['fp8'] else 'bf16'} | "
+                   f"{cell(sm)} | {cell(sd)} | {sd['step_ms'] / sm['step_ms']:.2f}x | {cell(fm)} ({setting(fm)}) | "
+                   f"{cell(fd)} ({setting(fd)}) | {fast} | {measured} |")
+    return "\n".join(out)
+
+
 def pending_slow_links(profile_name: str = "nvidia-h200") -> str:
     """Predictions for the slow-link runs issue 32 asks for (12.5 and 50 GB/s: 100 and 400 Gb/s
     InfiniBand), 4 GPUs in emulated nodes of 2, 512K, current kernels: to check once measured."""
@@ -546,10 +605,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(RESULTS, "plan_validation.json"))
     p.add_argument("--scaling", action="store_true", help="also print the tables of docs/scaling.md")
+    p.add_argument("--flagship", action="store_true", help="only print docs/scaling.md's flagship table")
     p.add_argument("--plots", action="store_true", help="also write docs/scaling_512k.svg and docs/scaling_1m.svg")
     p.add_argument("--check-plots", action="store_true",
                    help="only check that the committed charts are current (exit 1 if not); writes nothing")
     args = p.parse_args(argv)
+    if args.flagship:
+        print(flagship_table())
+        return 0
     if args.check_plots:
         stale = write_charts(check=True)
         print("stale: " + ", ".join(stale) + " (rerun with --plots)" if stale else "charts are current")

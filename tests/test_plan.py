@@ -737,3 +737,11 @@ def test_calibration_reads_kernel_costs_as_the_model_does():
     assert calibrate._cost_ms(cost, 100, 1000, head_dim=64) == pytest.approx(0.5 + 1.0 + 1.0)
     assert calibrate._cost_ms(cost, 100, 1000, head_dim=64) == pytest.approx(
         KernelCost(0.5, 0.01, 0.002).ms(100, 1000, 64))
+
+
+def test_the_flagship_table_in_docs_is_current():
+    """docs/scaling.md's flagship table is benchmarks/plan_validation.py --flagship's output."""
+    import plan_validation
+
+    docs = open(os.path.join(REPO, "docs", "scaling.md")).read()
+    assert plan_validation.flagship_table() in docs, "rerun python benchmarks/plan_validation.py --flagship"
