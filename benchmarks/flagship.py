@@ -215,6 +215,52 @@ def run_one(name: str, flags: List[str], args, world: int, log_dir: str, profile
     return row
 
 
+# Bit-exact cuBLAS, NCCL and Transformer Engine for the resume check (MTraining's kernels are
+# deterministic by default).
+DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                     "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def resume_check(args, world: int, log_dir: str) -> Dict:
+    """Exact resume of the launcher as shipped: an uninterrupted run to N iterations saving at N/2 and
+    N, and a run from that N/2 checkpoint to N; the second's losses must equal the first's, and its
+    checkpoint at N the first's, tensor by tensor (scripts/compare_checkpoints.py; RNG states aside:
+    the resumed run's data iterators draw from the CPU generator once more)."""
+    import shutil
+
+    n, half = args.train_iters, args.train_iters // 2
+    launcher = os.path.join(REPO, "examples", LAUNCHERS[args.model])
+    full_dir, resume_dir = tempfile.mkdtemp(prefix="flagship_full_"), tempfile.mkdtemp(prefix="flagship_resume_")
+    base = dict(os.environ, MEGATRON_LM=args.megatron_lm, GPUS_PER_NODE=str(world), SEQ_LENGTH=str(args.seq_length),
+                TRAIN_ITERS=str(n), TP=str(args.tp), MTRAINING="1", PLAN_PROFILE="none", LOG_INTERVAL="1",
+                **({"GLOBAL_BATCH_SIZE": str(args.global_batch_size)} if args.global_batch_size else {}),
+                **DETERMINISTIC_ENV)
+    logs = {}
+    for name, path in (("full", full_dir), ("resumed", resume_dir)):
+        if name == "resumed":
+            shutil.copytree(os.path.join(full_dir, f"iter_{half:07d}"), os.path.join(resume_dir, f"iter_{half:07d}"))
+            with open(os.path.join(resume_dir, "latest_checkpointed_iteration.txt"), "w") as fh:
+                fh.write(str(half))
+        proc = subprocess.run(["bash", launcher, "--save-interval", str(half), "--seed", "1234"],
+                              env={**base, "CHECKPOINT_PATH": path}, cwd=REPO, capture_output=True, text=True,
+                              timeout=args.timeout)
+        logs[name] = proc.stdout + proc.stderr
+        with open(os.path.join(log_dir, f"flagship_{args.model}_resume_{name}.log"), "w") as fh:
+            fh.write(logs[name])
+        if proc.returncode:
+            return {"ok": False, "error": f"the {name} run failed (rc {proc.returncode})", "log_tail": logs[name][-2000:]}
+    full, resumed = parse_log(logs["full"])["losses"], parse_log(logs["resumed"])["losses"]
+    after = {i: full.get(i) for i in range(half + 1, n + 1)}
+    losses_equal = bool(after) and all(resumed.get(i) == v and v is not None for i, v in after.items())
+    compare = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "compare_checkpoints.py"), resume_dir,
+                              full_dir, "--iteration", str(n), "--ignore", "rng_state"],
+                             capture_output=True, text=True, timeout=args.timeout)
+    return {"ok": losses_equal and compare.returncode == 0, "iterations": n, "saved_at": half,
+            "losses_full": after, "losses_resumed": {i: resumed.get(i) for i in after},
+            "losses_equal": losses_equal, "checkpoints_equal": compare.returncode == 0,
+            "compare_tail": (compare.stdout + compare.stderr)[-1500:]}
+
+
 def parse_runs(specs: List[str]) -> List[tuple]:
     runs = []
     for spec in specs:
@@ -238,6 +284,8 @@ def main(argv=None) -> int:
                    help="a run (mtraining, te_cp), optionally +FLAGS; repeat for more (default: mtraining and te_cp)")
     p.add_argument("--telemetry-interval", type=int, default=5)
     p.add_argument("--profile-iteration", type=int, default=0)
+    p.add_argument("--resume-check", action="store_true",
+                   help="also check exact resume: save at --train-iters / 2, resume to --train-iters, compare")
     p.add_argument("--megatron-lm", default=os.environ.get("MEGATRON_LM"), help="Megatron-LM checkout")
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--out", default=None)
@@ -270,6 +318,11 @@ def main(argv=None) -> int:
         if by_name.get("te_cp", {}).get("tokens_per_s") and by_name.get("mtraining", {}).get("tokens_per_s"):
             result["speedup_vs_te_cp"] = by_name["mtraining"]["tokens_per_s"] / by_name["te_cp"]["tokens_per_s"]
         with open(out, "w") as fh:  # after every run: a run cut short keeps the ones before it
+            json.dump(json_ready(result), fh, indent=1)
+    if args.resume_check:
+        result["resume"] = resume_check(args, world, log_dir)
+        print(f"exact resume: {'PASS' if result['resume']['ok'] else 'FAIL'}", flush=True)
+        with open(out, "w") as fh:
             json.dump(json_ready(result), fh, indent=1)
     print(f"wrote {out}")
     return 0

@@ -488,6 +488,34 @@ def render_e2e(results: List[Result]) -> str:
         source_line(results)])
 
 
+@renderer("flagship")
+def render_flagship(results: List[Result]) -> str:
+    rows = []
+    for _, data in results:
+        device = data.get("meta", {}).get("device", "?")
+        for run in data.get("runs", []):
+            planner = run.get("planner", {})
+            rows.append([device, str(data["world_size"]), data["model"], tokens(data["seq_length"]), run["name"],
+                         num(run.get("tokens_per_s"), 0), num(run.get("tokens_per_s_per_gpu"), 0),
+                         num(run.get("executed_tflops_per_gpu"), 0), num(run.get("executed_share_of_bf16_peak")),
+                         pair(run.get("peak_allocated_gib"), run.get("peak_reserved_gib"), 1),
+                         num(run.get("density"), 3), pair(planner.get("tokens_per_s"), planner.get("peak_gib"), 0),
+                         pair(run.get("planner_tokens_per_s_error"), run.get("planner_memory_error")),
+                         "" if run["returncode"] == 0 else f"rc {run['returncode']}"])
+    resume = "; ".join(f"{d['model']} {tokens(d['seq_length'])} x {d['world_size']}: exact resume "
+                       + ("PASS" if d["resume"]["ok"] else "FAIL") for _, d in results if d.get("resume"))
+    return "\n\n".join([
+        "**The flagship launchers** (`benchmarks/flagship.py`: `examples/pretrain_*_512k_mtraining.sh` as shipped "
+        "but for the length, iterations and global batch named in each result's command; mock data; `te_cp` is the "
+        "same launcher with `MTRAINING=0`). Executed TFLOP/s count the GEMMs, attention on its active pairs and the "
+        "recomputed forwards; memory is Megatron's peak per GPU; the planner predicts each run from its own flags "
+        "and measured density." + (f" {resume}." if resume else ""),
+        table(["device", "GPUs", "model", "S", "run", "tokens/s", "per GPU", "TFLOP/s per GPU", "of bf16 peak",
+               "peak GiB (alloc / reserved)", "density", "planner tokens/s / GiB", "planner error (speed / memory)",
+               "note"], rows),
+        source_line(results)])
+
+
 def e2e_breakdown(results: List[Result]) -> List[str]:
     """Where one profiled iteration's GPU time went (``--profile-iteration``), per run that has it."""
     categories = ("mtraining", "dense_attention", "gemm", "nccl", "other")
@@ -590,6 +618,12 @@ TARGETS = {  # key: (comparison, target)
     # The same with packed documents (quality_packed.json; density of document-causal pairs).
     "packed_final_loss_gap": ("abs <=", 0.02), "packed_retrieval_accuracy_gap": ("<=", 2.0),
     "packed_mean_density": ("<=", 0.10),
+    # The flagship launchers as shipped, full depth, on H200s (flagship.json): MTraining over Megatron's own
+    # CP (TE's p2p ring), each side at its fastest setting that fits; the planner's errors on every run.
+    "flagship_qwen2.5_3b_256k_4gpu_vs_te_cp": (">=", 5.5), "flagship_qwen2.5_3b_256k_4gpu_vs_te_cp_fp8": (">=", 6.5),
+    "flagship_qwen2.5_3b_512k_8gpu_vs_te_cp": (">=", 7.5), "flagship_qwen2.5_3b_512k_8gpu_vs_te_cp_fp8": (">=", 8.5),
+    "flagship_llama3.1_8b_512k_8gpu_vs_te_cp": (">=", 6.5),
+    "flagship_memory_max_abs_error": ("<=", 0.10), "flagship_planner_max_abs_error": ("<=", 0.15),
 }
 
 
@@ -598,6 +632,38 @@ def target_met(value: float, op: str, target: float) -> bool:
 
 
 SLOW_LINK_KEY_GBPS = 2  # hierarchical_speedup_slow_link's emulated inter-node link
+
+
+def _fp8(run: Dict) -> bool:
+    return "--fp8-format" in run.get("megatron_argv", [])
+
+
+def flagship_values(flagship: List[Result]) -> Dict[str, Tuple]:
+    """The flagship keys: per model, length and GPU count, the fastest MTraining run over the fastest TE
+    CP run of the same precision (each at its fastest setting that fits, i.e. the fastest that ran); the
+    planner's largest memory and tokens/s errors over every run."""
+    values: Dict[str, Tuple] = {}
+    memory_errors, speed_errors = [], []
+    for path, data in flagship:
+        runs = [r for r in data.get("runs", []) if r.get("tokens_per_s")]
+        memory_errors += [(abs(r["planner_memory_error"]), path) for r in runs if "planner_memory_error" in r]
+        speed_errors += [(abs(r["planner_tokens_per_s_error"]), path) for r in runs
+                         if "planner_tokens_per_s_error" in r]
+        for fp8 in (False, True):
+            ours = [r for r in runs if "--mtraining" in r.get("megatron_argv", []) and _fp8(r) == fp8]
+            theirs = [r for r in runs if "--mtraining" not in r.get("megatron_argv", []) and _fp8(r) == fp8]
+            if ours and theirs:
+                best, base = max(ours, key=lambda r: r["tokens_per_s"]), max(theirs, key=lambda r: r["tokens_per_s"])
+                key = (f"flagship_{data['model']}_{tokens_key(data['seq_length'])}_{data['world_size']}gpu_vs_te_cp"
+                       + ("_fp8" if fp8 else ""))
+                values[key] = (best["tokens_per_s"] / base["tokens_per_s"], path,
+                               f"{best['name']} over {base['name']}; {data.get('meta', {}).get('device', '?')}")
+    for key, errors in (("flagship_memory_max_abs_error", memory_errors),
+                        ("flagship_planner_max_abs_error", speed_errors)):
+        if errors:
+            error, path = max(errors)
+            values[key] = (error, path, f"the largest of {len(errors)} runs")
+    return values
 
 
 def summarise(results: Dict[str, List[Result]]) -> Dict:
@@ -733,6 +799,7 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
                 f"sparse striped ring over dense_ring_attention with the same documents, {where}")
             for key, value in striped.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {}).items():
                 values[f"packed_ring_{key}"] = (value, path, f"sparse striped ring, {where}")
+    values.update(flagship_values(results.get("flagship", [])))
     sources = {path for value, path, _ in values.values() if path}
     metas = [d.get("meta", {}) for kind in results for path, d in results[kind] if path in sources]
     latest = max(metas, key=lambda m: m.get("time_utc", ""), default={})

@@ -165,3 +165,25 @@ def test_imbalance_figures_come_from_the_newest_h200_run_not_the_last_file_name(
     assert summary["step_imbalance"] == 1.05 and summary["details"]["step_imbalance"]["met"] is True
     assert summary["details"]["step_imbalance"]["source"] == "r/ring_4gpu_scaling.json"
     assert "commit ccccccc" in summary["details"]["step_imbalance"]["note"]
+
+
+def test_flagship_keys_pair_the_fastest_runs_of_one_precision_and_take_the_worst_planner_errors():
+    def run(name, tokens_per_s, mtraining, fp8=False, speed_error=0.0, memory_error=0.0):
+        argv = ["--num-layers", "36"] + (["--mtraining"] if mtraining else []) + (["--fp8-format", "hybrid"] if fp8
+                                                                                  else [])
+        return {"name": name, "megatron_argv": argv, "tokens_per_s": tokens_per_s, "returncode": 0,
+                "planner_tokens_per_s_error": speed_error, "planner_memory_error": memory_error}
+
+    data = {"model": "qwen2.5_3b", "seq_length": 262144, "world_size": 4, "meta": {"device": "NVIDIA H200"},
+            "runs": [run("mtraining", 50e3, True, speed_error=-0.04, memory_error=0.02),
+                     run("mtraining+block 30", 56e3, True, speed_error=0.12),
+                     run("te_cp", 10e3, False, memory_error=-0.08), run("te_cp+block 30", 9e3, False),
+                     run("mtraining fp8", 70e3, True, fp8=True), run("te_cp fp8", 10e3, False, fp8=True)]}
+    values = make_tables.flagship_values([("flagship.json", data)])
+    assert values["flagship_qwen2.5_3b_256k_4gpu_vs_te_cp"][0] == 5.6
+    assert values["flagship_qwen2.5_3b_256k_4gpu_vs_te_cp_fp8"][0] == 7.0
+    assert values["flagship_planner_max_abs_error"][0] == 0.12
+    assert values["flagship_memory_max_abs_error"][0] == 0.08
+    summary = make_tables.summarise({"flagship": [("flagship.json", data)]})
+    assert summary["details"]["flagship_qwen2.5_3b_256k_4gpu_vs_te_cp"]["met"] is True
+    assert summary["flagship_llama3.1_8b_512k_8gpu_vs_te_cp"] is None
