@@ -96,6 +96,8 @@ setup(
     version="0.1.0",
     description="Vertical-slash sparse attention for Megatron-LM (MTraining)",
     packages=find_packages(include=["megatron_mtraining*"]),
+    # The planner's device profiles (python -m megatron_mtraining.plan reads them at run time).
+    package_data={"megatron_mtraining.plan": ["profiles/*.json"]},
     # 3.11 and 3.12 are tested; megatron.training (launcher, example, fork patch) needs
     # megatron-core >= 0.17, which needs Python >= 3.12.
     python_requires=">=3.11",

@@ -54,6 +54,19 @@ def test_docs_citations_name_files_in_the_repository():
     assert not missing, "cited documents that are not in docs/:\n" + "\n".join(missing)
 
 
+OTHER_MD_CITATION = re.compile(r"(?<![\w./-])((?:benchmarks|examples|patches|scripts|tests)/[\w.-]+\.md)\b")
+
+
+def test_markdown_citations_outside_docs_name_files_in_the_repository():
+    """A page cited by its path in another folder (``benchmarks/README.md``) exists."""
+    found = [(p, t, m) for p in scanned_files() for t in [read(p)] for m in OTHER_MD_CITATION.finditer(t)]
+    assert any(m.group(1) == "patches/README.md" for _, _, m in found)  # the scan sees them
+    assert [m.group(1) for m in OTHER_MD_CITATION.finditer("see benchmarks/NOTES.md")] == ["benchmarks/NOTES.md"]
+    missing = [f"{where(p, t, m.start())}: {m.group(1)}" for p, t, m in found
+               if not os.path.isfile(os.path.join(REPO, m.group(1)))]
+    assert not missing, "cited pages that are not in the repository:\n" + "\n".join(missing)
+
+
 def test_design_section_citations_exist():
     sections = design_sections()
     assert sections == set(range(1, 8)), "docs/design.md keeps its sections 1-7 (docstrings cite them)"
@@ -67,7 +80,8 @@ def test_no_citation_of_the_design_card_outside_the_repository():
     assert not old, "cite docs/design.md instead of DESIGN.md:\n" + "\n".join(old)
 
 
-@pytest.mark.parametrize("name", ["README.md", "docs", "benchmarks/README.md", "patches/README.md"])
+@pytest.mark.parametrize("name", ["README.md", "docs", "benchmarks/README.md", "patches/README.md",
+                                  "examples/README.md"])
 def test_markdown_links_resolve(name):
     path = os.path.join(REPO, name)
     pages = ([os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".md")]

@@ -248,7 +248,7 @@ def simulate_ring(world: int, inner: int, compute_ms: Sequence[float], nbytes: D
     "grad" message, and of the "grad_home" one (default: a "grad" message's). A transfer starts once
     sender and receiver have both posted it and the receiving end of its link is free (messages on
     one link queue in posting order). ``queries_share``: the share of a backward step's compute run
-    after its sums are sent on (dQ, from 92e682c), 0 for a step that computes everything first."""
+    after its sums are sent on (dQ), 0 for a ring whose backward step computes everything first."""
     if world % inner:
         raise ValueError(f"inner ring size {inner} does not divide {world} ranks")
     if not 0.0 <= queries_share < 1.0:
@@ -422,8 +422,9 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
 
     ``kernel_scale`` multiplies the sparse kernel times (validation uses it for results taken with
     older kernels, from that generation's own one-GPU kernel benchmark; planning leaves it at 1);
-    ``grad_home_in_kv_dtype=False`` models the rings before 4e729d3, whose hop home was in fp32;
-    ``queries_after_send=False`` those before 92e682c, whose backward step sent its sums after dQ."""
+    ``grad_home_in_kv_dtype=False`` models a ring whose last hop home carries fp32 sums, and
+    ``queries_after_send=False`` one whose backward step sends its sums after dQ (validation uses both
+    for results of older rings; benchmarks/plan_validation.py says which)."""
     model, shape, cluster = shape, shape.attention_shard(tp), cluster.context_parallel(tp)
     W = cluster.gpus
     inner = W if inner is None else int(inner)
@@ -505,7 +506,7 @@ def predict_dense_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profi
                       grad_bytes_per_value: int = BF16, grad_home_in_kv_dtype: bool = True, tp: int = 1) -> Prediction:
     """Transformer Engine's ``p2p`` context parallelism: a flat ring of cuDNN calls on the load-balanced
     (zigzag) layout, every step a causal half of its chunk pair. (``grad_bytes_per_value`` 4 models
-    this package's own dense zigzag ring, which sends dK/dV in fp32 and, from 4e729d3, home in bf16:
+    this package's own dense zigzag ring, which sends dK/dV in fp32 and home in K/V's dtype:
     ``grad_home_in_kv_dtype``.)"""
     model, shape, cluster = shape, shape.attention_shard(tp), cluster.context_parallel(tp)
     W, B, H, d, b = cluster.gpus, profile.block_size, shape.heads, shape.head_dim, work.micro_batch
