@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -162,8 +163,14 @@ def run_one(name: str, flags: List[str], args, world: int, log_dir: str, profile
                   "--tensorboard-dir", os.path.join(trace_dir, "tensorboard")]
     argv = megatron_argv(launcher, env, extra)
     start = time.time()
-    proc = subprocess.run(["bash", os.path.join(REPO, "examples", launcher), *extra], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(["bash", os.path.join(REPO, "examples", launcher), *extra], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=args.timeout)
+    finally:
+        # Megatron saves a checkpoint at the end of training whatever --save-interval says (the
+        # launchers pass --save): tens of GB per run (14 bytes per parameter), which the next runs
+        # would otherwise pile up on the machine's disk.
+        shutil.rmtree(env["CHECKPOINT_PATH"], ignore_errors=True)
     log = proc.stdout + proc.stderr
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:80]
     with open(os.path.join(log_dir, f"flagship_{args.model}_{slug}.log"), "w") as fh:
@@ -226,11 +233,19 @@ def resume_check(args, world: int, log_dir: str) -> Dict:
     N, and a run from that N/2 checkpoint to N; the second's losses must equal the first's, and its
     checkpoint at N the first's, tensor by tensor (scripts/compare_checkpoints.py; RNG states aside:
     the resumed run's data iterators draw from the CPU generator once more)."""
-    import shutil
-
     n, half = args.train_iters, args.train_iters // 2
-    launcher = os.path.join(REPO, "examples", LAUNCHERS[args.model])
+    if half < 1:
+        raise SystemExit("--resume-check needs --train-iters >= 2 (it saves at half of them)")
     full_dir, resume_dir = tempfile.mkdtemp(prefix="flagship_full_"), tempfile.mkdtemp(prefix="flagship_resume_")
+    try:
+        return _resume_runs(args, world, log_dir, n, half, full_dir, resume_dir)
+    finally:  # three full checkpoints (optimizer states included): tens to hundreds of GB
+        shutil.rmtree(full_dir, ignore_errors=True)
+        shutil.rmtree(resume_dir, ignore_errors=True)
+
+
+def _resume_runs(args, world: int, log_dir: str, n: int, half: int, full_dir: str, resume_dir: str) -> Dict:
+    launcher = os.path.join(REPO, "examples", LAUNCHERS[args.model])
     base = dict(os.environ, MEGATRON_LM=args.megatron_lm, GPUS_PER_NODE=str(world), SEQ_LENGTH=str(args.seq_length),
                 TRAIN_ITERS=str(n), TP=str(args.tp), MTRAINING="1", PLAN_PROFILE="none", LOG_INTERVAL="1",
                 **({"GLOBAL_BATCH_SIZE": str(args.global_batch_size)} if args.global_batch_size else {}),
@@ -238,7 +253,8 @@ def resume_check(args, world: int, log_dir: str) -> Dict:
     logs = {}
     for name, path in (("full", full_dir), ("resumed", resume_dir)):
         if name == "resumed":
-            shutil.copytree(os.path.join(full_dir, f"iter_{half:07d}"), os.path.join(resume_dir, f"iter_{half:07d}"))
+            # Moved, not copied: only the uninterrupted run's checkpoint at N is compared (one copy less on disk).
+            shutil.move(os.path.join(full_dir, f"iter_{half:07d}"), os.path.join(resume_dir, f"iter_{half:07d}"))
             with open(os.path.join(resume_dir, "latest_checkpointed_iteration.txt"), "w") as fh:
                 fh.write(str(half))
         proc = subprocess.run(["bash", launcher, "--save-interval", str(half), "--seed", "1234"],

@@ -554,7 +554,9 @@ def flagship_rows(profile_name: str = "nvidia-h200", density: float = 0.05) -> L
             best = plan(shape, work, cluster, profile)
             fastest = {m: min((r for r in best["predictions"] if r["method"] == m and r["fits"]),
                               key=lambda r: r["step_ms"], default=None) for m in ("mtraining", "dense")}
-            runs = {r["name"]: r for r in measured["runs"]} if measured and bool(measured.get("fp8")) == fp8 else {}
+            # A result file holds bf16 and FP8 runs alike (a run's own flags choose FP8 GEMMs).
+            runs = {r["name"]: r for r in (measured or {}).get("runs", [])
+                    if ("--fp8-format" in r.get("megatron_argv", [])) == fp8}
             rows.append({"model": model, "seq_len": seq, "gpus": gpus, "fp8": fp8,
                          "shipped": {"mtraining": shipped["mtraining_flat"], "dense": shipped["dense_te_p2p"]},
                          "fastest": fastest, "measured": runs})

@@ -237,8 +237,11 @@ mtraining_launch() {
     # default, asks nvidia-smi and says nothing on a machine without it; none: no line).
     local plan_profile=${PLAN_PROFILE:-auto}
     if [[ "$plan_profile" != none && "$NODE_RANK" == 0 ]] && { [[ "$plan_profile" != auto ]] || command -v nvidia-smi >/dev/null 2>&1; }; then
+        # --vocab: the model's vocabulary, which the command names only with mock data (--vocab-size).
+        local plan_vocab=()
+        [[ -n "${MOCK_VOCAB_SIZE:-}" ]] && plan_vocab=(--vocab "$MOCK_VOCAB_SIZE")
         "$PYTHON" -m megatron_mtraining.plan --startup --gpu-type "$plan_profile" --gpus-per-node "$GPUS_PER_NODE" \
-            "${megatron_args[@]}" >&2 \
+            "${plan_vocab[@]}" "${megatron_args[@]}" >&2 \
             || echo "[$LAUNCHER_NAME] the planner could not predict this run (its error is above); training goes on" >&2
     fi
     # DRY_RUN=1 prints the command (shell-quoted) instead of running it.

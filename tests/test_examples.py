@@ -620,3 +620,17 @@ def test_pretrain_script_model_forward_and_loss(fake_training, megatron_cpu):
         assert report["lm loss"][1].item() == MBS * (SEQ - 3)
         results[mtraining] = loss.item()
     assert results[True] == pytest.approx(results[False], rel=1e-5)
+
+
+def test_the_planners_line_knows_the_vocabulary_with_real_data_too(tmp_path):
+    """With DATA_PATH the command has no --vocab-size (the tokenizer sets it): the planner's line must
+    still size the output layer by the model's vocabulary (128256 for Llama-3.1-8B), not a default."""
+    script = EXAMPLES / "pretrain_llama3.1_8b_512k_mtraining.sh"
+    r, cmd = _dry_run(script, tmp_path / "mock", te=True, GPUS_PER_NODE="8", PLAN_PROFILE="nvidia-h200")
+    assert r.returncode == 0, r.stderr
+    mock = _plan_lines(r.stderr)
+    r, cmd = _dry_run(script, tmp_path / "data", te=True, GPUS_PER_NODE="8", PLAN_PROFILE="nvidia-h200",
+                      DATA_PATH="/data/llama_text_document", TOKENIZER_MODEL="meta-llama/Llama-3.1-8B")
+    assert r.returncode == 0, r.stderr
+    assert "--vocab-size" not in cmd and "--vocab" not in cmd
+    assert len(mock) == 1 and _plan_lines(r.stderr) == mock

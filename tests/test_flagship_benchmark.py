@@ -86,3 +86,57 @@ def test_the_planner_predicts_a_launchers_own_command(tmp_path):
     baseline = flagship.predict(flagship.megatron_argv("pretrain_qwen2.5_3b_512k_mtraining.sh",
                                                        {**env, "MTRAINING": "0"}, []), "nvidia-h200", 4, None)
     assert baseline["tokens_per_s"] < p["tokens_per_s"] / 3
+
+
+def _fake_launch(monkeypatch, seen, save_iterations=()):
+    """subprocess.run standing in for a launcher run: it writes a checkpoint where CHECKPOINT_PATH points
+    (as Megatron does at the end of training) and logs two iterations."""
+    import subprocess
+
+    def fake_run(cmd, env=None, **kwargs):
+        if env is None:  # scripts/compare_checkpoints.py
+            return subprocess.CompletedProcess(cmd, 0, "equal", "")
+        path = env["CHECKPOINT_PATH"]
+        for it in save_iterations or (4,):
+            os.makedirs(os.path.join(path, f"iter_{it:07d}"), exist_ok=True)
+            with open(os.path.join(path, f"iter_{it:07d}", "__0_0.distcp"), "wb") as fh:
+                fh.write(b"x" * 1024)
+        seen.append(path)
+        log = "".join(f" iteration {i:8d}/{4:8d} | elapsed time per iteration (ms): 1000.0 | lm loss: 1.0E+01 |\n"
+                      for i in range(1, 5))
+        return subprocess.CompletedProcess(cmd, 0, log, "")
+
+    monkeypatch.setattr(flagship.subprocess, "run", fake_run)
+    monkeypatch.setattr(flagship, "megatron_argv", lambda launcher, env, extra: [
+        "--seq-length", "1024", "--global-batch-size", "1", "--num-layers", "2", "--hidden-size", "256",
+        "--ffn-hidden-size", "512", "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "64",
+        "--vocab-size", "1000"])
+
+
+def test_a_run_leaves_no_checkpoint_behind(tmp_path, monkeypatch):
+    """Megatron saves at the end of training whatever --save-interval says, and the launchers pass --save:
+    every benchmark run writes a full checkpoint (tens of GB at these sizes), which must not pile up."""
+    import argparse
+
+    seen = []
+    _fake_launch(monkeypatch, seen)
+    args = argparse.Namespace(model="qwen2.5_3b", megatron_lm=str(tmp_path), seq_length=1024, train_iters=4, tp=1,
+                              global_batch_size=None, telemetry_interval=5, profile_iteration=0, timeout=60,
+                              warmup_iters=2, device_name="NVIDIA H200")
+    row = flagship.run_one("mtraining", [], args, 4, str(tmp_path), None)
+    assert row["returncode"] == 0 and row["tokens_per_s"] == pytest.approx(1024 / 1.0)
+    assert len(seen) == 1 and not os.path.exists(seen[0])
+
+
+def test_resume_check_cleans_up_its_checkpoints(tmp_path, monkeypatch):
+    import argparse
+
+    seen = []
+    _fake_launch(monkeypatch, seen, save_iterations=(2, 4))
+    args = argparse.Namespace(model="qwen2.5_3b", megatron_lm=str(tmp_path), seq_length=1024, train_iters=4, tp=1,
+                              global_batch_size=None, timeout=60)
+    result = flagship.resume_check(args, 4, str(tmp_path))
+    assert result["losses_equal"] and len(seen) == 2
+    assert not any(os.path.exists(path) for path in seen)
+    with pytest.raises(SystemExit, match="train-iters >= 2"):
+        flagship.resume_check(argparse.Namespace(**{**vars(args), "train_iters": 1}), 4, str(tmp_path))

@@ -390,14 +390,15 @@ def test_cli_takes_megatron_flags_and_telemetry(capsys):
     log = os.path.join(RESULTS, "logs", "e2e_mtraining_nvidia-h200_4gpu_cudnn.log")
     argv = ["--num-layers", "4", "--hidden-size", "2048", "--num-attention-heads", "16", "--group-query-attention",
             "--num-query-groups", "2", "--ffn-hidden-size", "11008", "--seq-length", "524288", "--padded-vocab-size",
-            "8192", "--context-parallel-size", "4", "--swiglu", "--gpu-type", "h200", "--telemetry", log, "--json"]
+            "8192", "--context-parallel-size", "4", "--swiglu", "--gpu-type", "h200", "--telemetry", log,
+            "--transformer-impl", "local", "--json"]
     assert cli_main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["workload"]["density"] == pytest.approx(0.029)
     # Megatron's flags bring Megatron's defaults: tied embeddings, no QKV bias (the flags do not say otherwise).
     assert result["shape"] == {"hidden": 2048, "heads": 16, "kv_groups": 2, "head_dim": 128, "layers": 4,
                                "ffn": 11008, "vocab": 8192, "qkv_bias": False, "untied_embeddings": False}
-    assert result["ignored_args"] == ["--group-query-attention", "--swiglu"]
+    assert result["ignored_args"] == ["--group-query-attention"]
     # The run this log came from: 982.5 ms per iteration.
     flat = next(p for p in result["predictions"] if p["name"] == "mtraining_flat")
     assert flat["step_ms"] == pytest.approx(982.5, rel=0.10)
@@ -745,3 +746,70 @@ def test_the_flagship_table_in_docs_is_current():
 
     docs = open(os.path.join(REPO, "docs", "scaling.md")).read()
     assert plan_validation.flagship_table() in docs, "rerun python benchmarks/plan_validation.py --flagship"
+
+
+def test_flagship_table_puts_each_measured_run_in_its_precisions_row(tmp_path, monkeypatch):
+    """benchmarks/flagship.py writes one file per model, length and machine, its bf16 and FP8 runs
+    together (a run's own flags choose FP8 GEMMs): each lands in its own precision's row."""
+    import plan_validation
+
+    runs = [{"name": "mtraining", "megatron_argv": ["--mtraining", "--bf16"], "tokens_per_s": 50000.0},
+            {"name": "te_cp", "megatron_argv": ["--bf16"], "tokens_per_s": 10000.0},
+            {"name": "mtraining+--fp8-format hybrid", "megatron_argv": ["--mtraining", "--fp8-format", "hybrid"],
+             "tokens_per_s": 60000.0}]
+    with open(tmp_path / "flagship_qwen2.5_3b_256k_nvidia-h200_4gpu.json", "w") as fh:
+        json.dump({"benchmark": "flagship", "model": "qwen2.5_3b", "seq_length": 262144, "world_size": 4,
+                   "runs": runs}, fh)
+    monkeypatch.setattr(plan_validation, "RESULTS", str(tmp_path))
+    rows = {(r["model"], r["gpus"], r["fp8"]): r for r in plan_validation.flagship_rows()}
+    assert sorted(rows[("qwen2.5_3b", 4, False)]["measured"]) == ["mtraining", "te_cp"]
+    assert sorted(rows[("qwen2.5_3b", 4, True)]["measured"]) == ["mtraining+--fp8-format hybrid"]
+    assert rows[("qwen2.5_3b", 8, False)]["measured"] == {}
+
+
+def test_inner_ring_flag_counts_ranks_per_node_under_tp():
+    """``--mtraining-inner-ring-size`` is the ranks of a node (global ranks; the integration takes the CP
+    ranks among them, CP groups strided by TP). With TP 2 an inner ring of 4 CP ranks is a node of 8:
+    the recommended flag must say 8, and a run's flag 8 is that ring, read back the same way."""
+    from megatron_mtraining.plan.cli import run
+    from megatron_mtraining.plan.search import configurations
+
+    rows = configurations(QWEN, Workload(1048576, recompute="full"), Cluster(32, 8, inter_gbps=12.5), H200,
+                          tp=2)["rows"]
+    hier = {r["inner"]: r for r in rows if r["name"].startswith("mtraining_hier")}
+    for inner, row in hier.items():
+        flags = row["megatron_flags"]
+        per_node = int(flags[flags.index("--mtraining-inner-ring-size") + 1])
+        assert per_node == 2 * inner
+        # The integration's own reading of it (megatron_mtraining.integration.attention.inner_ring_size).
+        nodes = [r * 2 // per_node for r in range(row["cp"])]
+        assert nodes.count(nodes[0]) == inner
+    base = ["--seq-length", "1048576", "--context-parallel-size", "16", "--tensor-model-parallel-size", "2",
+            "--mtraining", "--gpu-type", "h200", "--inter-gbps", "12.5"]
+    assert run(base + ["--mtraining-inner-ring-size", "8"])["configured"]["name"] == "mtraining_hier_4"
+    # Unset, the integration takes the launch's ranks per node: on 4 nodes, the same ring.
+    assert run(base)["configured"]["name"] == "mtraining_hier_4"
+    assert run(base + ["--mtraining-inner-ring-size", "32"])["configured"]["name"] == "mtraining_flat"
+
+
+def test_dense_all_to_all_flags_are_ones_megatron_takes():
+    """Megatron's validate_args refuses a2a+p2p without --hierarchical-context-parallel-sizes: on one
+    node (the all-to-all over the whole CP group) the flags are TE's plain a2a, across nodes a2a+p2p
+    with both sizes; a run's --cp-comm-type a2a is that configuration, not the p2p ring."""
+    from megatron_mtraining.plan.cli import run
+    from megatron_mtraining.plan.search import configurations
+
+    one_node = {r["name"]: r for r in configurations(QWEN, Workload(262144, recompute="full"), Cluster(8, 8),
+                                                        H200, tp=1)["rows"]}
+    flags = one_node["dense_te_a2a_p2p"]["megatron_flags"]
+    assert flags[flags.index("--cp-comm-type") + 1] == "a2a" and "--hierarchical-context-parallel-sizes" not in flags
+    two_nodes = {r["name"]: r for r in configurations(QWEN, Workload(262144, recompute="full"), Cluster(16, 8),
+                                                         H200, tp=1)["rows"]}
+    flags = two_nodes["dense_te_a2a_p2p"]["megatron_flags"]
+    i = flags.index("--hierarchical-context-parallel-sizes")
+    assert flags[flags.index("--cp-comm-type") + 1] == "a2a+p2p" and int(flags[i + 1]) * int(flags[i + 2]) == 16
+    base = ["--seq-length", "262144", "--context-parallel-size", "8", "--gpu-type", "h200"]
+    assert run(base + ["--cp-comm-type", "a2a"])["configured"]["name"] == "dense_te_a2a_p2p"
+    assert run(base)["configured"]["name"] == "dense_te_p2p"
+    with pytest.raises(ValueError, match="allgather is not modelled"):
+        run(base + ["--cp-comm-type", "allgather"])

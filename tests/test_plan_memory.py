@@ -82,12 +82,14 @@ def test_qkv_bias_adds_its_parameters():
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_layer_activations_match_megatrons_where_both_count_the_same_tensors(megatron_estimate, tp):
-    """Megatron's per-layer activations (Korthikanti et al., Table 2, with sequence parallelism) are
-    18 h + 4 f bytes per token for multi-head attention and a plain two-GEMM MLP, divided by TP. Ours on
-    TE's layers in bf16, for such a layer (query groups = heads), are the same tensors plus what
-    Megatron's count leaves out: the gated half of SwiGLU's pair (2 f) and the attention's fp32
-    log-sum-exp (4 per head)."""
+def test_layer_activations_against_megatrons_count_tensor_by_tensor(megatron_estimate, tp):
+    """Megatron's per-layer activations (Korthikanti et al., Table 2, with sequence parallelism and
+    flash-style attention) are 18 h + 4 f bytes per token for multi-head attention and a plain
+    two-GEMM MLP, divided by TP: the norms' inputs and outputs (8 h), Q, K, V (6 h), the projection's
+    input (2 h), the MLP's two activations (4 f) and two dropout masks (2 h). For such a layer (query
+    groups = heads) ours on TE's layers in bf16 hold the same tensors, without the dropout masks (the
+    launchers train with dropout 0), with SwiGLU's gated half (2 f) and the attention's fp32
+    log-sum-exp (4 per head); MTraining's attention keeps its output twice (2 h more)."""
     mha = ModelShape(hidden=4096, heads=32, kv_groups=32, head_dim=128, layers=1, ffn=16384, vocab=32000)
     seq = 32768
     args = _megatron_args(mha, seq, tp=tp)
@@ -95,9 +97,11 @@ def test_layer_activations_match_megatrons_where_both_count_the_same_tensors(meg
     # Their total adds the embedding input and dropout and the output layer's input and logits.
     theirs_outside = 8 * seq + seq * mha.hidden + seq * mha.hidden * 4 * (1 + mha.vocab / mha.hidden)
     theirs_layer = theirs_total - theirs_outside / tp
-    ours = activation_bytes_per_token_layer(mha, "transformer_engine", fp8=False) * seq / tp
-    extra = (2 * mha.ffn + 4 * mha.heads) * seq / tp
-    assert ours - extra == pytest.approx(theirs_layer, rel=1e-12)
+    masks, gated_half, lse = 2 * mha.hidden, 2 * mha.ffn, 4 * mha.heads
+    for method, second_output in (("dense", 0), ("mtraining", 2 * mha.hidden)):
+        ours = activation_bytes_per_token_layer(mha, "transformer_engine", False, method) * seq / tp
+        assert ours == pytest.approx(theirs_layer + (gated_half + lse + second_output - masks) * seq / tp,
+                                     rel=1e-12), method
 
 
 def test_output_layer_counts_the_bf16_logits_beside_the_fp32_loss():
@@ -225,3 +229,68 @@ def test_startup_line_predicts_the_run_as_configured(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["workload"]["fp8"] is False and "--fp8" in result["ignored_args"]
     assert "--mtraining-top-p" not in result["ignored_args"]
+
+
+def test_a_runs_tp_without_sequence_parallelism_keeps_the_residual_stream_whole():
+    """The launchers' TP=N adds no --sequence-parallel (local layers cannot take it): each TP rank then
+    holds every layer's input and its norms' tensors whole. The run as configured is predicted so; the
+    search still plans TP with sequence parallelism (its flags say so)."""
+    from megatron_mtraining.plan.cli import run
+
+    argv = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
+            "--num-query-groups", "8", "--kv-channels", "128", "--untie-embeddings-and-output-weights",
+            "--vocab-size", "128256", "--seq-length", "524288", "--context-parallel-size", "4",
+            "--tensor-model-parallel-size", "2", "--transformer-impl", "transformer_engine",
+            "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+            "--use-distributed-optimizer", "--mtraining", "--gpu-type", "nvidia-h200"]
+    without, with_sp = run(argv)["configured"], run(argv + ["--sequence-parallel"])["configured"]
+    tokens = 524288 // 4
+    inputs = without["memory"]["components_gib"]["recomputed_layer_inputs"]
+    assert inputs == pytest.approx(32 * tokens * 4096 * 2 / GiB)  # whole on each of the 2 TP ranks
+    assert with_sp["memory"]["components_gib"]["recomputed_layer_inputs"] == pytest.approx(inputs / 2)
+    assert without["memory"]["peak_gib"] - with_sp["memory"]["peak_gib"] == pytest.approx(16.0, rel=0.05)
+    assert "--sequence-parallel" not in without["megatron_flags"] and "--sequence-parallel" in with_sp["megatron_flags"]
+    rec = run(argv)["recommendation"]
+    assert rec["tp"] == 1 or "--sequence-parallel" in rec["megatron_flags"]
+    # Per layer: the hidden-sized tensors whole, the head- and FFN-split ones halved.
+    work = Workload(524288, layers="transformer_engine")
+    none_sp = memory_estimate(LLAMA_8B, work, Split(tp=2, cp=4, sequence_parallel=False), H200, recompute_layers=0)
+    sp = memory_estimate(LLAMA_8B, work, Split(tp=2, cp=4), H200, recompute_layers=0)
+    residual = (2 * 2 * 4096 + 2 * 2 * 4096) * tokens * 32 / 2
+    assert (none_sp["components_gib"]["stored_activations"] - sp["components_gib"]["stored_activations"]) * GiB == \
+        pytest.approx(residual)
+
+
+def test_when_a_held_tp_or_recompute_is_what_does_not_fit_the_advice_says_so(capsys):
+    """Held to TP 1 and no recompute, Qwen2.5-3B at 512K over 8 H200s does not fit; planned freely it
+    does. The advice must not claim that nothing fits "even with full recompute and every TP size" and
+    then offer this very length."""
+    argv = ["--gpus", "8", "--seq-length", "524288", "--gpu-type", "h200", "--transformer-impl",
+            "transformer_engine", "--recompute-granularity", "selective", "--tp", "1"]
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "recommended" not in text and "even with full recompute" not in text
+    assert "with the TP size or recompute given" in text and "this run fits" in text
+    assert plan(QWEN, Workload(524288, layers="transformer_engine"), Cluster(8, 8), H200)["recommendation"]
+
+
+def test_a_runs_flags_without_the_distributed_optimizer_are_megatrons_default():
+    """Megatron shards Adam's states only with --use-distributed-optimizer. A run's own flags without it
+    are predicted unsharded (Llama-3.1-8B at TP 1: 12 bytes per parameter, 90 GiB, on every GPU), and the
+    recommendation, whose fit counts on the sharding, carries the flag."""
+    from megatron_mtraining.plan.cli import run
+
+    argv = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336", "--num-attention-heads", "32",
+            "--num-query-groups", "8", "--kv-channels", "128", "--untie-embeddings-and-output-weights",
+            "--vocab-size", "128256", "--seq-length", "524288", "--context-parallel-size", "8",
+            "--transformer-impl", "transformer_engine", "--recompute-granularity", "full", "--recompute-method",
+            "uniform", "--recompute-num-layers", "1", "--mtraining", "--gpu-type", "nvidia-h200"]
+    plain, sharded = run(argv), run(argv + ["--use-distributed-optimizer"])
+    params = plain["configured"]["memory"]["params_per_gpu"]
+    assert plain["configured"]["memory"]["components_gib"]["optimizer"] == pytest.approx(params * 12 / GiB)
+    assert sharded["configured"]["memory"]["components_gib"]["optimizer"] == pytest.approx(params * 12 / 8 / GiB)
+    assert not plain["configured"]["fits"] and sharded["configured"]["fits"]
+    for result in (plain, sharded):
+        assert "--use-distributed-optimizer" in result["recommendation"]["megatron_flags"]
+    assert "--use-distributed-optimizer" not in run(argv + ["--no-distributed-optimizer"])["predictions"][0][
+        "megatron_flags"]

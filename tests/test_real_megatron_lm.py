@@ -323,6 +323,17 @@ def _plugin_flags() -> tuple:
     return argv, sorted(dests), {d: expected[d] for d in dests}, sorted(parser._option_string_actions)
 
 
+def _planner_flags(script_name: str, name: str, tp: int) -> list:
+    """The Megatron flags the planner gives a configuration of a flagship launcher's model at 512K on 8 H200s."""
+    from megatron_mtraining.plan import Cluster, ModelShape, Workload, configurations, load_profile
+
+    shape = ModelShape() if "qwen" in script_name else ModelShape(
+        hidden=4096, heads=32, kv_groups=8, head_dim=128, layers=32, ffn=14336, vocab=128256, qkv_bias=False)
+    rows = configurations(shape, Workload(524288, layers="transformer_engine"), Cluster(8, 8),
+                          load_profile("nvidia-h200"), tp=tp)["rows"]
+    return next(r for r in rows if r["name"] == name)["megatron_flags"]
+
+
 @pytest.fixture(scope="module")
 def parser_report(trees, tmp_path_factory):
     pristine, patched = trees
@@ -349,6 +360,15 @@ def parser_report(trees, tmp_path_factory):
                                                           TRANSFORMER_IMPL="transformer_engine"))
                     commands.append([f"{script.name} {entry} x{gpus} te" + (" baseline" if mtraining == "0" else ""),
                                      nproc, argv])
+                # The planner's flags for a configuration, appended to the launcher's (later flags win), as
+                # its start-up line tells a user to: TE's all-to-all on one node, MTraining at TP 2.
+                for name, tp, mtraining in (("dense_te_a2a_p2p", 1, "0"), ("mtraining_flat", 2, "1")):
+                    nproc, argv = _megatron_argv(_dry_run(script, MEGATRON_LM=str(tree), GPUS_PER_NODE="8",
+                                                          MTRAINING_ENTRY=entry, MTRAINING=mtraining,
+                                                          TRANSFORMER_IMPL="transformer_engine"))
+                    commands.append([f"{script.name} {entry} x8 te planner {name} tp{tp}"
+                                     + (" baseline" if mtraining == "0" else ""), nproc,
+                                     argv + _planner_flags(script.name, name, tp)])
     gpu_out = _gpu_script_dry_run(tmp)
     assert "[megatron-lm] layers: local (--transformer-impl local: Transformer Engine does not import)" in gpu_out
     # On the GPU machines (TE installed) the runs use TE layers: their CP=2 commands, printed here.
@@ -414,7 +434,8 @@ def test_patched_parser_without_plugin_names_interpreter(parser_report):
 def test_example_and_gpu_script_commands_pass_megatron_validation(parser_report):
     """Every launcher command line (examples/pretrain_*.sh at 1 and 8 GPUs, at 8 with TP=2, and at 8
     on Transformer Engine layers; the flagship launchers at 4 GPUs on TE layers and, with MTRAINING=0,
-    their baselines at 4 and 8 (Megatron's own CP, --mtraining off); launcher and fork entries; scripts/gpu_megatron_lm.sh's 12 runs and
+    their baselines at 4 and 8 (Megatron's own CP, --mtraining off), and at 8 with the planner's flags
+    appended (TE's all-to-all; MTraining at TP 2); launcher and fork entries; scripts/gpu_megatron_lm.sh's 12 runs and
     its 6 CP=2 runs on TE layers) passes Megatron-LM's parse_args + validate_args and MTraining's
     start-up checks, with --mtraining on."""
     results = parser_report["commands"]
@@ -441,6 +462,10 @@ def test_example_and_gpu_script_commands_pass_megatron_validation(parser_report)
                 assert (baseline["cp"], baseline["cp_comm_type"], baseline["impl"]) == (
                     gpus, ["p2p"], "transformer_engine"), script  # Megatron keeps it as a list
             assert results[f"{script} {entry} x4 te"]["cp"] == 4
+            # The planner's flags pass too: TE's all-to-all over one node's CP group, MTraining at TP 2.
+            assert results[f"{script} {entry} x8 te planner dense_te_a2a_p2p tp1 baseline"]["cp_comm_type"] == ["a2a"]
+            assert {k: results[f"{script} {entry} x8 te planner mtraining_flat tp2"][k] for k in ("tp", "cp")} == dict(
+                tp=2, cp=4)
     assert results["gpu_megatron_lm.sh launcher_cp2 save"]["cp"] == 2
     assert results["gpu_megatron_lm.sh fork_cp1 full"]["cp"] == 1
     gpu = {label: r for label, r in results.items() if label.startswith("gpu_megatron_lm.sh")}

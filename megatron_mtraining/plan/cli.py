@@ -8,9 +8,9 @@
 The model shape defaults to Qwen2.5-3B; Megatron's flags (``--hidden-size``, ``--num-attention-heads``,
 ``--num-query-groups``, ``--kv-channels``, ``--ffn-hidden-size``, ``--num-layers``, ``--seq-length``,
 ``--padded-vocab-size``, ``--context-parallel-size``, ``--tensor-model-parallel-size``,
-``--micro-batch-size``, ``--transformer-impl``, ``--fp8-format``, ``--recompute-*``, ``--cp-comm-type``,
-``--use-distributed-optimizer``, ``--mtraining*``) are accepted as they are, and Megatron flags the
-planner does not use are listed as ignored. See docs/scaling.md.
+``--sequence-parallel``, ``--micro-batch-size``, ``--transformer-impl``, ``--fp8-format``,
+``--recompute-*``, ``--cp-comm-type``, ``--use-distributed-optimizer``, ``--mtraining*``) are accepted
+as they are, and Megatron flags the planner does not use are listed as ignored. See docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--ffn", "--ffn-hidden-size", dest="ffn", type=int, default=None)
     m.add_argument("--vocab", "--padded-vocab-size", "--vocab-size", dest="vocab", type=int, default=None)
     m.add_argument("--add-qkv-bias", action="store_true", default=None)
+    m.add_argument("--swiglu", action="store_true", help="(Megatron's) the FFN size default is SwiGLU's")
     m.add_argument("--untie-embeddings-and-output-weights", dest="untied", action="store_true", default=None)
     w = p.add_argument_group("workload")
     w.add_argument("--seq-length", "--seq-len", dest="seq_length", type=int, required=True, help="tokens per sequence")
@@ -95,8 +96,9 @@ def parser() -> argparse.ArgumentParser:
                         "--mtraining-top-p does not set it: a run's telemetry does)")
     w.add_argument("--telemetry", default=None, help="take the density from a run: its log or telemetry JSON")
     w.add_argument("--micro-batch-size", type=int, default=1)
-    w.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
-                   help="the layers' implementation (the rest of the layer's rates; default local)")
+    w.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None,
+                   help="the layers' implementation (the rest of the layer's rates; default local, or with "
+                        "Megatron's shape flags Megatron's default, transformer_engine)")
     w.add_argument("--fp8-format", default=None, help="any value: TE's FP8 GEMMs (attention stays bf16)")
     w.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
                    help="full: recompute as --recompute-method says (default: the fewest layers that fit); "
@@ -104,8 +106,9 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
     w.add_argument("--recompute-num-layers", type=int, default=1,
                    help="with --recompute-method block: the layers recomputed")
-    w.add_argument("--use-distributed-optimizer", dest="distributed_optimizer", action="store_true", default=True,
-                   help="(the default) Adam's states sharded over the data x context-parallel ranks")
+    w.add_argument("--use-distributed-optimizer", dest="distributed_optimizer", action="store_true", default=None,
+                   help="Adam's states sharded over the data x context-parallel ranks: the search's default; a run's "
+                        "own flags (with --context-parallel-size) without it are Megatron's default, unsharded")
     w.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
     c = p.add_argument_group("GPUs")
     c.add_argument("--gpus", type=int, default=None, help="GPUs in all (tensor x context parallel)")
@@ -113,6 +116,9 @@ def parser() -> argparse.ArgumentParser:
                    help="a run's CP size: the GPUs are CP x TP, and the run's own configuration is predicted too")
     c.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=None,
                    help="fix the TP size (default: every size the model takes is searched)")
+    c.add_argument("--sequence-parallel", action="store_true",
+                   help="a run's TP with Megatron's sequence parallelism (with --context-parallel-size: without "
+                        "it, the run's residual stream is whole on every TP rank; the search plans TP with it)")
     c.add_argument("--gpus-per-node", type=int, default=8)
     c.add_argument("--gpu-type", dest="gpu_type", default="nvidia-h100",
                    help=f"device profile: {', '.join(available_profiles())}, a profile JSON, or auto (this "
@@ -127,7 +133,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--mtraining", action="store_true", help="the run uses MTraining (else TE's dense CP)")
     r.add_argument("--mtraining-inner-ring-size", type=int, default=None)
     r.add_argument("--mtraining-block-size", type=int, default=None)
-    r.add_argument("--cp-comm-type", default="p2p")
+    r.add_argument("--cp-comm-type", nargs="+", default=["p2p"], help="one type for every layer")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     p.add_argument("--startup", action="store_true",
                    help="one line for a launcher's log: the run's predicted tokens/s and memory, and the fastest "
@@ -135,23 +141,28 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def shape_from(args) -> ModelShape:
+def megatron_style(args) -> bool:
+    """Whether the flags describe a Megatron model (any shape flag): then Megatron's defaults hold."""
     given = [args.hidden, args.heads, args.kv_groups, args.head_dim, args.layers, args.ffn, args.vocab]
-    megatron_style = any(x is not None for x in given) or args.add_qkv_bias or args.untied
+    return any(x is not None for x in given) or bool(args.add_qkv_bias or args.untied)
+
+
+def shape_from(args) -> ModelShape:
+    """The model: Qwen2.5-3B without shape flags; with them, what Megatron would build from the same
+    flags (query groups = heads without --num-query-groups, FFN 4 x hidden, or SwiGLU's 8/3 x hidden
+    rounded down to a multiple of 64, tied embeddings and no QKV bias unless the flags say otherwise)."""
+    if not megatron_style(args):
+        return QWEN
+    hidden, heads = args.hidden or QWEN.hidden, args.heads or QWEN.heads
     head_dim = args.head_dim
     if head_dim is None:
-        if args.hidden is not None or args.heads is not None:
-            hidden, heads = args.hidden or QWEN.hidden, args.heads or QWEN.heads
-            if hidden % heads:
-                raise ValueError(f"hidden size {hidden} is not a multiple of {heads} heads; pass --kv-channels")
-            head_dim = hidden // heads
-        else:
-            head_dim = QWEN.head_dim
-    return ModelShape(hidden=args.hidden or QWEN.hidden, heads=args.heads or QWEN.heads,
-                      kv_groups=args.kv_groups or QWEN.kv_groups, head_dim=head_dim,
-                      layers=args.layers or QWEN.layers, ffn=args.ffn or QWEN.ffn, vocab=args.vocab or QWEN.vocab,
-                      qkv_bias=bool(args.add_qkv_bias) if megatron_style else QWEN.qkv_bias,
-                      untied_embeddings=bool(args.untied) if megatron_style else QWEN.untied_embeddings)
+        if hidden % heads:
+            raise ValueError(f"hidden size {hidden} is not a multiple of {heads} heads; pass --kv-channels")
+        head_dim = hidden // heads
+    ffn = args.ffn or (int(4 * hidden * 2 / 3 / 64) * 64 if args.swiglu else 4 * hidden)
+    return ModelShape(hidden=hidden, heads=heads, kv_groups=args.kv_groups or heads, head_dim=head_dim,
+                      layers=args.layers or QWEN.layers, ffn=ffn, vocab=args.vocab or QWEN.vocab,
+                      qkv_bias=bool(args.add_qkv_bias), untied_embeddings=bool(args.untied))
 
 
 def detect_profile(query=None) -> str:
@@ -189,12 +200,24 @@ def _configured_row(args, shape, work, cluster, profile) -> Optional[Dict]:
         return None
     fixed = work if work.recompute is not None else dataclasses.replace(work, recompute="none")
     rows = configurations(shape, fixed, cluster, profile, tp=args.tp or 1,
-                          distributed_optimizer=args.distributed_optimizer)["rows"]
+                          distributed_optimizer=bool(args.distributed_optimizer),  # Megatron's default: off
+                          sequence_parallel=args.sequence_parallel)["rows"]
     if args.mtraining:
-        inner = args.mtraining_inner_ring_size
-        name = "mtraining_flat" if inner in (None, args.cp) else f"mtraining_hier_{inner}"
+        # --mtraining-inner-ring-size counts global ranks per node (default: the launch's ranks per node);
+        # the inner ring is the CP ranks among them, CP groups being strided by TP.
+        per_node, tp = args.mtraining_inner_ring_size or args.gpus_per_node, args.tp or 1
+        if per_node % tp:
+            raise ValueError(f"--mtraining-inner-ring-size {per_node} (ranks per node) is not a multiple of "
+                             f"--tensor-model-parallel-size {tp}")
+        inner = per_node // tp
+        name = "mtraining_flat" if inner >= args.cp else f"mtraining_hier_{inner}"
+    elif args.cp_comm_type == "p2p":
+        name = "dense_te_p2p"
+    elif args.cp_comm_type == "a2a+p2p" or (args.cp_comm_type == "a2a" and cluster.gpus <= cluster.gpus_per_node):
+        name = "dense_te_a2a_p2p"  # (a2a inside one node: the all-to-all over the whole CP group, no ring)
     else:
-        name = "dense_te_a2a_p2p" if args.cp_comm_type == "a2a+p2p" else "dense_te_p2p"
+        raise ValueError(f"--cp-comm-type {args.cp_comm_type} is not modelled (p2p, a2a+p2p, and a2a inside a node "
+                         "are)")
     row = next((r for r in rows if r["name"] == name), None)
     if row is None:
         raise ValueError(f"the run's configuration ({name}) cannot be predicted for these settings")
@@ -242,9 +265,16 @@ def format_table(result: Dict) -> str:
             options.append(f"{adv['gpus']} GPUs at this length")
         if adv["seq_len"]:
             options.append(f"at most {adv['seq_len']} tokens on these {c['gpus']} GPUs")
-        lines.append(f"nothing fits in {result['capacity_gib']:.0f} GiB per GPU, even with full recompute and every "
-                     "TP size" + (f"; what would: {' or '.join(options)}" if options else
-                                  "; no tried GPU count or length does (pipeline parallelism is not planned)"))
+        if adv.get("fits_unconstrained"):
+            lines.append(f"nothing fits in {result['capacity_gib']:.0f} GiB per GPU with the TP size or recompute "
+                         "given; without them (every TP size, the fewest recomputed layers that fit) this run fits: "
+                         "leave out --tp / --tensor-model-parallel-size and the --recompute-* flags")
+            return "\n".join(lines)
+        lines.append(f"nothing fits in {result['capacity_gib']:.0f} GiB per GPU"
+                     + (" with the TP size or recompute given" if adv.get("constrained") else
+                        ", even with full recompute and every TP size")
+                     + (f"; what would: {' or '.join(options)}" if options else
+                        "; no tried GPU count or length does (pipeline parallelism is not planned)"))
         return "\n".join(lines)
     speedup = rec["speedup_over_best_dense"]
     inner = f" (inner ring {rec['inner_ring_size']})" if rec["inner_ring_size"] else ""
@@ -261,7 +291,8 @@ def format_table(result: Dict) -> str:
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in best["memory"]["components_gib"].items() if v)
     lines.append(f"memory per GPU: {_gib(rec['peak_gib'])} GiB peak of {result['capacity_gib']:.0f} ({parts}; "
                  f"transient: {best['memory']['transient']})")
-    lines.append("flags: " + " ".join(rec["megatron_flags"]))
+    lines.append("flags: " + " ".join(rec["megatron_flags"])
+                 + (" (no recompute: without any --recompute-* flag)" if rec["recompute_layers"] == 0 else ""))
     alt = result.get("fp8_alternative")
     if alt:
         lines.append(f"with FP8 GEMMs (--fp8-format hybrid): {alt['configuration']}, TP {alt['tp']}, recompute "
@@ -283,7 +314,8 @@ def startup_line(result: Dict) -> str:
     if rec is None:
         return head + "; nothing fits on these GPUs (python -m megatron_mtraining.plan for what would)"
     return head + (f"; fastest that fits: {rec['configuration']}, TP {rec['tp']}, recompute {rec['recompute']}, "
-                   f"{rec['tokens_per_s']:.0f} tokens/s ({' '.join(rec['megatron_flags'])})")
+                   f"{rec['tokens_per_s']:.0f} tokens/s ({' '.join(rec['megatron_flags'])}"
+                   + (", without any --recompute-* flag" if rec["recompute_layers"] == 0 else "") + ")")
 
 
 def run(argv: Optional[List[str]] = None) -> Dict:
@@ -312,6 +344,11 @@ def run(argv: Optional[List[str]] = None) -> Dict:
         raise ValueError(f"profile {profile.name} is calibrated at block size {profile.block_size}, not "
                          f"--mtraining-block-size {args.mtraining_block_size}")
     shape = shape_from(args)
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if megatron_style(args) else "local"
+    if len(set(args.cp_comm_type)) > 1:
+        raise ValueError(f"--cp-comm-type {' '.join(args.cp_comm_type)}: a type per layer is not planned; give one")
+    args.cp_comm_type = args.cp_comm_type[0]
     if args.fp8_format is not None and args.transformer_impl != "transformer_engine":
         raise ValueError("--fp8-format needs --transformer-impl transformer_engine (FP8 GEMMs are TE's)")
     work = Workload(args.seq_length, density, args.micro_batch_size, layers=args.transformer_impl,
@@ -322,7 +359,7 @@ def run(argv: Optional[List[str]] = None) -> Dict:
     # recommendation searches every TP size and recompute choice; otherwise they constrain the search.
     searched = dataclasses.replace(work, recompute=None) if args.cp is not None else work
     result = plan(shape, searched, cluster, profile, tp=None if args.cp is not None else tp,
-                  distributed_optimizer=args.distributed_optimizer)
+                  distributed_optimizer=args.distributed_optimizer is not False)
     result["configured"] = _configured_row(args, shape, work, cluster, profile)
     result["ignored_args"] = [u for u in unknown if u.startswith("--") and u.split("=")[0] not in NOT_MODELLED]
     result["output"] = "json" if args.json else "startup" if args.startup else "table"

@@ -47,11 +47,16 @@ LOGITS_BYTES = 6  # bf16 logits + the loss's fp32 softmax, per vocabulary entry
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """How the GPUs divide the work: tensor x context x data parallel (pipeline parallelism is not modelled)."""
+    """How the GPUs divide the work: tensor x context x data parallel (pipeline parallelism is not modelled).
+
+    ``sequence_parallel`` (Megatron's ``--sequence-parallel``, with TP > 1): the tensors of the residual
+    stream (a layer's input, the norms' inputs and outputs) are split over the TP ranks too; without it
+    every TP rank holds them whole."""
 
     tp: int = 1
     cp: int = 1
     dp: int = 1
+    sequence_parallel: bool = True
 
     def __post_init__(self):
         for name in ("tp", "cp", "dp"):
@@ -91,20 +96,30 @@ def parameters_per_gpu(shape: ModelShape, tp: int) -> Dict[str, float]:
     return {"layer_gemm": shape.layers * (layer["split"]) / tp, "total": split / tp + replicated}
 
 
-def activation_bytes_per_token_layer(shape: ModelShape, layers: str = "local", fp8: bool = False) -> float:
+def activation_bytes_per_token_layer(shape: ModelShape, layers: str = "local", fp8: bool = False,
+                                     method: str = "mtraining") -> float:
     """Bytes a layer saves for its backward, per token, before any split.
 
     The norms' inputs (2 x hidden, bf16), their outputs (the QKV and FC1 GEMM inputs; FP8 copies
     under TE's FP8), q/k/v after RoPE (and before it on local layers, whose RoPE is not fused),
-    the attention output (kept by the attention and as the projection's input) and its fp32
-    log-sum-exp, the MLP's gated pair (2 x FFN) and its activation (the FC2 input)."""
+    the attention output and its fp32 log-sum-exp, the MLP's gated pair (2 x FFN) and its
+    activation (the FC2 input). MTraining's attention keeps its output in [b, h, s, d] for its
+    backward and hands the projection a [s, b, h*d] copy: two tensors; Transformer Engine's
+    attention and the projection share one (under FP8 the projection keeps its FP8 copy too)."""
     h, d, H, G, f = shape.hidden, shape.head_dim, shape.heads, shape.kv_groups, shape.ffn
     gemm_input = 1 if fp8 else BF16
     norms = BF16 * 2 * h + gemm_input * 2 * h
     qkv = BF16 * (H + 2 * G) * d + (BF16 * (H + G) * d if layers == "local" else 0)
-    attention_out = BF16 * H * d + gemm_input * H * d + FP32 * H
+    projection_input = gemm_input if method == "mtraining" else (1 if fp8 else 0)
+    attention_out = BF16 * H * d + projection_input * H * d + FP32 * H
     mlp = BF16 * 2 * f + gemm_input * f
     return norms + qkv + attention_out + mlp
+
+
+def residual_stream_bytes_per_token_layer(shape: ModelShape, fp8: bool = False) -> float:
+    """The part of ``activation_bytes_per_token_layer`` that is hidden-sized (the norms' inputs and
+    outputs): split over TP ranks only with sequence parallelism; the rest is split by heads and FFN."""
+    return BF16 * 2 * shape.hidden + (1 if fp8 else BF16) * 2 * shape.hidden
 
 
 def ring_buffer_bytes_per_token(shape: ModelShape, method: str) -> float:
@@ -129,16 +144,20 @@ def memory_estimate(shape: ModelShape, work: Workload, split: Split, profile: Pr
     if problem:
         raise ValueError(problem)
     tp, L, k = split.tp, shape.layers, recompute_layers
+    sp = tp if split.sequence_parallel else 1  # what divides the residual stream's tensors
     tokens = work.seq_len // split.cp * work.micro_batch
     params = parameters_per_gpu(shape, tp)
     optimizer_shards = split.dp * split.cp if distributed_optimizer else 1
-    per_layer = tokens * activation_bytes_per_token_layer(shape, work.layers, work.fp8) / tp
-    layer_input = tokens * shape.hidden * BF16 / tp
+    residual = residual_stream_bytes_per_token_layer(shape, work.fp8)
+    per_layer = tokens * ((activation_bytes_per_token_layer(shape, work.layers, work.fp8, method) - residual) / tp
+                          + residual / sp)
+    layer_input = tokens * shape.hidden * BF16 / sp
     # A layer's backward: the gradients of its largest intermediates (the MLP's gated pair and activation).
     backward_workspace = tokens * BF16 * 3 * shape.ffn / tp
     ring = tokens * ring_buffer_bytes_per_token(shape, method) / tp
     one_layer_backward = (per_layer if k else 0.0) + backward_workspace + ring
     # The output layer: the final norm's input and output, then the logits and the loss.
+    # (Hidden-sized and whole even with sequence parallelism: the output layer gathers its input.)
     loss = tokens * (2 * BF16 * shape.hidden + LOGITS_BYTES * shape.vocab / tp)
     parts = {
         "weights": params["total"] * BF16,

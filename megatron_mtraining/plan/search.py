@@ -46,19 +46,23 @@ def recompute_name(layers: int, total: int) -> str:
 def megatron_flags(row: Dict, shape: ModelShape) -> List[str]:
     """The Megatron flags that select a configuration (beside the model's own)."""
     flags = ["--tensor-model-parallel-size", str(row["tp"]), "--context-parallel-size", str(row["cp"])]
-    if row["tp"] > 1:
+    if row["tp"] > 1 and row.get("sequence_parallel", True):
         flags.append("--sequence-parallel")
     flags += recompute_flags(row["recompute_layers"], shape.layers)
+    if row.get("distributed_optimizer"):  # the memory it fits in counts on it (Megatron's default is off)
+        flags.append("--use-distributed-optimizer")
     if row["method"] == "mtraining":
         flags.append("--mtraining")
         if row["inner"]:
-            flags += ["--mtraining-inner-ring-size", str(row["inner"])]
+            # The flag counts global ranks per node (CP groups are strided by TP): TP x the ring's CP ranks.
+            flags += ["--mtraining-inner-ring-size", str(row["inner"] * row["tp"])]
     elif row["name"] == "dense_te_p2p":
         flags += ["--cp-comm-type", "p2p"]
-    else:
-        flags += ["--cp-comm-type", "a2a+p2p"]
-        if row["inner"]:
-            flags += ["--hierarchical-context-parallel-sizes", str(row["inner"]), str(row["cp"] // row["inner"])]
+    elif row["inner"]:  # all-to-all inside a node, a ring across: Megatron needs both sizes for a2a+p2p
+        flags += ["--cp-comm-type", "a2a+p2p",
+                  "--hierarchical-context-parallel-sizes", str(row["inner"]), str(row["cp"] // row["inner"])]
+    else:  # the whole CP group in one all-to-all (one node): Megatron's and TE's a2a
+        flags += ["--cp-comm-type", "a2a"]
     return flags
 
 
@@ -79,16 +83,18 @@ def _predictions(shape: ModelShape, work: Workload, cluster: Cluster, profile: P
 
 
 def configurations(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile,
-                   tp: Optional[int] = None, distributed_optimizer: bool = True) -> Dict:
+                   tp: Optional[int] = None, distributed_optimizer: bool = True,
+                   sequence_parallel: bool = True) -> Dict:
     """Every configuration with its step time, recompute choice and memory (``rows``), and why any was
-    left out (``skipped``)."""
+    left out (``skipped``). ``sequence_parallel`` False: TP without Megatron's ``--sequence-parallel``
+    (a run's own flags; the search itself always plans TP with it)."""
     rows, skipped = [], {}
     fixed = work.recomputed_layers(shape.layers)
     for t in ([tp] if tp else tensor_parallel_sizes(shape, cluster)):
         problem = tp_problem(shape, t)
         if problem:
             raise ValueError(problem)
-        split = Split(tp=t, cp=cluster.gpus // t)
+        split = Split(tp=t, cp=cluster.gpus // t, sequence_parallel=sequence_parallel)
         for p in _predictions(shape, work, cluster, profile, t, skipped):
             if fixed is None:
                 layers, memory = fewest_recomputed_layers(shape, work, split, profile, p.method,
@@ -98,7 +104,9 @@ def configurations(shape: ModelShape, work: Workload, cluster: Cluster, profile:
                 layers = fixed
                 memory = memory_estimate(shape, work, split, profile, p.method, layers, distributed_optimizer)
             p = with_recompute(p, shape, work, layers)
-            rows.append({**p.as_dict(), "tp": t, "cp": split.cp, "recompute_layers": layers,
+            rows.append({**p.as_dict(), "tp": t, "cp": split.cp, "sequence_parallel": sequence_parallel and t > 1,
+                         "distributed_optimizer": distributed_optimizer,
+                         "recompute_layers": layers,
                          "recompute": recompute_name(layers, shape.layers), "memory": memory,
                          "fits": memory["fits"]})
     if not any(r["method"] == "mtraining" for r in rows):
@@ -171,7 +179,15 @@ def plan(shape: ModelShape, work: Workload, cluster: Cluster, profile: Profile, 
               "cluster": dataclasses.asdict(cluster), "profile": profile.name, "capacity_gib": profile.memory_gib,
               "distributed_optimizer": distributed_optimizer, "predictions": rows, "skipped": found["skipped"],
               "recommendation": recommendation,
-              "advice": None if best is not None else advice(shape, work, cluster, profile, distributed_optimizer)}
+              "advice": None}
+    if best is None:
+        # The advice plans freely (every TP size, the fewest recomputed layers that fit): where the search
+        # was held to a TP size or a recompute choice, it may find that this very run fits without them.
+        result["advice"] = dict(advice(shape, work, cluster, profile, distributed_optimizer),
+                                constrained=tp is not None or work.recompute is not None)
+        if result["advice"]["constrained"]:
+            result["advice"]["fits_unconstrained"] = _fits_somewhere(shape, work, cluster, profile,
+                                                                     distributed_optimizer)
     if work.layers == "transformer_engine" and not work.fp8 and "fp8" in profile.te_rest_of_layer:
         fp8_rows = configurations(shape, dataclasses.replace(work, fp8=True), cluster, profile, tp,
                                   distributed_optimizer)["rows"]
