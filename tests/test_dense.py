@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_mtraining.kernels.dense import dense_attention_backward, dense_attention_forward
+from megatron_mtraining.kernels.dense_kernels import dense_attention_backward, dense_attention_forward
 from megatron_mtraining.kernels.dispatch import dense_impls_available as available_impls
 from oracle import rel_err
 
@@ -98,14 +98,38 @@ def test_backward_matches_autograd(b, hq, hkv, nq, nk, d, causal):
         assert rel_err(a, e) < 1e-5, name
 
 
+def backward_f64(do, q, k, v, out, lse, causal, scale):
+    """The attention backward's formulas in float64 from the given ``out`` and ``lse`` (so the
+    rounding of a bf16 ``out`` is the same on both sides): dV = P^T dO, dS = P (dO V^T - rowsum(dO out)),
+    dQ = dS K scale, dK = dS^T Q scale, K/V gradients summed over each GQA group."""
+    hq, hkv = q.shape[1], k.shape[1]
+    qd, kd, vd, dod = q.double(), expand(k, hq).double(), expand(v, hq).double(), do.double()
+    s = qd @ kd.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.exp(s - lse.double()[..., None])
+    ds = p * (dod @ vd.transpose(-1, -2) - (dod * out.double()).sum(-1, keepdim=True))
+
+    def fold(x):
+        return x.view(x.shape[0], hkv, hq // hkv, *x.shape[2:]).sum(2)
+    return ds @ kd * scale, fold(ds.transpose(-1, -2) @ qd * scale), fold(p.transpose(-1, -2) @ dod)
+
+
 def test_bf16_inputs_on_cpu_compute_in_fp32():
+    """bf16 in, fp32 arithmetic: the output is the exact attention rounded once to bf16 (measured:
+    every element; bf16 arithmetic matches 68-72% of them), lse and the gradients are fp32-accurate
+    (measured 3e-8 and 1.6e-7 against float64; bf16 arithmetic gives 2e-3 and 5e-3 to 8e-3)."""
     q, k, v = make(1, 4, 2, 32, 32, 16, seed=3, dtype=torch.bfloat16)
     out, lse = dense_attention_forward(q, k, v, True, 0.25, impl="torch")
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    assert rel_err(out, sdpa(q.double(), k.double(), v.double(), True, 0.25)) < 1e-2
+    exact = sdpa(q.double(), k.double(), v.double(), True, 0.25)
+    assert (out == exact.to(torch.bfloat16)).float().mean().item() >= 0.99
+    assert rel_err(lse, ref_lse(q, k, True, 0.25)) < 1e-6
     do = torch.randn_like(q)
-    for a in dense_attention_backward(do, q, k, v, out, lse, True, 0.25, impl="torch"):
-        assert a.dtype == torch.float32
+    got = dense_attention_backward(do, q, k, v, out, lse, True, 0.25, impl="torch")
+    for name, a, e in zip(("dq", "dk", "dv"), got, backward_f64(do, q, k, v, out, lse, True, 0.25)):
+        assert a.dtype == torch.float32, name
+        assert rel_err(a, e) < 1e-5, name
 
 
 def split_keys_check(q, k, v, do, scale, impl, tol, cut):

@@ -17,7 +17,7 @@ from megatron_mtraining import VSIndex  # noqa: E402
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_pair_counts_match_density_and_layouts_share_them(seed):
-    n, B = 1024, 32
+    n, B = 1024, 16
     index = VSIndex.random(1, 3, n, B, max_slash=6, max_vertical=40, generator=torch.Generator().manual_seed(seed))
     pairs = ring_balance.block_pairs(index, n)
     expected = float(index.density(n).double().sum()) * n * (n + 1) / 2
