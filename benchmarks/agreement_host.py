@@ -30,8 +30,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron_mtraining as mm  # noqa: E402
 from megatron_mtraining.approx import fixed_index  # noqa: E402
-from megatron_mtraining.ring import agreement  # noqa: E402  (the old path: an alias of collective/agreement.py)
-from megatron_mtraining.ring.attention import call_items  # noqa: E402
+from megatron_mtraining.collective import agreement  # noqa: E402
+from megatron_mtraining.config import Settings  # noqa: E402
+from megatron_mtraining.ring.sparse import call_items  # noqa: E402
 
 SEQ_LEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 524288, 16, 4, 128, 64
 
@@ -46,9 +47,9 @@ def ring_call(world):
     return q, k, v, fixed_index(1, HEADS, SEQ_LEN, cfg)
 
 
-def one_agreement(group, world, q, k, v, idx):
+def one_agreement(group, world, q, k, v, idx, settings):
     items = call_items("sparse_ring_attention", q, k, v, "striped", world, 0.088, idx, None)
-    agreement.agree(group, "sparse_ring_attention", items, None, q.device)
+    agreement.agree(group, "sparse_ring_attention", items, None, q.device, settings)
 
 
 def host_time_us(group, world, call, reps=200, rounds=5):
@@ -61,7 +62,7 @@ def host_time_us(group, world, call, reps=200, rounds=5):
         for _ in range(reps):
             call()
         per_round.append((time.perf_counter() - start) / reps * 1e6)
-    agreement._DEFERRED.clear()
+    agreement._PENDING.clear()
     mine = torch.tensor([statistics.median(per_round)], dtype=torch.float64)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
     return float(mine)
@@ -87,7 +88,7 @@ def local_time_us(call, reps=500, rounds=5):
             per_round.append((time.perf_counter() - start) / reps * 1e6)
     finally:
         dist.all_reduce = real
-    agreement._DEFERRED.clear()
+    agreement._PENDING.clear()
     return min(per_round)
 
 
@@ -96,7 +97,7 @@ def operator_counts(call):
     call()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         call()
-    agreement._DEFERRED.clear()
+    agreement._PENDING.clear()
     ops = [e for e in prof.events() if e.name.startswith(("aten::", "c10d::"))]
     top = [e for e in ops if e.cpu_parent is None or not e.cpu_parent.name.startswith(("aten::", "c10d::"))]
     names = {}
@@ -115,10 +116,10 @@ def main():
     q, k, v, idx = ring_call(world)
     result = {"seq_len": SEQ_LEN, "heads": HEADS, "block_size": BLOCK, "world": world, "backend": "gloo"}
     for how in ("eager", "deferred"):
-        os.environ[agreement.AGREEMENT_ENV] = how
+        settings = Settings(ring_agreement=how)
 
-        def call():
-            one_agreement(group, world, q, k, v, idx)
+        def call(settings=settings):
+            one_agreement(group, world, q, k, v, idx, settings)
         result[how] = {"host_us": host_time_us(group, world, call), "local_us": local_time_us(call),
                        **operator_counts(call)}
     words = torch.zeros(2 * (world + agreement.ITEM_WORDS), dtype=torch.int64)

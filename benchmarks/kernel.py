@@ -37,8 +37,8 @@ from common import (describe_index, device_slug, fixed_vs_index, json_ready, ker
 
 from megatron_mtraining import reference_attention, sparse_attention  # noqa: E402
 from megatron_mtraining.kernels import resolve_backend, single_device_plan, step_backward  # noqa: E402
-from megatron_mtraining.kernels.dispatch import (BACKWARD_KERNEL_ENV, FORWARD_KERNEL_ENV, KERNEL_CHOICES,  # noqa: E402
-                                                 backward_kernel, forward_kernel)
+from megatron_mtraining.config import KERNEL_CHOICES, Settings, environment_settings  # noqa: E402
+from megatron_mtraining.kernels.dispatch import backward_kernel, forward_kernel  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -162,12 +162,17 @@ def kernel_breakdown(fn: Callable, args: Sequence) -> Dict:
     return groups
 
 
-def backward_step_inputs(index, arg_sets, backend: str, scale: float) -> List[tuple]:
+def kernel_settings(cfg: Config) -> Settings:
+    """The settings our attention runs with: the kernels asked for (--forward-kernel, --backward-kernel)."""
+    return Settings(forward_kernel=cfg.forward_kernel, backward_kernel=cfg.backward_kernel)
+
+
+def backward_step_inputs(index, arg_sets, backend: str, scale: float, settings: Settings) -> List[tuple]:
     """Per input set: what the backward step reads (forward's out/lse, delta) plus fp32 grads."""
     prepared = []
     for q, k, v, dout in arg_sets:
         with torch.no_grad():
-            out, lse = sparse_attention(q, k, v, index, scale, backend, return_lse=True)
+            out, lse = sparse_attention(q, k, v, index, scale, backend, return_lse=True, settings=settings)
             delta = (dout.float() * out.float()).sum(-1)
         grads = [torch.zeros(x.shape, dtype=torch.float32, device=x.device) for x in (q, k, v)]
         prepared.append((q.detach(), k.detach(), v.detach(), dout, lse, delta, *grads))
@@ -178,24 +183,25 @@ def bench_ours(cfg: Config, index, seq_len: int, arg_sets, device: torch.device)
     backend = resolve_backend(cfg.backend, device)
     scale = 1.0 / math.sqrt(cfg.head_dim)
     section: Dict = {"backend": backend}
+    settings = kernel_settings(cfg)
 
     def attn(q, k, v):
-        return sparse_attention(q, k, v, index, scale, backend)
+        return sparse_attention(q, k, v, index, scale, backend, settings=settings)
 
     if backend == "triton":  # which kernels ran (dispatch.py: Hopper's on sm_90 unless forced)
         q, k, v, dout = arg_sets[0]
         plan = single_device_plan(index, seq_len)
-        attempt(section, "forward_kernel", lambda: forward_kernel(q, k, v, plan, q))
-        attempt(section, "backward_kernel", lambda: backward_kernel(q, k, v, dout, plan))
+        attempt(section, "forward_kernel", lambda: forward_kernel(q, k, v, plan, q, settings.forward_kernel))
+        attempt(section, "backward_kernel", lambda: backward_kernel(q, k, v, dout, plan, settings.backward_kernel))
     measure_pair(section, attn, arg_sets, cfg, device)
     timed(section, "plan", lambda: single_device_plan(index, seq_len), [()], cfg, device)
 
     def backward_step():
         plan = single_device_plan(index, seq_len)
-        prepared = backward_step_inputs(index, arg_sets[:2], backend, scale)
+        prepared = backward_step_inputs(index, arg_sets[:2], backend, scale, settings)
 
         def step(q, k, v, dout, lse, delta, dq, dk, dv):
-            step_backward(backend, q, k, v, dout, lse, delta, plan, dq, dk, dv, scale)
+            step_backward(backend, q, k, v, dout, lse, delta, plan, dq, dk, dv, scale, settings=settings)
         return median(time_ms(step, prepared, device, cfg.warmup, cfg.reps))
     attempt(section, "bwd_step_ms", backward_step)
 
@@ -350,7 +356,8 @@ def spot_check(cfg: Config, device: torch.device) -> Dict:
         return errors
 
     backend = resolve_backend(cfg.backend, device)
-    attempt(result, "ours", lambda: check(lambda *a: sparse_attention(*a, index, backend=backend)))
+    attempt(result, "ours", lambda: check(lambda *a: sparse_attention(*a, index, backend=backend,
+                                                                      settings=kernel_settings(cfg))))
     if device.type == "cuda" and "flex" not in cfg.skip:
         attempt(result, "flex", lambda: check(flex_attention_fn(flex_block_mask(index, seq_len, device))))
     return result
@@ -452,11 +459,12 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--density", type=float, default=0.05, help="target density of the fixed index")
     p.add_argument("--backend", default="auto", choices=("auto", "triton", "torch"), help="our kernels")
-    p.add_argument("--forward-kernel", default=os.environ.get(FORWARD_KERNEL_ENV, "auto"), choices=KERNEL_CHOICES,
-                   help=f"our GPU forward (sets {FORWARD_KERNEL_ENV}; auto: the Hopper kernel on sm_90 GPUs)")
-    p.add_argument("--backward-kernel", default=os.environ.get(BACKWARD_KERNEL_ENV, "auto"), choices=KERNEL_CHOICES,
-                   help=f"our GPU dK/dV, key blocks and columns (sets {BACKWARD_KERNEL_ENV}; auto: the Hopper "
-                   "kernel on sm_90)")
+    p.add_argument("--forward-kernel", default=environment_settings().forward_kernel, choices=KERNEL_CHOICES,
+                   help="our GPU forward (default: MTRAINING_FORWARD_KERNEL, else auto: the Hopper kernel on sm_90 "
+                   "GPUs)")
+    p.add_argument("--backward-kernel", default=environment_settings().backward_kernel, choices=KERNEL_CHOICES,
+                   help="our GPU dK/dV, key blocks and columns (default: MTRAINING_BACKWARD_KERNEL, else auto: the "
+                   "Hopper kernel on sm_90)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--input-sets", type=int, default=3, help="input sets rotated between repetitions")
@@ -545,8 +553,6 @@ def output_path(args, device: torch.device) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = make_config(args)
-    os.environ[FORWARD_KERNEL_ENV] = cfg.forward_kernel
-    os.environ[BACKWARD_KERNEL_ENV] = cfg.backward_kernel
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
     from megatron_mtraining.kernels import triton_common
     triton_common.LAUNCH_OVERRIDES.update(parse_launch(cfg.launch))

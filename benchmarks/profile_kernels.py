@@ -48,8 +48,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-len", type=int, default=65536)
     parser.add_argument("--launch", default="", help="as benchmarks/kernel.py --launch, e.g. fwd:4x2,bwd:4x2")
     parser.add_argument("--block-size", type=int, default=64, help="index block size (128: the ping-pong forward)")
-    # The kernels that run: MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL (kernels/dispatch.py)
-    # choose between the Hopper and the Triton ones, as in training.
+    # The kernels that run: MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL (read at start-up into
+    # config.Settings, the default of sparse_attention's settings) choose between the Hopper and the
+    # Triton ones, as in training.
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernels.py needs a CUDA device")

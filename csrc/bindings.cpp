@@ -80,7 +80,7 @@ bool has_cuda() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "megatron_mtraining compiled helpers (per-step VSIndex conversion)";
-  m.def("convert_step", &mtraining::convert_step, "Per-step VSIndex conversion; see kernels/plan.py",
+  m.def("convert_step", &mtraining::convert_step, "Per-step VSIndex conversion; see kernels/step_plan.py",
         pybind11::arg("slash"), pybind11::arg("n_slash"), pybind11::arg("vertical"),
         pybind11::arg("n_vertical"), pybind11::arg("q_block_ids"), pybind11::arg("k_block_ids"),
         pybind11::arg("num_blocks"), pybind11::arg("block_size"),

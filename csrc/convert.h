@@ -1,4 +1,4 @@
-// Per-step VSIndex conversion (megatron_mtraining/kernels/plan.py, convert_step_reference).
+// Per-step VSIndex conversion (megatron_mtraining/kernels/step_plan.py, convert_step_reference).
 //
 // The row functions below are shared by the CPU loops and the CUDA kernels, so both
 // implementations run the very same logic and the CPU tests cover the GPU arithmetic too.

@@ -8,6 +8,7 @@ import torch
 
 logger = logging.getLogger("megatron_mtraining")
 
+# Cost: the compiled extension is imported (or found missing) once per process, not per call.
 _module = None
 _error = None
 _loaded = False

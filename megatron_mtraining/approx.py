@@ -62,6 +62,8 @@ import torch.distributed as dist
 
 from .collective import agreement
 from .config import MTrainingConfig
+from .block_approx import moba_index, xattn_index
+from .block_index import BlockIndex
 from .documents import Documents
 from .index import VSIndex
 from .kernels.dispatch import approx_kernel
@@ -76,6 +78,13 @@ def _world(group) -> Tuple[int, int]:
     if group is None:
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _layout(config: MTrainingConfig, world: int) -> str:
+    """The token layout of q and k: ``config.layout`` over a CP group; on one device the sequence
+    is in order, which both layouts are at CP size 1 (zigzag's two chunks would only add a
+    divisibility rule)."""
+    return config.layout if world > 1 else "striped"
 
 
 def _layout_positions(device, seq_len, layout, world, rank, block_size, last_q):
@@ -314,7 +323,7 @@ def _finite(m):
     return torch.where(torch.isinf(m), torch.zeros_like(m), m)
 
 
-def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "striped", softmax_scale=None,
+def vs_statistics(q, k, config: MTrainingConfig, group=None, softmax_scale=None,
                   backend: str = "auto", cu_seqlens: Union[Documents, torch.Tensor, None] = None):
     """Vertical (per local column, fp32) and slash (per global block offset, fp64) attention mass
     of the last ``last_q`` queries, identical to a single device's up to summation order.
@@ -325,11 +334,13 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
     the masses of each scored document's last queries, weighted so every scored document holds
     ``last_q``.
     """
-    packed = _packed(Documents.of(cu_seqlens, q.shape[2] * _world(group)[0], "vs_statistics: cu_seqlens"))
+    packed = _packed(Documents.of(cu_seqlens, q.shape[2] * _world(group)[0], "vs_statistics: cu_seqlens",
+                                   validate=config.settings.validate))
     if packed is not None:
         rows = _document_rows(packed, config, q.device)
-        return _document_statistics(q, k, config, group, layout, softmax_scale, backend, rows)
+        return _document_statistics(q, k, config, group, softmax_scale, backend, rows)
     world, rank = _world(group)
+    layout = _layout(config, world)
     kernel = approx_kernel(backend, q.device)  # "triton": kernels/triton_approx.py
     b, hq, n_local, d = q.shape
     hkv = k.shape[1]
@@ -390,10 +401,11 @@ def vs_statistics(q, k, config: MTrainingConfig, group=None, layout: str = "stri
     return vertical, slash, key_pos
 
 
-def _document_statistics(q, k, config: MTrainingConfig, group, layout: str, softmax_scale,
+def _document_statistics(q, k, config: MTrainingConfig, group, softmax_scale,
                          backend: str, rows: _DocumentRows):
     """``vs_statistics`` for packed documents: the same two passes over the scoring ``rows``."""
     world, rank = _world(group)
+    layout = _layout(config, world)
     kernel = approx_kernel(backend, q.device)  # "triton": kernels/triton_approx.py
     b, hq, n_local, d = q.shape
     hkv = k.shape[1]
@@ -474,16 +486,17 @@ def _top_by_value(values: torch.Tensor, take: int) -> torch.Tensor:
     return (n - 1) - (key.topk(take, dim=-1).values & 0xFFFFFFFF)
 
 
-def approximate_vs_index(q, k, config: MTrainingConfig, group=None, layout: str = "striped",
+def approximate_vs_index(q, k, config: MTrainingConfig, group=None,
                          softmax_scale=None, backend: str = "auto",
                          cu_seqlens: Union[Documents, torch.Tensor, None] = None) -> VSIndex:
     world, _ = _world(group)
-    packed = _packed(Documents.of(cu_seqlens, q.shape[2] * world, "approximate_vs_index: cu_seqlens"))
+    packed = _packed(Documents.of(cu_seqlens, q.shape[2] * world, "approximate_vs_index: cu_seqlens",
+                                   validate=config.settings.validate))
     rows = None if packed is None else _document_rows(packed, config, q.device)
     if rows is None:
-        vertical, slash, key_pos = vs_statistics(q, k, config, group, layout, softmax_scale, backend)
+        vertical, slash, key_pos = vs_statistics(q, k, config, group, softmax_scale, backend)
     else:
-        vertical, slash, key_pos = _document_statistics(q, k, config, group, layout, softmax_scale, backend, rows)
+        vertical, slash, key_pos = _document_statistics(q, k, config, group, softmax_scale, backend, rows)
     # NaN mass (NaN or Inf in q or k, or scores that overflow) counts as none: sorted, NaN would
     # rank before the mandatory diagonal and sinks and push them out of the index.
     vertical, slash = torch.nan_to_num(vertical, nan=0.0), torch.nan_to_num(slash, nan=0.0)
@@ -553,14 +566,14 @@ def fixed_index(batch: int, heads: int, seq_len: int, config: MTrainingConfig, d
                               device=device, max_slash=config.max_slash, max_vertical=config.max_vertical)
 
 
-def _agree_on_shapes(q, k, config: MTrainingConfig, group, layout: str, softmax_scale,
+def _agree_on_shapes(q, k, config: MTrainingConfig, group, softmax_scale,
                      documents: Optional[Documents], local_error: Optional[BaseException]) -> None:
     """Before the first collective whose size depends on them: the CP ranks agree on the shapes
     and settings (``collective/agreement.py``; a rank whose own checks failed makes its peers fail too).
-    Eager where that costs no device synchronisation (CPU / gloo, or MTRAINING_VALIDATE=1); on
+    Eager where that costs no device synchronisation (CPU / gloo, or ``Settings.validate``); on
     GPUs with NCCL the Megatron path checks them at its consistency iterations instead
     (``integration/consistency.py``), and nothing is added here."""
-    if agreement.mode(q.device, group) != "eager":
+    if agreement.mode(q.device, group, config.settings) != "eager":
         if local_error is not None:
             raise local_error
         return
@@ -573,26 +586,26 @@ def _agree_on_shapes(q, k, config: MTrainingConfig, group, layout: str, softmax_
                   tuple(q.shape)),
                  ("k shape", agreement.host_word(tuple(k.shape)), tuple(k.shape)),
                  ("dtype", agreement.host_word(str(q.dtype)), q.dtype),
-                 ("layout", agreement.host_word(layout), layout),
                  ("MTraining config", agreement.host_word(config), config),
                  ("softmax scale", agreement.host_word(softmax_scale), softmax_scale),
                  ("cu_seqlens given", given, given),
                  ("cu_seqlens length", int(cu_seqlens.numel()) if given else 0,
                   int(cu_seqlens.numel()) if given else 0),
                  ("cu_seqlens values", agreement.Checksum(cu_seqlens) if given else 0, None)]
-    agreement.agree(group, "approximate_index", items, local_error, q.device,
+    agreement.agree(group, "approximate_index", items, local_error, q.device, config.settings,
                     hint="(In Megatron: q is [--micro-batch-size, heads, --seq-length / CP, head_dim]: the CP ranks "
                          "got batches of different --seq-length or --micro-batch-size from the data path.) ")
 
 
 def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig, group=None,
-                      layout: str = "striped", softmax_scale: Optional[float] = None,
-                      backend: str = "auto", cu_seqlens: Union[Documents, torch.Tensor, None] = None) -> VSIndex:
+                      softmax_scale: Optional[float] = None, backend: str = "auto",
+                      cu_seqlens: Union[Documents, torch.Tensor, None] = None) -> Union[VSIndex, BlockIndex]:
     """The index for one layer: ``config.index`` picks "vs" (approximated from q and k), "dense"
-    (all blocks) or "fixed" (fixed budgets); a sequence of at most ``config.dense_max_seq_length``
+    (all blocks), "fixed" (fixed budgets), or a ``BlockIndex``: "moba" (MoBA's gate) or "xattn"
+    (XAttention's antidiagonal scores), ``block_approx.py``; a sequence of at most ``config.dense_max_seq_length``
     tokens gets the dense index whatever the builder. q ``[b, hq, n_local, d]``, k ``[b, hkv, n_local, d]``
-    are this rank's post-RoPE tokens in ``layout`` order (``group=None``: the full sequence on
-    one device). Returns the same ``VSIndex`` on every rank. ``backend`` computes the statistics:
+    are this rank's post-RoPE tokens in ``config.layout`` order (``group=None``: the full sequence
+    on one device, in order). Returns the same ``VSIndex`` on every rank. ``backend`` computes the statistics:
     "auto" (fused Triton kernels on CUDA, PyTorch elsewhere), "triton" or "torch".
 
     ``cu_seqlens``: packed documents in GLOBAL positions, the same on every rank and batch element:
@@ -603,7 +616,7 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
     one document ``[0, N]`` gives exactly the unpacked index."""
     world, _ = _world(group)
     documents = None
-    with agreement.OwnChecks(group if world > 1 else None) as checks:  # with CP > 1 the peers hear of a failure
+    with agreement.OwnChecks(group if world > 1 else None, config.settings) as checks:  # with CP > 1 the peers hear of a failure
         approx_kernel(backend, q.device)  # a bad name fails here, whatever the index builder
         if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
             raise ValueError(f"approximate_index: q {tuple(q.shape)} and k {tuple(k.shape)} must be "
@@ -613,17 +626,25 @@ def approximate_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig,
                              f"({k.shape[1]})")
         n_local = q.shape[2]
         seq_len = n_local * world
-        check_layout(seq_len, layout, world, config.block_size)
-        documents = Documents.of(cu_seqlens, seq_len, "approximate_index: cu_seqlens")
-        builds_vs = not (config.index == "dense" or seq_len <= config.dense_max_seq_length or config.index == "fixed")
+        if world == 1 and seq_len % config.block_size:
+            raise ValueError(f"approximate_index: the sequence length {seq_len} is not a multiple of the block size "
+                             f"{config.block_size}")
+        check_layout(seq_len, _layout(config, world), world, config.block_size)
+        documents = Documents.of(cu_seqlens, seq_len, "approximate_index: cu_seqlens",
+                                 validate=config.settings.validate)
+        builds_vs = config.index == "vs" and seq_len > config.dense_max_seq_length
         if builds_vs and config.last_q > n_local:
             raise ValueError(f"approximate_index: last_q ({config.last_q}) exceeds the {n_local} tokens each rank "
                              "holds; lower --mtraining-last-q")
     if world > 1:  # in the agreement below
-        _agree_on_shapes(q, k, config, group, layout, softmax_scale, documents, checks.error)
+        _agree_on_shapes(q, k, config, group, softmax_scale, documents, checks.error)
     b, hq = q.shape[:2]
     if config.index == "dense" or seq_len <= config.dense_max_seq_length:
         return VSIndex.dense(b, hq, seq_len, config.block_size, device=q.device)
     if config.index == "fixed":
         return fixed_index(b, hq, seq_len, config, device=q.device)
-    return approximate_vs_index(q, k, config, group, layout, softmax_scale, backend, documents)
+    if config.index == "moba":
+        return moba_index(q, k, config, group, documents)
+    if config.index == "xattn":
+        return xattn_index(q, k, config, group, documents)
+    return approximate_vs_index(q, k, config, group, softmax_scale, backend, documents)

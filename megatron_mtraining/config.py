@@ -1,16 +1,158 @@
-"""MTrainingConfig: every knob of the plugin, validated once at construction."""
+"""MTrainingConfig: every knob of the plugin, validated once at construction; ``Settings``: how it
+runs (kernels, agreement, timeout, checks); and the one place that reads the environment.
+
+The environment is read once, when this module is imported (``ENVIRONMENT``), and only here; every
+other module takes its settings from the config or ``Settings`` it is given (docs/design.md,
+"Environment variables", has the table of variables and their flags).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
-from typing import Optional
+import types
+from typing import Mapping, Optional
 
 LAYOUTS = ("striped", "zigzag")
-INDEX_BUILDERS = ("vs", "dense", "fixed")
+INDEX_BUILDERS = ("vs", "dense", "fixed", "moba", "xattn")
 BLOCK_SIZES = (64, 128)
 VERTICAL_FLOOR = 256  # default min_vertical (capped by max_vertical): see MTrainingConfig
+KERNEL_CHOICES = ("auto", "triton", "hopper")
+AGREEMENT_MODES = ("auto", "eager", "deferred")
+RESUME_POLICIES = ("warn", "error")
+
+# Every environment variable the plugin reads -> the flag that takes precedence over it (None: no flag).
+ENVIRONMENT_VARIABLES = {
+    "MTRAINING_FORWARD_KERNEL": "--mtraining-forward-kernel",
+    "MTRAINING_BACKWARD_KERNEL": "--mtraining-backward-kernel",
+    "MTRAINING_RING_AGREEMENT": "--mtraining-ring-agreement",
+    "MTRAINING_RING_TIMEOUT_S": "--mtraining-ring-timeout-s",
+    "MTRAINING_VALIDATE": "--mtraining-validate",
+    "MTRAINING_RESUME_CHANGES": "--mtraining-resume-changes",
+    "LOCAL_WORLD_SIZE": "--mtraining-inner-ring-size",
+    "GPUS_PER_NODE": "--mtraining-inner-ring-size",
+    "TRITON_INTERPRET": None,  # Triton's own switch (its CPU interpreter), read by Triton too
+}
+# Read once, at import (start-up): the variables above that are set. Immutable.
+ENVIRONMENT: Mapping[str, str] = types.MappingProxyType(
+    {name: os.environ[name] for name in ENVIRONMENT_VARIABLES if name in os.environ})
+# Settings field -> its environment variable.
+_SETTINGS_ENV = {"forward_kernel": "MTRAINING_FORWARD_KERNEL", "backward_kernel": "MTRAINING_BACKWARD_KERNEL",
+                 "ring_agreement": "MTRAINING_RING_AGREEMENT", "ring_timeout_s": "MTRAINING_RING_TIMEOUT_S",
+                 "validate": "MTRAINING_VALIDATE"}
+
+
+def interpreting(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether Triton runs its CPU interpreter (``TRITON_INTERPRET=1`` at start-up)."""
+    return (ENVIRONMENT if environ is None else environ).get("TRITON_INTERPRET", "0") == "1"
+
+
+def resume_policy(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``MTRAINING_RESUME_CHANGES`` ("warn", the default, or "error"): the default of the launcher's
+    ``--mtraining-resume-changes``."""
+    value = (ENVIRONMENT if environ is None else environ).get("MTRAINING_RESUME_CHANGES", "") or "warn"
+    if value not in RESUME_POLICIES:
+        raise ValueError(f"MTRAINING_RESUME_CHANGES must be one of {RESUME_POLICIES}, got {value!r}")
+    return value
+
+
+def ranks_per_node(environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """Ranks per node from the launcher: ``LOCAL_WORLD_SIZE`` (torchrun), else ``GPUS_PER_NODE``,
+    else None: the default of ``--mtraining-inner-ring-size``."""
+    environ = ENVIRONMENT if environ is None else environ
+    for var in ("LOCAL_WORLD_SIZE", "GPUS_PER_NODE"):
+        if environ.get(var):
+            try:
+                return int(environ[var])
+            except ValueError:
+                raise ValueError(f"MTrainingConfig: {var}={environ[var]!r} is not an integer "
+                                 "(sets the default of --mtraining-inner-ring-size)") from None
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How the attention runs, not what it computes (names follow the ``--mtraining-*`` flags).
+
+    forward_kernel / backward_kernel: on the "triton" backend, "auto" (the Hopper kernels where
+        they cover a call, else the Triton ones), "triton", or "hopper" (an error where they
+        cannot run the call); ``kernels/dispatch.py``.
+    ring_agreement: when the CP ranks' agreement verdict is read: "auto" (eager on CPU/gloo or
+        with ``validate``, deferred on GPUs with NCCL), "eager" or "deferred";
+        ``collective/agreement.py``.
+    ring_timeout_s: seconds a ring transfer or agreement may wait; None: the process group's
+        own timeout (on NCCL an explicit one makes every wait block the host: debugging only).
+    validate: check the index's and cu_seqlens' values on GPU tensors too (one device
+        synchronisation per call; on the CPU they are always checked).
+    """
+
+    forward_kernel: str = "auto"
+    backward_kernel: str = "auto"
+    ring_agreement: str = "auto"
+    ring_timeout_s: Optional[float] = None
+    validate: bool = False
+
+    def __post_init__(self):
+        for name in ("forward_kernel", "backward_kernel"):
+            if getattr(self, name) not in KERNEL_CHOICES:
+                raise ValueError(f"Settings: {name} must be one of {KERNEL_CHOICES}, got {getattr(self, name)!r}")
+        if self.ring_agreement not in AGREEMENT_MODES:
+            raise ValueError(f"Settings: ring_agreement must be one of {AGREEMENT_MODES}, got {self.ring_agreement!r}")
+        if self.ring_timeout_s is not None and not (isinstance(self.ring_timeout_s, (int, float))
+                                                    and not isinstance(self.ring_timeout_s, bool)
+                                                    and self.ring_timeout_s > 0):
+            raise ValueError(f"Settings: ring_timeout_s must be None or a positive number of seconds, "
+                             f"got {self.ring_timeout_s!r}")
+        if not isinstance(self.validate, bool):
+            raise ValueError(f"Settings: validate must be True or False, got {self.validate!r}")
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **fields) -> "Settings":
+        """The settings the environment gives (``environ``, default: ``ENVIRONMENT``, read at
+        start-up); ``fields`` (not None) take precedence. Errors name the variable."""
+        environ = ENVIRONMENT if environ is None else environ
+        values = {}
+        for name, var in _SETTINGS_ENV.items():
+            if fields.get(name) is not None or not environ.get(var):
+                continue
+            raw = environ[var]
+            if name == "validate":
+                if raw not in ("0", "1"):
+                    raise ValueError(f"{var} must be 0 or 1, got {raw!r}")
+                values[name] = raw == "1"
+            elif name == "ring_timeout_s":
+                try:
+                    values[name] = float(raw)
+                except ValueError:
+                    values[name] = -1.0
+                if not values[name] > 0:
+                    raise ValueError(f"{var} must be a positive number of seconds, got {raw!r}")
+            else:
+                allowed = KERNEL_CHOICES if name.endswith("kernel") else AGREEMENT_MODES
+                if raw not in allowed:
+                    raise ValueError(f"{var} must be one of {allowed}, got {raw!r}")
+                values[name] = raw
+        values.update({name: value for name, value in fields.items() if value is not None})
+        return cls(**values)
+
+
+@functools.lru_cache(maxsize=None)
+def environment_settings() -> Settings:
+    """``Settings.from_env()`` of ``ENVIRONMENT`` (immutable, so computed once): the settings of a
+    call or config given none."""
+    return Settings.from_env()
+
+
+def settings_or_default(settings: Optional[Settings], where: str) -> Settings:
+    """``settings``, or the environment's where None; a clear error for anything else."""
+    if settings is None:
+        return environment_settings()
+    if not isinstance(settings, Settings):
+        raise ValueError(f"{where}: settings must be a megatron_mtraining.config.Settings or None, "
+                         f"got {type(settings).__name__}")
+    return settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +178,15 @@ class MTrainingConfig:
     local_window: slash offsets 0..local_window-1 always kept (the diagonal is offset 0).
     layout: token layout across context-parallel ranks, "striped" (balanced) or "zigzag".
     inner_ring_size: ranks per inner (intra-node) ring; None runs one flat ring.
-    index: index builder, "vs" (approximated), "dense" (all blocks) or "fixed".
+    index: index builder, "vs" (approximated), "dense" (all blocks), "fixed", or a block-sparse
+        ``BlockIndex``: "moba" (MoBA's gate, ``block_approx.moba_index``) or "xattn" (XAttention's
+        antidiagonal scores, ``block_approx.xattn_index``).
+    moba_block_size / moba_top_k: MoBA's key blocks (tokens, a multiple of ``block_size``) and how
+        many of them each query block attends, its own included (the paper's 4096 and 12).
+    xattn_stride / xattn_threshold / xattn_max_blocks: XAttention's antidiagonal stride (a power
+        of two dividing ``block_size``), the share of each query block's score mass its key blocks
+        must reach (the paper's 16 and 0.9; its blocks are ``block_size``, 128 in the paper), and
+        the index capacity (key blocks per query block, its own included; fixed shapes).
     dense_max_seq_length: sequences of at most this many tokens (the whole sequence, over all CP
         ranks) get the dense index, whatever ``index`` says; 0 (default) never. For short-to-long
         schedules that train from scratch: sparse attention from the first step kept a small model
@@ -48,6 +198,8 @@ class MTrainingConfig:
         backward always is (split reductions, no atomics). False lets layers with a dense index
         (``index="dense"``, or the dense layers) run the dense kernels (cuDNN / flash), whose
         backward is not deterministic; see ``MTrainingAttention.uses_dense_kernels``.
+    settings: how the attention runs (``Settings``: kernels, agreement, timeout, value checks);
+        default: the environment's (``environment_settings``).
     """
 
     block_size: int = 64
@@ -63,12 +215,21 @@ class MTrainingConfig:
     layout: str = "striped"
     inner_ring_size: Optional[int] = None
     index: str = "vs"
+    moba_block_size: int = 4096
+    moba_top_k: int = 12
+    xattn_stride: int = 16
+    xattn_threshold: float = 0.9
+    xattn_max_blocks: int = 1024
     dense_max_seq_length: int = 0
     deterministic: bool = True
+    settings: Settings = dataclasses.field(default_factory=environment_settings)
 
     def __post_init__(self):
         def fail(msg):
             raise ValueError(f"MTrainingConfig: {msg}")
+
+        if not isinstance(self.settings, Settings):
+            fail(f"settings must be a Settings, got {type(self.settings).__name__}")
 
         if self.min_vertical is None:  # frozen dataclass: resolve the default in place
             object.__setattr__(self, "min_vertical", min(VERTICAL_FLOOR, max(0, int(self.max_vertical))))
@@ -101,29 +262,44 @@ class MTrainingConfig:
             fail(f"inner_ring_size must be None or >= 1, got {self.inner_ring_size}")
         if self.index not in INDEX_BUILDERS:
             fail(f"index must be one of {INDEX_BUILDERS}, got {self.index!r}")
+        if int(self.moba_block_size) < 1 or self.moba_block_size % self.block_size:
+            fail(f"moba_block_size must be a positive multiple of block_size ({self.block_size}), "
+                 f"got {self.moba_block_size}")
+        if int(self.moba_top_k) < 1:
+            fail(f"moba_top_k must be >= 1 (the query's own block), got {self.moba_top_k}")
+        stride = int(self.xattn_stride)
+        if stride < 1 or stride & (stride - 1) or self.block_size % stride:
+            fail(f"xattn_stride must be a power of two dividing block_size ({self.block_size}), "
+                 f"got {self.xattn_stride}")
+        if not (0.0 < float(self.xattn_threshold) <= 1.0):
+            fail(f"xattn_threshold must be in (0, 1], got {self.xattn_threshold}")
+        if int(self.xattn_max_blocks) < 1:
+            fail(f"xattn_max_blocks must be >= 1 (the query's own block), got {self.xattn_max_blocks}")
 
     @classmethod
-    def from_args(cls, args) -> "MTrainingConfig":
-        """Build the config from a parsed Megatron namespace (``args.mtraining_<field>``).
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **fields) -> "MTrainingConfig":
+        """The config with ``fields``, the rest from the environment (``environ``, default:
+        ``ENVIRONMENT``, read at start-up): the ``Settings`` fields, and ``inner_ring_size`` from
+        ``LOCAL_WORLD_SIZE`` / ``GPUS_PER_NODE``. Fields given (not None) take precedence."""
+        names = {f.name for f in dataclasses.fields(Settings)}
+        settings = Settings.from_env(environ, **{k: fields.pop(k) for k in list(fields) if k in names})
+        if fields.get("inner_ring_size") is None:
+            fields["inner_ring_size"] = ranks_per_node(environ)
+        return cls(settings=settings, **fields)
 
-        Missing or None attributes keep the field defaults. A None ``inner_ring_size`` is
-        taken from the launcher: ``LOCAL_WORLD_SIZE`` (torchrun), else ``GPUS_PER_NODE``,
-        else None (one flat ring). Validation errors are ValueErrors naming the flag.
-        """
-        values = {f.name: getattr(args, "mtraining_" + f.name, None) for f in dataclasses.fields(cls)}
+    @classmethod
+    def from_args(cls, args, environ: Optional[Mapping[str, str]] = None) -> "MTrainingConfig":
+        """Build the config from a parsed Megatron namespace (``args.mtraining_<field>``, the
+        ``Settings`` fields included). Missing or None attributes come from the environment
+        (``from_env``: the ``Settings`` fields; ``inner_ring_size`` from ``LOCAL_WORLD_SIZE``,
+        else ``GPUS_PER_NODE``, else None: one flat ring), else keep the field defaults.
+        Validation errors are ValueErrors naming the flag."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "settings"]
+        names += [f.name for f in dataclasses.fields(Settings)]
+        values = {name: getattr(args, "mtraining_" + name, None) for name in names}
         values = {name: value for name, value in values.items() if value is not None}
-        if "inner_ring_size" not in values:
-            for var in ("LOCAL_WORLD_SIZE", "GPUS_PER_NODE"):
-                if os.environ.get(var):
-                    try:
-                        values["inner_ring_size"] = int(os.environ[var])
-                    except ValueError:
-                        raise ValueError(f"MTrainingConfig: {var}={os.environ[var]!r} is not an integer "
-                                         "(sets the default of --mtraining-inner-ring-size)") from None
-                    break
         try:
-            return cls(**values)
+            return cls.from_env(environ, **values)
         except ValueError as e:
-            flags = [f"--mtraining-{f.name.replace('_', '-')}" for f in dataclasses.fields(cls)
-                     if re.search(rf"\b{f.name}\b", str(e))]
+            flags = [f"--mtraining-{name.replace('_', '-')}" for name in names if re.search(rf"\b{name}\b", str(e))]
             raise ValueError(f"{e} (check {', '.join(flags)})" if flags else str(e)) from None

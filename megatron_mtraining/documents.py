@@ -20,7 +20,7 @@ Checking the VALUES of ``cu_seqlens`` (start, end, increasing) needs them on the
 CPU tensors, one synchronisation on a GPU. ``Documents(...)`` checks them by default (once per
 batch, where the batch is made); the attention functions, given a bare tensor, build the object
 with ``Documents.of``, which checks the values only where that is free (the CPU, or a GPU with
-MTRAINING_VALIDATE=1: ``index.value_checks``), the structure always.
+``Settings.validate``: ``index.value_checks``), the structure always.
 """
 
 from __future__ import annotations
@@ -132,10 +132,11 @@ class Documents:
 
     @classmethod
     def of(cls, documents: Union["Documents", torch.Tensor, None], seq_len: int,
-           where: str = "cu_seqlens") -> Optional["Documents"]:
+           where: str = "cu_seqlens", validate: bool = False) -> Optional["Documents"]:
         """What an attention function does with its ``cu_seqlens=`` argument: None stays None; a
         ``Documents`` is used as it is (its length must be ``seq_len``: a host-side comparison);
-        a tensor is built into one, its values checked where that is free (``index.value_checks``)."""
+        a tensor is built into one, its values checked where that is free (``index.value_checks``:
+        the CPU, or a GPU with ``validate``)."""
         if documents is None:
             return None
         if isinstance(documents, Documents):
@@ -144,7 +145,7 @@ class Documents:
                                  f"over a global sequence of {seq_len}")
             return documents
         device = documents.device if isinstance(documents, torch.Tensor) else torch.device("cpu")
-        return cls(documents, seq_len, where, check_values=value_checks(device))
+        return cls(documents, seq_len, where, check_values=value_checks(device, validate))
 
     @property
     def num_documents(self) -> int:

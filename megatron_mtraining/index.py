@@ -10,28 +10,33 @@ Entries past a count are padding and are never read.
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
 
-# Debugging switch: "1" runs the checks that read tensor values (an index's order, ranges and
-# duplicates; cu_seqlens) on GPU tensors too, one device synchronisation per call.
-VALIDATE_ENV = "MTRAINING_VALIDATE"
 
-
-def value_checks(device: torch.device) -> bool:
+def value_checks(device: torch.device, validate: bool = False) -> bool:
     """Whether to check an index's or cu_seqlens' values: always on the CPU, where it costs no
-    device synchronisation; on a GPU only with MTRAINING_VALIDATE=1 (a wrong index there, such as
-    a duplicate offset, otherwise gives wrong numbers rather than an error)."""
-    value = os.environ.get(VALIDATE_ENV, "0") or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{VALIDATE_ENV} must be 0 or 1, got {value!r}")
-    return device.type == "cpu" or value == "1"
+    device synchronisation; on a GPU only with ``validate`` (``Settings.validate``,
+    MTRAINING_VALIDATE=1): a wrong index there, such as a duplicate offset, otherwise gives wrong
+    numbers rather than an error."""
+    return device.type == "cpu" or bool(validate)
 
 
-def _is_power_of_two(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
+# The block sizes an index may have: 64 (the paper's) and 128, the sizes the GPU kernels are built
+# and tuned for (MTrainingConfig.block_size takes those), and 16, the smallest tile of Triton's
+# dot product, which keeps shapes small where the kernels run on the CPU.
+BLOCK_SIZES = (16, 64, 128)
+
+
+def checked_device(device, where: str):
+    """``device`` as given, or a ValueError naming ``where`` when it is a CUDA device and CUDA is
+    not available (torch's own error is a bare AssertionError from deep inside)."""
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        built = "torch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ValueError(f"{where}: device={str(device)!r}, but CUDA is not available here ({built}); "
+                         "use device='cpu' (the PyTorch path) or run where a GPU is visible")
+    return device
 
 
 class VSIndex:
@@ -73,14 +78,20 @@ class VSIndex:
         devices = {x.device for x in t.values()}
         if len(devices) != 1:
             raise ValueError(f"VSIndex tensors must share one device, got {sorted(map(str, devices))}")
-        if not _is_power_of_two(self.block_size) or self.block_size < 16:
-            raise ValueError(f"VSIndex.block_size must be a power of two >= 16, got {self.block_size}")
+        self._check_block_size(self.block_size)
+
+    @staticmethod
+    def _check_block_size(block_size) -> None:
+        if block_size not in BLOCK_SIZES:
+            raise ValueError(f"VSIndex.block_size must be 64 or 128 (or 16, for small shapes on the CPU), "
+                             f"got {block_size!r}")
 
     def check_matches(self, batch: int, q_heads: int) -> None:
         """Cheap check that the index was built for this batch size and head count."""
         if tuple(self.slash.shape[:2]) != (batch, q_heads):
             raise ValueError(f"VSIndex is for batch {self.slash.shape[0]} x {self.slash.shape[1]} query heads, "
-                             f"but the attention has batch {batch} x {q_heads} query heads")
+                             f"but the attention has batch {batch} x {q_heads} query heads (q is [batch, heads, "
+                             "tokens, head_dim])")
 
     def validate(self, seq_len: int) -> "VSIndex":
         """Full check against a sequence length; synchronises with the device, so not for hot paths."""
@@ -129,6 +140,7 @@ class VSIndex:
         return self.slash.device
 
     def to(self, device) -> "VSIndex":
+        checked_device(device, "VSIndex.to")
         return VSIndex(self.slash.to(device), self.n_slash.to(device), self.vertical.to(device),
                        self.n_vertical.to(device), self.block_size)
 
@@ -192,6 +204,8 @@ class VSIndex:
                    block_size: int = 64, device=None, max_slash: Optional[int] = None,
                    max_vertical: Optional[int] = None) -> "VSIndex":
         """Build from nested Python lists ``[batch][head] -> sorted entries`` (tests and examples)."""
+        checked_device(device, "VSIndex.from_lists")
+        cls._check_block_size(block_size)
         b, h = len(slash), len(slash[0])
         ms = max_slash or max(1, max(len(x) for row in slash for x in row))
         mv = max_vertical if max_vertical is not None else max([len(x) for row in vertical for x in row] + [0])
@@ -216,6 +230,8 @@ class VSIndex:
     @classmethod
     def dense(cls, batch: int, heads: int, seq_len: int, block_size: int = 64, device=None) -> "VSIndex":
         """Every causal block active: equals dense causal attention."""
+        checked_device(device, "VSIndex.dense")
+        cls._check_block_size(block_size)
         if seq_len % block_size:
             raise ValueError(f"sequence length {seq_len} is not a multiple of block_size {block_size}")
         nb = seq_len // block_size
@@ -229,6 +245,8 @@ class VSIndex:
     def random(cls, batch: int, heads: int, seq_len: int, block_size: int = 64, max_slash: int = 8,
                max_vertical: int = 32, generator: Optional[torch.Generator] = None, device=None) -> "VSIndex":
         """A random valid index (diagonal always present), counts anywhere in [1|0, capacity]."""
+        checked_device(device, "VSIndex.random")
+        cls._check_block_size(block_size)
         nb = seq_len // block_size
         if seq_len % block_size:
             raise ValueError(f"sequence length {seq_len} is not a multiple of block_size {block_size}")

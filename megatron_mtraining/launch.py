@@ -93,7 +93,7 @@ def _has_option(parser, option: str) -> bool:
 
 def _chain_provider(script_provider: Optional[Callable]) -> Callable:
     """The script's extra_args_provider (if any) followed by ``add_mtraining_args``."""
-    from .args import add_mtraining_args
+    from .integration.args import add_mtraining_args
 
     def extra_args_provider(parser):
         if script_provider is not None:
@@ -146,8 +146,8 @@ class _Launcher:
         """After initialize_megatron: install the MTraining patches and the GPT spec hook."""
         import megatron.training as megatron_training
 
-        from . import patches
-        from .enable import enable_mtraining
+        from .integration import patches
+        from .integration.enable import enable_mtraining
 
         args = megatron_training.get_args()
         if not getattr(args, "mtraining", False):
@@ -192,11 +192,11 @@ class _Launcher:
         last log iteration (if the run ended on one) is logged first."""
         try:
             if self.installed_patches:
-                from . import patches
+                from .integration import patches
 
                 patches.uninstall()
                 self.installed_patches = False
-            from . import telemetry
+            from .integration import telemetry
 
             telemetry.disable_telemetry(flush=finished)
         finally:
@@ -325,7 +325,7 @@ def _help() -> str:
     """The usage line and the --mtraining flags the launcher adds to the script's parser."""
     import argparse
 
-    from .args import add_mtraining_args
+    from .integration.args import add_mtraining_args
 
     parser = argparse.ArgumentParser(prog="python -m megatron_mtraining.launch SCRIPT.py", add_help=False,
                                      usage=argparse.SUPPRESS)

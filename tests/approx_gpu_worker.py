@@ -41,11 +41,11 @@ def selected(index, name, b, h):
 
 def check(rank, world, layout, n_local):
     seq_len = n_local * world
-    cfg = MTrainingConfig(top_p=0.9)
+    cfg = MTrainingConfig(top_p=0.9, layout=layout)
     q, k = full_sequence(rank, seq_len, seed=n_local + world)
     ql, kl = (shard_sequence(x, 2, layout, world, rank, cfg.block_size).contiguous() for x in (q, k))
     group = dist.group.WORLD
-    index = approximate_index(ql, kl, cfg, group=group, layout=layout)
+    index = approximate_index(ql, kl, cfg, group=group)
     index.validate(seq_len)
 
     same = True
@@ -68,7 +68,7 @@ def check(rank, world, layout, n_local):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        again = approximate_index(ql, kl, cfg, group=group, layout=layout)
+        again = approximate_index(ql, kl, cfg, group=group)
         no_sync = True
     except RuntimeError as err:
         if "synchroniz" not in str(err):

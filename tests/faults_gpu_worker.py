@@ -44,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import megatron_mtraining as mm  # noqa: E402
 from megatron_mtraining.approx import fixed_index  # noqa: E402
 from megatron_mtraining.collective import agreement  # noqa: E402
-from megatron_mtraining.ring.attention import call_items  # noqa: E402
+from megatron_mtraining.config import environment_settings  # noqa: E402
+from megatron_mtraining.ring.sparse import call_items  # noqa: E402
 
 NOTES = {}  # observations recorded before an expected error
 START = 0.0  # time.monotonic() at the start of the case
@@ -163,9 +164,9 @@ def cost(rank, world):
         mm.sparse_ring_attention(q, k, v, idx).sum().backward()
 
     def agree_only():
-        agreement.check_deferred()  # as a ring call does: ready verdicts give their host buffers back
+        agreement.check_deferred(group)  # as a ring call does: ready verdicts give their host buffers back
         items = call_items("sparse_ring_attention", q, k, v, "striped", world, 0.088, idx, None)
-        agreement.agree(group, "cost", items, None, q.device)
+        agreement.agree(group, "cost", items, None, q.device, environment_settings())
 
     real_agree = agreement.agree
     with_s, without_s = [], []
@@ -178,11 +179,13 @@ def cost(rank, world):
             agreement.agree = real_agree
     ring_s, bare_s = min(with_s), min(without_s)
     agree_s = timed(agree_only, 50)
-    agreement._DEFERRED.clear()
+    agreement._PENDING.clear()
     return {"seq_len": seq_len, "index": kind, "index_density": float(idx.density(seq_len).mean()),
-            "heads": [q.shape[1], k.shape[1]], "ring_fwd_bwd_ms": ring_s * 1e3, "ring_without_agreement_ms": bare_s * 1e3,
+            "heads": [q.shape[1], k.shape[1]], "ring_fwd_bwd_ms": ring_s * 1e3,
+            "ring_without_agreement_ms": bare_s * 1e3,
             "agreement_share_of_ring": (ring_s - bare_s) / bare_s, "agreement_us": agree_s * 1e6,
-            "agreement_host_share_of_ring": agree_s / ring_s, "mode": agreement.mode(q.device, group),
+            "agreement_host_share_of_ring": agree_s / ring_s,
+            "mode": agreement.mode(q.device, group, environment_settings()),
             "items": len(items)}
 
 

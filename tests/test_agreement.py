@@ -8,6 +8,7 @@ from conftest import requires_gpu
 
 from megatron_mtraining.collective import agreement
 from megatron_mtraining.collective.agreement import Checksum, checksum
+from megatron_mtraining.config import Settings
 
 
 def reference(values, counts=None):
@@ -76,20 +77,66 @@ def test_a_word_of_another_kind_is_refused(monkeypatch):
     monkeypatch.setattr(agreement.dist, "get_rank", lambda group: 0)
     monkeypatch.setattr(agreement.dist, "get_backend", lambda group: "gloo")
     with pytest.raises(TypeError, match="'index': a word is an int or a Checksum"):
-        agreement.agree(None, "f", [("index", torch.zeros(()), None)], None, torch.device("cpu"))
+        agreement.agree(None, "f", [("index", torch.zeros(()), None)], None, torch.device("cpu"), Settings())
 
 
 def test_own_checks_raise_without_peers_and_record_with_them():
     with pytest.raises(ValueError, match="bad"):
-        with agreement.OwnChecks(None):
+        with agreement.OwnChecks(None, Settings()):
             raise ValueError("bad")
-    with agreement.OwnChecks(object()) as checks:
+    with agreement.OwnChecks(object(), Settings()) as checks:
         raise ValueError("bad")
     assert isinstance(checks.error, ValueError)
     with pytest.raises(KeyboardInterrupt):  # not a check failure: never recorded
-        with agreement.OwnChecks(object()):
+        with agreement.OwnChecks(object(), Settings()):
             raise KeyboardInterrupt
-    assert agreement.OwnChecks(None).agree("f", lambda: 1 / 0, torch.device("cpu")) is None  # items not built
+    checks = agreement.OwnChecks(None, Settings())
+    assert checks.agree("f", lambda: 1 / 0, torch.device("cpu")) is None  # items not built
+
+
+def _deferred_verdict(group, what, disagree: bool):
+    """A deferred verdict of a call over ``group`` as ``agree`` leaves it (one item, two ranks; the
+    reduced words [max..., -min...] on the CPU, as on gloo: ready at once)."""
+    world, low, high = 2, 5, 6 if disagree else 5
+    reduced = torch.tensor([0, 0, high, 0, 0, -low], dtype=torch.int64)
+    verdict = agreement.Verdict(what, [("slash offsets", Checksum(torch.zeros(1)), None)], reduced, world, group)
+    agreement._PENDING.setdefault(group, []).append(verdict)
+    return verdict
+
+
+def test_a_deferred_verdict_belongs_to_its_call_and_group(monkeypatch):
+    """A verdict raises in a call over its own group (its call's backward, or the group's next
+    call), never in a call over another group; reading it does not drop the other groups'."""
+    monkeypatch.setattr(agreement, "_PENDING", {})
+    ring_a, ring_b = object(), object()  # two CP groups
+    bad = _deferred_verdict(ring_a, "sparse_ring_attention", disagree=True)
+    assert bool(bad.bad)
+    good = _deferred_verdict(ring_b, "dense_ring_attention", disagree=False)
+    assert not bool(good.bad)
+    agreement.check_deferred(ring_b)  # another group's call: its own verdict is good, a's is not its business
+    assert ring_b not in agreement._PENDING and agreement._PENDING[ring_a] == [bad]
+    agreement.check_deferred(None)  # a call without a group: nothing
+    with pytest.raises(agreement.RingAgreementError, match=r"sparse_ring_attention: .*found after the call returned"
+                                                           r".*slash offsets"):
+        agreement.check_deferred(ring_a)
+    assert agreement._PENDING == {}
+    agreement.check_deferred(ring_a)  # raised once
+
+
+def test_the_ring_backward_checks_its_own_verdicts_group(monkeypatch):
+    """``RingAttentionFunction`` keeps its call's verdict group and checks that group in its
+    backward (and nothing when its agreement was eager)."""
+    from megatron_mtraining.ring import sparse as ring_sparse
+
+    checked = []
+    monkeypatch.setattr(agreement, "check_deferred", checked.append)
+    ctx = type("Ctx", (), {})()
+    verdict = agreement.Verdict("sparse_ring_attention", [], torch.zeros(4, dtype=torch.int64), 2, "group a")
+    ctx.verdict_group = verdict.group
+    ctx.saved_tensors = ()
+    with pytest.raises(ValueError, match="not enough values to unpack"):  # after the check: no tensors here
+        ring_sparse.RingAttentionFunction.backward(ctx, torch.zeros(1))
+    assert checked == ["group a"]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_gpu)])

@@ -43,9 +43,9 @@ def assert_same_index(a: VSIndex, b: VSIndex):
 def _approx_worker(rank, world, n, layout, backend):
     import torch.distributed as dist
     q, k = structured_qk(n)
-    cfg = config()
+    cfg = config(layout=layout)
     shard = lambda x: shard_sequence(x, 2, layout, world, rank, B)  # noqa: E731
-    idx = approximate_index(shard(q), shard(k), cfg, group=dist.group.WORLD, layout=layout, backend=backend)
+    idx = approximate_index(shard(q), shard(k), cfg, group=dist.group.WORLD, backend=backend)
     return {name: getattr(idx, name) for name in ("slash", "n_slash", "vertical", "n_vertical")}
 
 
@@ -70,7 +70,7 @@ def test_distributed_index_equals_single_device(world, layout, backend):
 @pytest.mark.parametrize("n, last_q, block, hq, hkv, d, batch", [
     (256, 32, 16, 4, 2, 16, 2),    # GQA, batch 2, the last queries inside one query block
     (320, 40, 16, 4, 1, 24, 1),    # 20 key blocks: the last program holds a partial run; d not a power of 2
-    (512, 96, 32, 6, 2, 32, 1),    # the last queries span several query blocks
+    (512, 96, 16, 6, 2, 32, 1),    # the last queries span several query blocks
     (1024, 200, 64, 2, 1, 16, 1),  # last_q over one row tile (128): two row tiles per head
     (1024, 200, 16, 2, 1, 16, 1),  # some rows see none of a program's run of 8 key blocks
 ])
@@ -173,8 +173,8 @@ def _dense_max_worker(rank, world):
     q, k = structured_qk(384)
     shard = lambda x: shard_sequence(x, 2, "striped", world, rank, B)  # noqa: E731
     # 384 tokens over 2 ranks, 192 each: the bound counts the whole sequence, not a rank's share.
-    return [approximate_index(shard(q), shard(k), config(dense_max_seq_length=bound), group=dist.group.WORLD,
-                              layout="striped").n_slash for bound in (384, 300)]
+    return [approximate_index(shard(q), shard(k), config(dense_max_seq_length=bound), group=dist.group.WORLD).n_slash
+            for bound in (384, 300)]
 
 
 def test_dense_max_seq_length_counts_the_whole_cp_sequence():
@@ -212,8 +212,18 @@ def test_entry_errors():
         approximate_index(q, k, cfg)
     with pytest.raises(ValueError, match="multiple of key heads"):
         approximate_index(q[:, :3], k, config())
-    with pytest.raises(ValueError, match="not divisible"):
+    # One device: the error speaks of the block size only (no layout, no context-parallel size).
+    with pytest.raises(ValueError, match="sequence length 40 is not a multiple of the block size 16") as err:
         approximate_index(q[:, :, :40], k[:, :, :40], config())
+    assert "layout" not in str(err.value) and "context-parallel" not in str(err.value)
+
+
+def test_one_device_ignores_the_layout():
+    """On one device the sequence is in order whatever config.layout says: zigzag takes a length
+    of an odd number of blocks (its CP rule, 2 * CP blocks, does not apply) and gives the striped index."""
+    q, k = structured_qk(13 * B)  # 13 blocks: not a multiple of 2 blocks
+    assert_same_index(approximate_index(q, k, config(last_q=16, layout="zigzag")),
+                      approximate_index(q, k, config(last_q=16)))
 
 
 def test_recall_on_synthetic_vertical_slash_data():

@@ -79,7 +79,7 @@ def _case_index(rank, world, layout, ends, overrides, backend):
     import torch.distributed as dist
     q, k = structured_qk()
     shard = lambda x: shard_sequence(x, 2, layout, world, rank, B)  # noqa: E731
-    return approximate_index(shard(q), shard(k), config(**overrides), group=dist.group.WORLD, layout=layout,
+    return approximate_index(shard(q), shard(k), config(layout=layout, **overrides), group=dist.group.WORLD,
                              backend=backend, cu_seqlens=cu(ends))
 
 
@@ -89,7 +89,7 @@ def _distributed_worker(rank, world):
     import torch.distributed as dist
     q, k = structured_qk()
     shard = lambda x: shard_sequence(x, 2, "striped", world, rank, B)  # noqa: E731
-    out.append(as_dict(approximate_index(shard(q), shard(k), config(), group=dist.group.WORLD, layout="striped")))
+    out.append(as_dict(approximate_index(shard(q), shard(k), config(), group=dist.group.WORLD)))
     return out
 
 

@@ -1,19 +1,25 @@
 import argparse
 import dataclasses
+import json
+import os
+import subprocess
 import sys
 
 import pytest
 
+from megatron_lm_tree import REPO, require_tarball, unpack
 from megatron_mtraining import MTrainingConfig
+from megatron_mtraining.config import ENVIRONMENT_VARIABLES, Settings
 from megatron_mtraining.integration import add_mtraining_args, integration_options
-
-ENV_VARS = ("LOCAL_WORLD_SIZE", "GPUS_PER_NODE")
-
 
 @pytest.fixture(autouse=True)
 def no_launcher_env(monkeypatch):
-    for var in ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
+    """The environment read at start-up holds none of the plugin's variables."""
+    import types
+
+    from megatron_mtraining import config
+
+    monkeypatch.setattr(config, "ENVIRONMENT", types.MappingProxyType({}))
 
 
 def parse(*argv):
@@ -39,9 +45,15 @@ def test_small_max_vertical_alone_lowers_the_vertical_floor():
 def test_every_config_field_has_a_flag_with_its_default():
     parser = add_mtraining_args(argparse.ArgumentParser())
     for f in dataclasses.fields(MTrainingConfig):
+        if f.name == "settings":  # its fields have flags (below)
+            continue
         actions = [a for a in parser._actions if a.dest == "mtraining_" + f.name]
         assert flag(f.name) in sum((a.option_strings for a in actions), [])
         assert all(a.default == f.default for a in actions)
+    for f in dataclasses.fields(Settings):  # unset (None): the environment variable decides
+        actions = [a for a in parser._actions if a.dest == "mtraining_" + f.name]
+        assert flag(f.name) in sum((a.option_strings for a in actions), [])
+        assert all(a.default is None for a in actions)
     group = next(g for g in parser._action_groups if g.title == "MTraining sparse attention")
     for action in group._group_actions:
         assert action.help and (action.option_strings[0].startswith("--no-") or "default" in action.help)
@@ -69,17 +81,14 @@ def test_every_flag_reaches_the_config():
     ({"GPUS_PER_NODE": "8"}, 8),
     ({"LOCAL_WORLD_SIZE": "2", "GPUS_PER_NODE": "8"}, 2),
 ])
-def test_inner_ring_size_from_launcher_env(monkeypatch, env, expected):
-    for var, value in env.items():
-        monkeypatch.setenv(var, value)
-    assert MTrainingConfig.from_args(parse()).inner_ring_size == expected
-    assert MTrainingConfig.from_args(parse("--mtraining-inner-ring-size", "1")).inner_ring_size == 1
+def test_inner_ring_size_from_launcher_env(env, expected):
+    assert MTrainingConfig.from_args(parse(), env).inner_ring_size == expected
+    assert MTrainingConfig.from_args(parse("--mtraining-inner-ring-size", "1"), env).inner_ring_size == 1
 
 
-def test_bad_launcher_env_names_the_variable(monkeypatch):
-    monkeypatch.setenv("GPUS_PER_NODE", "eight")
+def test_bad_launcher_env_names_the_variable():
     with pytest.raises(ValueError, match="GPUS_PER_NODE.*--mtraining-inner-ring-size"):
-        MTrainingConfig.from_args(parse())
+        MTrainingConfig.from_args(parse(), {"GPUS_PER_NODE": "eight"})
 
 
 @pytest.mark.parametrize("argv", [
@@ -151,13 +160,31 @@ def test_composes_with_megatron_like_parser():
         integration_options(args)
 
 
-def test_composes_with_megatron_parse_args(monkeypatch):
-    try:
-        from megatron.training.arguments import parse_args
-    except Exception as e:  # the megatron-core wheel may lack megatron.training, which also needs CUDA-era deps
-        pytest.skip(f"megatron.training is not importable here: {e!r}")
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--num-layers", "2", "--mtraining",
-                                      "--mtraining-top-p", "0.8", "--mtraining-dense-layers", "1"])
-    args = parse_args(extra_args_provider=add_mtraining_args, ignore_unknown_args=True)
-    assert MTrainingConfig.from_args(args) == MTrainingConfig(top_p=0.8)
-    assert integration_options(args) == dict(enabled=True, dense_layers=1, log_interval=0)
+# Megatron-LM's own parse_args with the plugin as its extra_args_provider (the launcher's way in),
+# in a subprocess with the real tree first on the path (the megatron-core wheel has no
+# megatron.training). Python 3.11 lacks typing.override, which the tree's training code imports.
+_PARSE_ARGS_DRIVER = r'''
+import json, sys, typing
+if not hasattr(typing, "override"):
+    typing.override = lambda function: function
+from megatron.training.arguments import parse_args
+from megatron_mtraining import MTrainingConfig
+from megatron_mtraining.integration import add_mtraining_args, integration_options
+sys.argv = ["pretrain_gpt.py", "--num-layers", "2", "--mtraining", "--mtraining-top-p", "0.8",
+            "--mtraining-dense-layers", "1"]
+args = parse_args(extra_args_provider=add_mtraining_args, ignore_unknown_args=True)
+print(json.dumps({"same_config": MTrainingConfig.from_args(args) == MTrainingConfig(top_p=0.8),
+                  "options": integration_options(args), "num_layers": args.num_layers}))
+'''
+
+
+def test_composes_with_megatron_parse_args(tmp_path):
+    tree = unpack(require_tarball("Megatron-LM's parse_args with add_mtraining_args"), tmp_path / "tree")
+    env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENT_VARIABLES}
+    env.update(PYTHONPATH=os.pathsep.join([str(tree), str(REPO)]), PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-c", _PARSE_ARGS_DRIVER], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"same_config": True, "options": dict(enabled=True, dense_layers=1, log_interval=0),
+                      "num_layers": 2}

@@ -7,7 +7,7 @@ import torch
 
 from megatron_mtraining import _ext
 from megatron_mtraining.index import VSIndex
-from megatron_mtraining.kernels.plan import convert_step_reference
+from megatron_mtraining.kernels.step_plan import convert_step_reference
 
 NAMES = ("kv_count", "kv_blocks", "q_count", "q_blocks", "col_count", "cols")
 B = 16  # block size
@@ -213,8 +213,8 @@ def test_column_bounds_skip_only_columns_after_every_query(name, nb, q_ids, k_id
     """``StepPlan.col_limit`` (query-stationary kernels) and ``first_query_blocks`` (the column
     gradient kernel) are the tightest bounds that keep every causally visible (query block,
     column) pair: brute force over all pairs, for any order of the chunks' blocks."""
-    from megatron_mtraining.kernels.plan import build_step_plan
-    from megatron_mtraining.kernels.plan import first_query_blocks
+    from megatron_mtraining.kernels.step_plan import build_step_plan
+    from megatron_mtraining.kernels.step_plan import first_query_blocks
 
     block_col = 4
     for index in index_cases(nb, zlib.crc32(name.encode())):
@@ -249,7 +249,7 @@ def test_column_words_mark_exactly_the_live_columns(name, nb, q_ids, k_ids):
     flags a live column in the block itself. Brute force over all (query block, slot) pairs, for
     indices with and without the diagonal offset; the Triton kernel (interpreter) gives the same."""
     from megatron_mtraining.kernels.column_words import column_words_reference, column_words_triton
-    from megatron_mtraining.kernels.plan import build_step_plan
+    from megatron_mtraining.kernels.step_plan import build_step_plan
     from megatron_mtraining.kernels.common import interpreting
 
     seed = zlib.crc32(name.encode())

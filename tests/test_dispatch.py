@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_mtraining import VSIndex
-from megatron_mtraining.kernels import dispatch, single_device_plan, step
+from megatron_mtraining.config import Settings
+from megatron_mtraining.kernels import common, dispatch, single_device_plan, step
 from megatron_mtraining.kernels.dispatch import BackwardParts
 
 CUDA = torch.device("cuda")  # only a name here: nothing is allocated on it
@@ -18,9 +19,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """No kernel variable set, nothing announced, the device answer recomputed."""
-    for env in (dispatch.FORWARD_KERNEL_ENV, dispatch.BACKWARD_KERNEL_ENV):
-        monkeypatch.delenv(env, raising=False)
+    """Nothing announced, the device answer recomputed."""
     monkeypatch.setattr(dispatch, "_ANNOUNCED", set())
     cached = dispatch.hopper_device_reason  # the sm90 fixture replaces it until after this teardown
     cached.cache_clear()
@@ -61,13 +60,13 @@ CHOOSERS = [dispatch.resolve_backend, dispatch.approx_kernel]
     (CPU, False, "torch", "torch"),
 ])
 def test_backend(monkeypatch, choose, device, interpreted, asked, want):
-    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
+    monkeypatch.setattr(common, "INTERPRETING", interpreted)
     assert choose(asked, device) == want
 
 
 @pytest.mark.parametrize("choose", CHOOSERS, ids=lambda f: f.__name__)
 def test_backend_errors(monkeypatch, choose):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(common, "INTERPRETING", False)
     with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
         choose("triton", CPU)
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -112,7 +111,7 @@ def test_the_approximator_runs_the_kernels_dispatch_picks(monkeypatch):
     (CUDA, False, (9, 0), True, ""),
 ])
 def test_hopper_device(fresh, device, interpreted, capability, gluon, want):
-    fresh.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
+    fresh.setattr(common, "INTERPRETING", interpreted)
     fresh.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     fresh.setattr(dispatch, "_has_gluon", lambda: gluon)
     assert dispatch.hopper_device_reason(device) == want
@@ -134,48 +133,68 @@ def test_hopper_coverage():
 # ------------------------------------------------------------------ the sparse kernels on "triton"
 
 
-@pytest.mark.parametrize("env, dtype, d, B, want", [
-    ("", torch.bfloat16, 128, 64, "hopper"),
+@pytest.mark.parametrize("choice, dtype, d, B, want", [
+    ("auto", torch.bfloat16, 128, 64, "hopper"),
     ("auto", torch.float16, 64, 128, "hopper"),
     ("triton", torch.bfloat16, 128, 64, "triton"),  # forced
-    ("", torch.float32, 128, 64, "triton"),  # not covered: Triton's
-    ("", torch.bfloat16, 96, 64, "triton"),
-    ("", torch.bfloat16, 128, 16, "triton"),
+    ("auto", torch.float32, 128, 64, "triton"),  # not covered: Triton's
+    ("auto", torch.bfloat16, 96, 64, "triton"),
+    ("auto", torch.bfloat16, 128, 16, "triton"),
     ("hopper", torch.bfloat16, 128, 128, "hopper"),
 ])
-def test_kernel_on_sm90(sm90, env, dtype, d, B, want):
-    for var in (dispatch.FORWARD_KERNEL_ENV, dispatch.BACKWARD_KERNEL_ENV):
-        sm90.setenv(var, env)
+def test_kernel_on_sm90(sm90, choice, dtype, d, B, want):
     q, k, v = _qkv(dtype, d)
-    assert dispatch.forward_kernel(q, k, v, _plan(B), q) == want
-    assert dispatch.backward_kernel(q, k, v, q, _plan(B)) == want
+    assert dispatch.forward_kernel(q, k, v, _plan(B), q, choice) == want
+    assert dispatch.backward_kernel(q, k, v, q, _plan(B), choice) == want
 
 
 def test_kernel_off_sm90_is_triton_and_forcing_hopper_says_why(fresh):
-    fresh.setenv("TRITON_INTERPRET", "0")
+    fresh.setattr(common, "INTERPRETING", False)
     fresh.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     q, k, v = (x.to(torch.bfloat16) for x in _qkv())
     cuda_like = types.SimpleNamespace(device=CUDA, dtype=q.dtype, shape=q.shape)
     tensors = dict(q=cuda_like, k=k, v=v)
-    assert dispatch._kernel_choice(dispatch.FORWARD_KERNEL_ENV, 64, tensors) == "triton"
-    fresh.setenv(dispatch.BACKWARD_KERNEL_ENV, "hopper")
-    with pytest.raises(ValueError, match=r"MTRAINING_BACKWARD_KERNEL=hopper, but the Hopper kernel cannot run this "
+    assert dispatch._kernel_choice("forward", "auto", 64, tensors) == "triton"
+    with pytest.raises(ValueError, match=r"the backward kernel is set to hopper \(MTRAINING_BACKWARD_KERNEL, "
+                                         r"--mtraining-backward-kernel\), but the Hopper kernel cannot run this "
                                          r"call: compute capability 8\.0 \(sm_90 only\)"):
-        dispatch._kernel_choice(dispatch.BACKWARD_KERNEL_ENV, 64, tensors)
+        dispatch._kernel_choice("backward", "hopper", 64, tensors)
 
 
 def test_forcing_hopper_on_an_uncovered_call_names_the_reason(sm90):
-    sm90.setenv(dispatch.FORWARD_KERNEL_ENV, "hopper")
     q, k, v = _qkv(torch.float32)
-    with pytest.raises(ValueError, match=r"MTRAINING_FORWARD_KERNEL=hopper, .*dtype torch.float32"):
-        dispatch.forward_kernel(q, k, v, _plan(64), q)
+    with pytest.raises(ValueError, match=r"forward kernel is set to hopper .*dtype torch.float32"):
+        dispatch.forward_kernel(q, k, v, _plan(64), q, "hopper")
 
 
-def test_a_bad_kernel_variable_is_refused(fresh):
-    fresh.setenv(dispatch.FORWARD_KERNEL_ENV, "cudnn")
+def test_a_bad_kernel_choice_is_refused(fresh):
     q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"forward kernel must be one of \('auto', 'triton', 'hopper'\)"):
+        dispatch.forward_kernel(q, k, v, _plan(64), q, "cudnn")
     with pytest.raises(ValueError, match=r"MTRAINING_FORWARD_KERNEL must be one of \('auto', 'triton', 'hopper'\)"):
-        dispatch.forward_kernel(q, k, v, _plan(64), q)
+        Settings.from_env({"MTRAINING_FORWARD_KERNEL": "cudnn"})
+
+
+@pytest.mark.parametrize("variable, field", [("MTRAINING_FORWARD_KERNEL", "forward_kernel"),
+                                             ("MTRAINING_BACKWARD_KERNEL", "backward_kernel")])
+def test_the_kernel_variables_reach_the_step_through_the_settings(monkeypatch, variable, field):
+    """MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL become ``Settings`` fields at start-up;
+    the step functions pass the field to dispatch (never the environment)."""
+    settings = Settings.from_env({variable: "triton"})
+    assert getattr(settings, field) == "triton" and Settings.from_env({}) == Settings()
+    q, k, v, do, lse, delta, plan = _step_inputs(64)
+    asked = []
+    monkeypatch.setattr(step, "forward_kernel", lambda *a: asked.append(("forward", a[-1])) or "triton")
+    monkeypatch.setattr(step, "backward_kernel", lambda *a: asked.append(("backward", a[-1])) or "triton")
+    monkeypatch.setattr(step, "_launchers", lambda family: (lambda *a: None,) * 3)
+    import megatron_mtraining.kernels.triton_fwd as triton_fwd
+    monkeypatch.setattr(triton_fwd, "vs_attention_fwd_triton", lambda *a: None)
+    step.step_forward("triton", q, k, v, plan, torch.empty_like(q), lse, 0.125, False, settings=settings)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    step.step_backward("triton", q, k, v, do, lse, delta, plan, dq, dk, dv, 0.125, settings=settings)
+    direction = field.split("_")[0]
+    assert {choice for d, choice in asked if d == direction} == {"triton"}
+    assert {choice for d, choice in asked if d != direction} == {"auto"}
 
 
 def test_each_choice_is_logged_once(sm90, caplog):
@@ -259,7 +278,7 @@ def test_column_words_kernel(monkeypatch):
     assert dispatch.column_words_kernel(CUDA) == "triton"
     assert dispatch.column_words_kernel(CPU) == "torch"
     # The plan runs what dispatch picks.
-    from megatron_mtraining.kernels import plan as plan_module
+    from megatron_mtraining.kernels import step_plan as plan_module
 
     index = VSIndex.random(1, 2, 256, 64, max_slash=2, max_vertical=30, generator=torch.Generator().manual_seed(3))
     want = single_device_plan(index, 256).column_words  # the CPU's: PyTorch

@@ -69,7 +69,7 @@ def test_markdown_citations_outside_docs_name_files_in_the_repository():
 
 def test_design_section_citations_exist():
     sections = design_sections()
-    assert sections == set(range(1, 8)), "docs/design.md keeps its sections 1-7 (docstrings cite them)"
+    assert sections >= set(range(1, 9)), "docs/design.md keeps its sections 1-8 (docstrings cite them)"
     bad = [f"{where(p, t, m.start())}: §{m.group(1)}" for p in scanned_files()
            for t in [read(p)] for m in SECTION_CITATION.finditer(t) if int(m.group(1)) not in sections]
     assert not bad, "citations of sections docs/design.md does not have:\n" + "\n".join(bad)

@@ -17,7 +17,7 @@ from dist_utils import interpreter_works
 from megatron_mtraining import VSIndex, reference_attention, sparse_attention
 from megatron_mtraining.documents import Documents
 from megatron_mtraining.kernels.column_words import column_words_reference
-from megatron_mtraining.kernels.plan import build_step_plan, convert_step
+from megatron_mtraining.kernels.step_plan import build_step_plan, convert_step
 from megatron_mtraining.layout import local_block_ids
 from oracle import attention_f64, dense_mask, rel_err
 

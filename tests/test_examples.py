@@ -389,7 +389,7 @@ def test_pretrain_script_layer_spec(pretrain_script):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     from megatron_mtraining import MTrainingConfig
-    from megatron_mtraining.integration.attention import MTrainingAttention
+    from megatron_mtraining.integration.core_attention import MTrainingAttention
 
     config = _transformer_config(normalization="RMSNorm")
     dense = pretrain_script.get_layer_spec(_ns(), config)
@@ -587,7 +587,7 @@ def test_pretrain_script_model_forward_and_loss(fake_training, megatron_cpu):
     MTraining's dense index against Megatron's attention: same loss; the loss in the 0.19 form."""
     import torch
 
-    from megatron_mtraining.integration.attention import MTrainingAttention
+    from megatron_mtraining.integration.core_attention import MTrainingAttention
 
     pkg, s = fake_training.pkg, fake_training.script
     config = _transformer_config()

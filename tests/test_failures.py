@@ -153,7 +153,7 @@ def _ring_nonfinite_worker(rank, world, cases):
         q, k, _ = _qkv(n, hq=4, hkv=2)
         q, k = DEGENERATE[case](q, k)
         q, k = (shard_sequence(x, 2, "striped", world, rank, B) for x in (q, k))
-        index = approximate_index(q, k, cfg, group=dist.group.WORLD, layout="striped")
+        index = approximate_index(q, k, cfg, group=dist.group.WORLD)
         indices[case] = (index.slash, index.n_slash, index.vertical, index.n_vertical)
     return results, indices
 
@@ -213,7 +213,7 @@ def _attention(cfg, indexer=None):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_mtraining.integration.attention import MTrainingAttention
+    from megatron_mtraining.integration.core_attention import MTrainingAttention
     from megatron_mtraining.integration.indexer import MTrainingAttentionSubmodules
 
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
@@ -233,7 +233,7 @@ def _layer_inputs(rank, world, n=256, poison=False):
 
 def _outcome(fn):
     from megatron_mtraining.integration.consistency import ConsistencyError
-    from megatron_mtraining.ring.agreement import RingAgreementError
+    from megatron_mtraining.collective.agreement import RingAgreementError
     try:
         fn()
         return None

@@ -35,7 +35,7 @@ def _attention(cfg):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_mtraining.integration.attention import MTrainingAttention
+    from megatron_mtraining.integration.core_attention import MTrainingAttention
 
     config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0)
@@ -51,7 +51,7 @@ def _inputs(rank, world, n=256, b=1):
 
 def _megatron_worker(rank, world):
     from megatron_mtraining.integration.consistency import ConsistencyError
-    from megatron_mtraining.ring.agreement import RingAgreementError
+    from megatron_mtraining.collective.agreement import RingAgreementError
 
     cfg = MTrainingConfig(**APPROX)
     results = []

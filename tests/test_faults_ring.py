@@ -56,7 +56,7 @@ def _index(n, block=64, hq=2, vertical=(5, 70), slash=(0, 2)):
 
 
 def _call(rank, world, n=None, block=64, layout="striped", hq=2, dtype=torch.float32, inner=None, scale=None,
-          index=None, cu="none", backward=True):
+          index=None, cu="none", backward=True, settings=None):
     """One sparse_ring_attention forward (and backward) with these settings; returns the output shard."""
     n = n or _seq_len(world)
     q, k, v = _inputs(n, hq=hq, dtype=dtype)
@@ -66,7 +66,7 @@ def _call(rank, world, n=None, block=64, layout="striped", hq=2, dtype=torch.flo
     cu_seqlens = {"none": None, "two": torch.tensor([0, n // 2, n], dtype=torch.int32),
                   "two moved": torch.tensor([0, n // 4, n], dtype=torch.int32)}[cu]
     out = sparse_ring_attention(*shards, index, layout=layout, inner_size=inner, softmax_scale=scale,
-                                cu_seqlens=cu_seqlens)
+                                cu_seqlens=cu_seqlens, settings=settings)
     if backward:
         out.sum().backward()
     return out.detach()
@@ -113,7 +113,7 @@ def _disagreement_cases(world):
 
 
 def _disagreement_worker(rank, world):
-    from megatron_mtraining.ring.agreement import RingAgreementError
+    from megatron_mtraining.collective.agreement import RingAgreementError
 
     results = []
     for name, settings, expected in _disagreement_cases(world):
@@ -193,7 +193,7 @@ def test_disagreement_on_any_call_fails_on_every_rank(world):
 
 
 def _dense_worker(rank, world):
-    from megatron_mtraining.ring.agreement import RingAgreementError
+    from megatron_mtraining.collective.agreement import RingAgreementError
 
     n = _seq_len(world)
     q, k, v = (shard_sequence(x, 2, "zigzag", world, rank, 64).contiguous() for x in _inputs(n))
@@ -235,21 +235,22 @@ def test_dense_zigzag_ring_agrees_on_every_call():
 
 def _deferred_worker(rank, world):
     """The GPU's deferred agreement, run on gloo: NaN output, then the error in the backward."""
-    from megatron_mtraining.ring.agreement import RingAgreementError
+    from megatron_mtraining.config import Settings
+    from megatron_mtraining.collective.agreement import RingAgreementError
 
-    os.environ["MTRAINING_RING_AGREEMENT"] = "deferred"
+    deferred = Settings(ring_agreement="deferred")
     n = _seq_len(world)
     index = _index(n, vertical=(5, 70 + (rank == 1)))  # contents differ: the transfers still match
     q, k, v = (shard_sequence(x, 2, "striped", world, rank, 64).contiguous().requires_grad_(True)
                for x in _inputs(n))
-    out = sparse_ring_attention(q, k, v, index)
+    out = sparse_ring_attention(q, k, v, index, settings=deferred)
     all_nan = bool(torch.isnan(out).all())
     try:
         out.sum().backward()
         raised = None
     except RingAgreementError as err:
         raised = str(err)
-    good = sparse_ring_attention(q, k, v, _index(n))  # the group is usable afterwards
+    good = sparse_ring_attention(q, k, v, _index(n), settings=deferred)  # the group is usable afterwards
     return all_nan, raised, bool(torch.isfinite(good).all())
 
 
@@ -279,17 +280,18 @@ def _fault(how):
 
 
 def _fault_worker(rank, world, when, how, ring_timeout):
-    if ring_timeout is not None:
-        os.environ["MTRAINING_RING_TIMEOUT_S"] = str(ring_timeout)
+    from megatron_mtraining.config import Settings
+
+    settings = Settings(ring_timeout_s=ring_timeout)  # None: the process group's timeout
     if rank == FAULTY and when == "before the first forward":
         _fault(how)
-    _call(rank, world)  # one good call (forward and backward)
+    _call(rank, world, settings=settings)  # one good call (forward and backward)
     if rank == FAULTY and when == "between two calls":
         _fault(how)
     n = _seq_len(world)
     shards = [shard_sequence(x, 2, "striped", world, rank, 64).contiguous().requires_grad_(True)
               for x in _inputs(n)]
-    out = sparse_ring_attention(*shards, _index(n))
+    out = sparse_ring_attention(*shards, _index(n), settings=settings)
     if rank == FAULTY and when == "between forward and backward":
         _fault(how)
     out.sum().backward()

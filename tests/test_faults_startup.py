@@ -9,6 +9,7 @@
 
 import argparse
 import os
+import types
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
+from megatron_mtraining import config  # noqa: E402
 from megatron_mtraining.integration import patches, telemetry  # noqa: E402
 from megatron_mtraining.integration.args import add_mtraining_args  # noqa: E402
 from megatron_mtraining.integration.enable import ResumeConfigWarning, enable_mtraining, resume_changes  # noqa: E402
@@ -30,8 +32,7 @@ def parse(*argv, **attrs):
 
 @pytest.fixture(autouse=True)
 def clean(monkeypatch):
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    monkeypatch.delenv("GPUS_PER_NODE", raising=False)
+    monkeypatch.setattr(config, "ENVIRONMENT", types.MappingProxyType({}))  # as read at start-up: none set
     yield
     telemetry.disable_telemetry()
     patches.uninstall()
@@ -59,7 +60,7 @@ def test_possible_inner_ring_sizes_are_accepted(size, world, cp):
 
 
 def test_the_launcher_default_is_checked_too(monkeypatch):
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setattr(config, "ENVIRONMENT", types.MappingProxyType({"LOCAL_WORLD_SIZE": "3"}))
     with pytest.raises(ValueError, match="default of --mtraining-inner-ring-size .* does not divide the world size 4"):
         enable_mtraining(parse(world_size=4, context_parallel_size=4, seq_length=1024))
 
@@ -85,9 +86,19 @@ def test_resume_with_other_flags_says_what_changed(tmp_path, monkeypatch, layout
     assert resume_changes(args) == [("--mtraining-block-size", 64, 128)]  # the log interval changes no math
     with pytest.warns(ResumeConfigWarning, match="--mtraining-block-size: 64 in the checkpoint, 128 now"):
         enable_mtraining(args)
-    monkeypatch.setenv("MTRAINING_RESUME_CHANGES", "error")
+    monkeypatch.setattr(config, "ENVIRONMENT", types.MappingProxyType({"MTRAINING_RESUME_CHANGES": "error"}))
     patches.uninstall()
     with pytest.raises(ValueError, match="--mtraining-block-size: 64 in the checkpoint, 128 now"):
+        enable_mtraining(args)
+    monkeypatch.setattr(config, "ENVIRONMENT", types.MappingProxyType({}))
+    patches.uninstall()
+    args.mtraining_resume_changes = "error"  # the flag
+    with pytest.raises(ValueError, match="--mtraining-block-size: 64 in the checkpoint, 128 now"):
+        enable_mtraining(args)
+    patches.uninstall()
+    args.mtraining_resume_changes = "warn"  # the flag wins over the variable
+    monkeypatch.setattr(config, "ENVIRONMENT", types.MappingProxyType({"MTRAINING_RESUME_CHANGES": "error"}))
+    with pytest.warns(ResumeConfigWarning):
         enable_mtraining(args)
 
 

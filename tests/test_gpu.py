@@ -62,25 +62,26 @@ def test_no_host_synchronisation():
     torch.cuda.synchronize()
 
 
-def test_mtraining_validate_checks_gpu_indices(monkeypatch):
+def test_mtraining_validate_checks_gpu_indices():
     """On a GPU the index's values are not checked (it would synchronise), so a duplicate slash
-    offset silently counts its pairs twice; MTRAINING_VALIDATE=1 turns the check on (and the
-    cu_seqlens check), with a clear error."""
+    offset silently counts its pairs twice; ``Settings.validate`` (MTRAINING_VALIDATE=1) turns the
+    check on (and the cu_seqlens check), with a clear error."""
+    from megatron_mtraining.config import Settings
+
     n, hq, hkv, d = 1024, 2, 1, 64
     q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv))
     slash = torch.tensor([[[0, 1, 1], [0, 2, 3]]], dtype=torch.int32, device="cuda")  # head 0: offset 1 twice
     vertical = torch.zeros(1, hq, 1, dtype=torch.int32, device="cuda")
     index = VSIndex(slash, torch.full((1, hq), 3, dtype=torch.int32, device="cuda"), vertical,
                     torch.zeros(1, hq, dtype=torch.int32, device="cuda"), 64)
-    monkeypatch.delenv("MTRAINING_VALIDATE", raising=False)
-    sparse_attention(q, k, v, index)  # unchecked: runs
-    monkeypatch.setenv("MTRAINING_VALIDATE", "1")
+    sparse_attention(q, k, v, index, settings=Settings())  # unchecked: runs
+    checked = Settings.from_env({"MTRAINING_VALIDATE": "1"})
     with pytest.raises(ValueError, match="ascending|duplicate|unique"):
-        sparse_attention(q, k, v, index)
+        sparse_attention(q, k, v, index, settings=checked)
     good = VSIndex.dense(1, hq, n, 64).to("cuda")
     bad_cu = torch.tensor([0, 512, 512, n], dtype=torch.int32, device="cuda")  # an empty document
     with pytest.raises(ValueError, match="strictly increasing"):
-        sparse_attention(q, k, v, good, cu_seqlens=bad_cu)
+        sparse_attention(q, k, v, good, cu_seqlens=bad_cu, settings=checked)
 
 
 def _views(shapes, dtype, layout, big):

@@ -23,8 +23,8 @@ import torch
 from megatron_mtraining import VSIndex, reference_attention, sparse_attention
 from megatron_mtraining.documents import as_documents
 from megatron_mtraining.kernels import build_step_plan, single_device_plan, step_forward
-from megatron_mtraining.kernels.dispatch import (BACKWARD_KERNEL_ENV, FORWARD_KERNEL_ENV, backward_kernel,
-                                                 backward_parts, forward_kernel, hopper_device_reason,
+from megatron_mtraining.config import Settings
+from megatron_mtraining.kernels.dispatch import (backward_kernel, backward_parts, forward_kernel, hopper_device_reason,
                                                  hopper_forward_rows, hopper_unsupported_reason)
 from oracle import rel_err
 
@@ -97,21 +97,16 @@ def _cpu_plan(B=64, n=256):
     return single_device_plan(index, n)
 
 
-def test_kernel_choice_on_cpu_is_triton_and_hopper_is_refused(monkeypatch):
+def test_kernel_choice_on_cpu_is_triton_and_hopper_is_refused():
     q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
     plan = _cpu_plan()
-    monkeypatch.delenv(FORWARD_KERNEL_ENV, raising=False)
-    monkeypatch.delenv(BACKWARD_KERNEL_ENV, raising=False)
     assert forward_kernel(q, q, q, plan, q) == "triton" and backward_kernel(q, q, q, q, plan) == "triton"
-    monkeypatch.setenv(FORWARD_KERNEL_ENV, "hopper")
     with pytest.raises(ValueError, match="cannot run this call: not a CUDA device"):
-        forward_kernel(q, q, q, plan, q)
-    monkeypatch.setenv(BACKWARD_KERNEL_ENV, "hopper")
-    with pytest.raises(ValueError, match="MTRAINING_BACKWARD_KERNEL=hopper"):
-        backward_kernel(q, q, q, q, plan)
-    monkeypatch.setenv(FORWARD_KERNEL_ENV, "cudnn")
+        forward_kernel(q, q, q, plan, q, "hopper")
+    with pytest.raises(ValueError, match="backward kernel is set to hopper"):
+        backward_kernel(q, q, q, q, plan, "hopper")
     with pytest.raises(ValueError, match="must be one of"):
-        forward_kernel(q, q, q, plan, q)
+        forward_kernel(q, q, q, plan, q, "cudnn")
 
 
 def test_unsupported_reasons():
@@ -312,7 +307,8 @@ def test_megatron_strided_views_give_the_same_bits(B):
 @needs_hopper
 def test_sparse_attention_takes_the_hopper_forward(monkeypatch):
     """The default path on an sm_90 GPU runs the Hopper forward (and Triton's backward); forcing
-    MTRAINING_FORWARD_KERNEL=triton gives the same output and gradients within bf16 rounding."""
+    the Triton kernels (``Settings(forward_kernel="triton", ...)``) gives the same output and
+    gradients within bf16 rounding."""
     import megatron_mtraining.kernels.hopper_fwd as hopper_fwd
 
     calls = []
@@ -325,10 +321,9 @@ def test_sparse_attention_takes_the_hopper_forward(monkeypatch):
     grad = torch.randn(1, hq, n, d, generator=g).to("cuda", torch.bfloat16)
     results = []
     for choice in ("auto", "triton"):
-        monkeypatch.setenv(FORWARD_KERNEL_ENV, choice)
-        monkeypatch.setenv(BACKWARD_KERNEL_ENV, choice)
+        settings = Settings(forward_kernel=choice, backward_kernel=choice)
         q, k, v = (x.clone().requires_grad_() for x in base)
-        out = sparse_attention(q, k, v, index, softmax_scale=1 / math.sqrt(d))
+        out = sparse_attention(q, k, v, index, softmax_scale=1 / math.sqrt(d), settings=settings)
         results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
         assert len(calls) == 1  # the first run's forward only
     for name, a, e in zip(("out", "dq", "dk", "dv"), *results):
@@ -338,13 +333,12 @@ def test_sparse_attention_takes_the_hopper_forward(monkeypatch):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_forcing_hopper_on_an_uncovered_call_is_an_error(monkeypatch):
-    monkeypatch.setenv(FORWARD_KERNEL_ENV, "hopper")
+def test_forcing_hopper_on_an_uncovered_call_is_an_error():
     q = torch.zeros(1, 2, 256, 128, device="cuda")  # fp32
     index = VSIndex.random(1, 2, 256, 64, generator=torch.Generator().manual_seed(0)).to("cuda")
     with pytest.raises(ValueError, match="dtype torch.float32"):
         step_forward("triton", q, q, q, single_device_plan(index, 256), torch.empty_like(q),
-                     torch.empty(1, 2, 256, device="cuda"), 0.1, False)
+                     torch.empty(1, 2, 256, device="cuda"), 0.1, False, settings=Settings(forward_kernel="hopper"))
 
 
 def _backward(kernels, q, k, v, do, plan, accumulate_dq=True):
@@ -465,7 +459,6 @@ def test_the_choice_is_logged_once(monkeypatch, caplog):
 
     from megatron_mtraining.kernels import dispatch
 
-    monkeypatch.delenv(FORWARD_KERNEL_ENV, raising=False)
     monkeypatch.setattr(dispatch, "_ANNOUNCED", set())
     q = torch.zeros(1, 2, 256, 128, dtype=torch.bfloat16)
     plan = _cpu_plan()

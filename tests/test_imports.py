@@ -4,18 +4,18 @@ The graph is read from the source with ``ast`` (nothing is imported): one node p
 ``megatron_mtraining``, one edge per intra-package import. Every import statement counts,
 the lazy ones inside functions too: a lazy import only defers the cycle or the dependency to
 the first call, it does not remove it. An edge goes to the module named, not to the packages
-above it that Python initialises on the way (``from ..kernels.plan import x`` is an edge to
-``kernels.plan``, not to ``kernels/__init__``), and ``from pkg import name`` is an edge to
+above it that Python initialises on the way (``from ..kernels.step_plan import x`` is an edge to
+``kernels.step_plan``, not to ``kernels/__init__``), and ``from pkg import name`` is an edge to
 ``pkg.name`` when that is a module, else to ``pkg``.
 
 Layers, lowest first (a module may import its own layer and the ones below):
-  0 data         config, index, layout, documents, _ext (and the compiled _C)
+  0 data         config, index, block_index, layout, documents, _ext (and the compiled _C)
   1 kernels      kernels/ (with its own tiers, below)
   2 functions    attention: the single-device attention functions
   3 collective   collective/: what every computation over the CP group shares, the per-call
                  agreement of the ranks' inputs and the transport's error and timeout
-  4 approximator approx: scores over the CP group, agrees through collective/ (never the ring's)
-  5 ring         ring/ (ring/agreement.py is only the old name of collective/agreement.py)
+  4 approximator approx, block_approx: scores over the CP group, agrees through collective/ (never the ring's)
+  5 ring         ring/
   6 integration  integration/ (Megatron)
   7 entry        the package facade (__init__), launch, plan/ (the step-time planner's CLI),
                  testing/ (shims the tests share)
@@ -23,7 +23,7 @@ Layers, lowest first (a module may import its own layer and the ones below):
 Inside kernels/, tiers (a module imports only kernels modules of a LOWER tier, so the kernels of
 tier 3 never import one another; they share code through tiers 0-2):
   0 common; 1 dispatch; 2 triton_common, hopper_common, reference; 3 the kernels (triton_*,
-  hopper_fwd, hopper_bwd, column_words, torch_step, dense); 4 plan; 5 step; 6 __init__.
+  hopper_fwd, hopper_bwd, column_words, torch_step, dense_kernels, block_plan); 4 step_plan; 5 step; 6 __init__.
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ LAYERS = {"data": 0, "kernels": 1, "functions": 2, "collective": 3, "approximato
           "entry": 7}
 # The first component under the package -> its layer.
 TOP_LEVEL = {
-    "config": "data", "index": "data", "layout": "data", "documents": "data", "_ext": "data", "_C": "data",
+    "config": "data", "index": "data", "block_index": "data", "layout": "data", "documents": "data", "_ext": "data",
+    "_C": "data",
     "kernels": "kernels",
     "attention": "functions",
-    "collective": "collective", "approx": "approximator", "ring": "ring",
+    "collective": "collective", "approx": "approximator", "block_approx": "approximator", "ring": "ring",
     "integration": "integration",
     "launch": "entry", "plan": "entry", "testing": "entry",
 }
@@ -52,8 +53,8 @@ KERNEL_TIERS = {
     "dispatch": 1,
     "triton_common": 2, "hopper_common": 2, "reference": 2, "column_partials": 2,
     "triton_fwd": 3, "triton_bwd": 3, "triton_delta": 3, "triton_approx": 3, "column_words": 3,
-    "hopper_fwd": 3, "hopper_bwd": 3, "torch_step": 3, "dense": 3,
-    "plan": 4,
+    "hopper_fwd": 3, "hopper_bwd": 3, "torch_step": 3, "dense_kernels": 3, "block_plan": 3,
+    "step_plan": 4,
     "step": 5,
     "__init__": 6,
 }
@@ -186,7 +187,7 @@ def test_the_graph_is_read_from_the_whole_package():
     assert f"{PACKAGE}.kernels.hopper_fwd" in graph[f"{PACKAGE}.kernels.step"]  # lazy, inside step_forward
     assert f"{PACKAGE}.kernels.triton_approx" in graph[f"{PACKAGE}.approx"]  # lazy
     assert f"{PACKAGE}.collective.agreement" in graph[f"{PACKAGE}.approx"]  # from .collective import agreement
-    assert f"{PACKAGE}._ext" in graph[f"{PACKAGE}.kernels.plan"]  # from .. import _ext
+    assert f"{PACKAGE}._ext" in graph[f"{PACKAGE}.kernels.step_plan"]  # from .. import _ext
     assert len(graph) > 40
 
 

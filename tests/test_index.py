@@ -65,7 +65,7 @@ def test_structure_errors():
         VSIndex(s, n, s, torch.ones(2, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match="batch, heads, capacity"):
         VSIndex(s[0], n, s, n)
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="block_size must be 64 or 128"):
         VSIndex(s, n, s, n, block_size=48)
     with pytest.raises(ValueError, match="capacity >= 1"):
         VSIndex(s[..., :0], n, s, n)
@@ -86,8 +86,36 @@ def test_density_matches_mask_count():
 
 
 def test_dense_index_density_is_one():
-    idx = VSIndex.dense(1, 2, 128, 32)
+    idx = VSIndex.dense(1, 2, 128, 16)
     torch.testing.assert_close(idx.density(128), torch.ones(1, 2))
+
+
+@pytest.mark.parametrize("block_size", [32, 256, 8])
+def test_block_sizes_outside_the_documented_ones_are_refused(block_size):
+    """64 and 128 (and 16, the small CPU size): every constructor says which, before any work."""
+    message = rf"block_size must be 64 or 128 \(or 16, for small shapes on the CPU\), got {block_size}"
+    with pytest.raises(ValueError, match=message):
+        VSIndex.from_lists([[[0, 1]]], [[[0, 5]]], block_size=block_size)
+    with pytest.raises(ValueError, match=message):
+        VSIndex.dense(1, 1, 1024, block_size)
+    with pytest.raises(ValueError, match=message):
+        VSIndex.random(1, 1, 1024, block_size)
+    for allowed in (16, 64, 128):
+        assert VSIndex.from_lists([[[0, 1]]], [[[0, 5]]], block_size=allowed).block_size == allowed
+
+
+def test_a_cuda_device_without_cuda_is_a_clear_error(monkeypatch):
+    """device="cuda" where CUDA is not available: a ValueError naming the call, not torch's
+    AssertionError ("Torch not compiled with CUDA enabled")."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    calls = {"VSIndex.from_lists": lambda: VSIndex.from_lists([[[0]]], [[[1]]], device="cuda"),
+             "VSIndex.dense": lambda: VSIndex.dense(1, 1, 64, device=torch.device("cuda", 0)),
+             "VSIndex.random": lambda: VSIndex.random(1, 1, 64, 16, device="cuda:0"),
+             "VSIndex.to": lambda: make([0], [1]).to("cuda")}
+    for where, call in calls.items():
+        with pytest.raises(ValueError, match=rf"{where}: device='cuda(:0)?', but CUDA is not available here"):
+            call()
+    assert make([0], [1]).to("cpu").device.type == "cpu"
 
 
 def test_covers_matches_the_dense_mask():

@@ -270,10 +270,11 @@ def _run_launcher(tmp_path, *argv, pythonpath=()):
                           capture_output=True, text=True, timeout=300)
 
 
-def test_module_alias_runs_the_integration_launcher(tmp_path):
-    from megatron_mtraining.integration import launch as integration_launch
+def test_the_published_module_is_the_launcher(tmp_path):
+    import importlib.util
 
-    assert launch.main is integration_launch.main and launch.LaunchError is integration_launch.LaunchError
+    assert importlib.util.find_spec("megatron_mtraining.integration.launch") is None  # one launcher module
+    assert launch.__all__ == ["main", "LaunchError"] and callable(launch.run)
     proc = _run_launcher(tmp_path, "--help")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m megatron_mtraining.launch SCRIPT.py")

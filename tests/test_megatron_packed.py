@@ -36,7 +36,7 @@ from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
-from megatron_mtraining.integration import attention as mt_attention  # noqa: E402
+from megatron_mtraining.integration import core_attention as mt_attention  # noqa: E402
 from megatron_mtraining.integration import packing, patches  # noqa: E402
 from megatron_mtraining.testing.cpu_shims import apply_cpu_shims  # noqa: E402
 from megatron_mtraining.integration.spec import get_gpt_layer_spec  # noqa: E402

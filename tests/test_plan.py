@@ -781,7 +781,7 @@ def test_inner_ring_flag_counts_ranks_per_node_under_tp():
         flags = row["megatron_flags"]
         per_node = int(flags[flags.index("--mtraining-inner-ring-size") + 1])
         assert per_node == 2 * inner
-        # The integration's own reading of it (megatron_mtraining.integration.attention.inner_ring_size).
+        # The integration's own reading of it (megatron_mtraining.integration.core_attention.inner_ring_size).
         nodes = [r * 2 // per_node for r in range(row["cp"])]
         assert nodes.count(nodes[0]) == inner
     base = ["--seq-length", "1048576", "--context-parallel-size", "16", "--tensor-model-parallel-size", "2",

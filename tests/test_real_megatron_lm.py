@@ -311,7 +311,7 @@ def _plugin_flags() -> tuple:
         elif action.choices:
             argv += [option, str(next(c for c in action.choices if c != action.default))]
         elif action.type is float:
-            argv += [option, str(action.default / 2)]
+            argv += [option, str(30.0 if action.default is None else action.default / 2)]
         elif action.type is int:
             argv += [option, str(2 if action.default is None else action.default + 1)]
         else:

@@ -179,6 +179,9 @@ def with_seeds(cases: list, base: int) -> tuple:
     return tuple(dataclasses.replace(c, seed=base + i) for i, c in enumerate(cases))
 
 
+# Every ring property keeps a case at 3 or more ranks: at 2 the previous and the next rank are one
+# rank, so a reversed source order (or a ring turning the wrong way) computes the same thing
+# there; w3 and w4 catch it (scripts/mutation_check.py, ring-source-order).
 SPAWNS = {
     # name: (world size, cases)
     "w1": (1, with_seeds(standard_cases(1) + [Case("hier1-striped-random-gqa", "striped", 64, inner_size=1)],
@@ -429,7 +432,7 @@ def test_gradients_go_home_in_the_inputs_dtype_with_the_fp32_sums():
 def test_dq_in_one_pass_where_the_whole_kv_fits_in_the_fp32_dq_buffer():
     """The backward keeps every source's K/V and computes dQ once when 2 x W x kv heads x itemsize
     <= 4 x query heads (no more memory than the fp32 dQ buffer), on the Triton kernels, W > 1."""
-    from megatron_mtraining.ring.attention import SparseSteps
+    from megatron_mtraining.ring.sparse import SparseSteps
 
     def rule(world, hq, hkv, dtype, backend="triton", query_plan=True):
         steps = SparseSteps(lambda source: None, world, 1.0, backend, (lambda: None) if query_plan else None)

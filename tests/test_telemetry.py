@@ -13,7 +13,7 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
 from megatron_mtraining.integration import telemetry  # noqa: E402
-from megatron_mtraining.integration.attention import MTrainingAttention  # noqa: E402
+from megatron_mtraining.integration.core_attention import MTrainingAttention  # noqa: E402
 from megatron_mtraining.ring import instrument  # noqa: E402
 from test_megatron_attention import transformer_config  # noqa: E402
 
@@ -177,7 +177,7 @@ def test_recompute_is_counted_once(tele):
 
 
 def test_eval_forwards_do_not_reach_the_ring_timer(tele, monkeypatch):
-    from megatron_mtraining.integration import attention as mt_attention
+    from megatron_mtraining.integration import core_attention as mt_attention
 
     layers = attention_layers(1)
     run_iteration(layers, tele, 2, seq=512)  # a log iteration: the ring timer is on until the next one

@@ -23,37 +23,37 @@ instead of ~60 (docs/performance.md).
 The all-reduce yields the MIN and the MAX of every word (MAX over ``[x, -x]``), so every rank
 receives the same verdict and raises the same error; none is left waiting.
 
-When the verdict is read (``MTRAINING_RING_AGREEMENT``):
+When the verdict is read (``Settings.ring_agreement``: ``MTRAINING_RING_AGREEMENT``,
+``--mtraining-ring-agreement``):
 
-* ``eager`` (the default on CPU tensors / gloo, and on GPUs with ``MTRAINING_VALIDATE=1``): read
+* ``eager`` (the default on CPU tensors / gloo, and on GPUs with ``Settings.validate``): read
   at once; a disagreement raises ``RingAgreementError`` on every rank before any transfer.
 * ``deferred`` (the default on GPUs with NCCL): no host synchronisation is added. The verdict
   stays on the device: a disagreement turns the call's output into NaN (never a silently wrong
-  result), and the reduced words are copied asynchronously to pinned host memory; the error is
-  raised by the first later ring call, or backward, that finds the copy complete
-  (``check_deferred``, a non-blocking event query). Shapes that differ across ranks cannot be
+  result), and the reduced words are copied asynchronously to pinned host memory. The verdict
+  belongs to its call and its CP group: the error is raised by that call's backward, or by the
+  next call over the same group, whichever first finds the copy complete (``check_deferred``, a
+  non-blocking event query); never by a call over another group. Shapes that differ across ranks cannot be
   stopped before the transfers on this path (deciding needs the host); the Megatron path checks
   them at its consistency iterations (``integration/consistency.py``).
 
 A peer that never joins the agreement (dead or stalled) ends it in ``RingCommunicationError``
-after the transfer timeout (``transport.transfer_timeout``).
+after the transfer timeout (``Settings.ring_timeout_s``, else the process group's; ``transport.wait_work``).
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-import os
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from ..config import Settings
 from ..index import value_checks
 from .transport import RingCommunicationError, wait_work
 
-AGREEMENT_ENV = "MTRAINING_RING_AGREEMENT"
-_MODES = ("auto", "eager", "deferred")
 _MASK = (1 << 62) - 1  # words in [0, 2^62): -x never overflows
 ITEM_WORDS = 24  # fixed length: calls of different functions still reduce vectors of one size
 
@@ -100,8 +100,9 @@ class _Layout(NamedTuple):
     slot: torch.Tensor
 
 
+# Measured cost (module docstring): a call shape's device tables, built once, bounded.
 _LAYOUTS: "collections.OrderedDict[tuple, _Layout]" = collections.OrderedDict()
-_SENTINELS = {}  # (device, stream) -> a 1-element int64 tensor holding _SENTINEL
+_SENTINELS = {}  # measured cost: (device, stream) -> a 1-element int64 tensor holding _SENTINEL
 
 
 def _stream(device: torch.device):
@@ -184,24 +185,22 @@ def checksum(values: torch.Tensor, counts: Optional[torch.Tensor] = None) -> tor
     return total[0] & _MASK
 
 
-def mode(device: torch.device, group) -> str:
+def mode(device: torch.device, group, settings: Settings) -> str:
     """"eager" or "deferred" for a call on ``device`` over ``group`` (module docstring)."""
-    chosen = os.environ.get(AGREEMENT_ENV, "auto") or "auto"
-    if chosen not in _MODES:
-        raise ValueError(f"{AGREEMENT_ENV} must be one of {_MODES}, got {chosen!r}")
-    if chosen != "auto":
-        return chosen
-    if device.type != "cuda" or dist.get_backend(group) != "nccl" or value_checks(device):
+    if settings.ring_agreement != "auto":
+        return settings.ring_agreement
+    if device.type != "cuda" or dist.get_backend(group) != "nccl" or value_checks(device, settings.validate):
         return "eager"
     return "deferred"
 
 
 class Verdict:
-    """The device-side outcome of a deferred agreement: ``bad`` (0-d bool) and the reduced words,
-    being copied to pinned host memory (a buffer reused once its verdict has been read)."""
+    """The device-side outcome of a deferred agreement of one call over ``group``: ``bad`` (0-d
+    bool) and the reduced words, being copied to pinned host memory (a buffer reused once its
+    verdict has been read)."""
 
-    def __init__(self, what: str, items: Sequence[tuple], reduced: torch.Tensor, world: int):
-        self.what, self.items, self.world = what, items, world
+    def __init__(self, what: str, items: Sequence[tuple], reduced: torch.Tensor, world: int, group=None):
+        self.what, self.items, self.world, self.group = what, items, world, group
         n = reduced.numel() // 2
         self.bad = (reduced[:n] + reduced[n:]).any()  # max + (-min): nonzero where the ranks differ
         self._ready = None
@@ -225,9 +224,13 @@ class Verdict:
         return err
 
 
-_DEFERRED: List[Verdict] = []
-# Pinned host buffers (with their events) of verdicts already read: reused by later verdicts.
-# A buffer returns here only after its copy completed and was read, never while in flight.
+# Deferred verdicts not yet read, per process group (their call's CP group). Kept past the call
+# because reading one needs its asynchronous copy to be complete, and waiting for it would add the
+# host synchronisation that deferred mode exists to avoid (measured cost: docs/performance.md).
+_PENDING: Dict[object, List[Verdict]] = {}
+# Pinned host buffers (with their events) of verdicts already read: reused by later verdicts
+# (measured cost: pinned allocations). A buffer returns here only after its copy completed and was
+# read, never while in flight.
 _SPARE: List[Tuple[torch.Tensor, "torch.cuda.Event"]] = []
 _DOCUMENTS = ("cu_seqlens differ across the context-parallel ranks: every rank must pass the documents of the "
               "WHOLE packed sequence, in global positions, not those of its own shard. ")
@@ -242,13 +245,18 @@ def _spare_copy(numel: int):
     return torch.empty(numel, dtype=torch.int64, pin_memory=True), torch.cuda.Event()
 
 
-def check_deferred() -> None:
-    """Raise the error of any completed deferred agreement that found a disagreement; never waits."""
-    while _DEFERRED and _DEFERRED[0].ready():
-        verdict = _DEFERRED.pop(0)
-        err = verdict.error()
+def check_deferred(group) -> None:
+    """Raise the error of a completed deferred verdict of a call over ``group`` that found a
+    disagreement (the earliest); never waits. Verdicts of other groups are left alone: a call
+    never raises for a call over another group."""
+    pending = _PENDING.get(group)
+    while pending and pending[0].ready():
+        err = pending.pop(0).error()
         if err is not None:
-            _DEFERRED.clear()
+            pending.clear()  # later verdicts of the group follow from the same disagreement
+        if not pending:
+            _PENDING.pop(group, None)
+        if err is not None:
             raise err
 
 
@@ -279,6 +287,7 @@ def _verdict_error(what, items, reduced: List[int], world: int, note: str = "",
         "See docs/troubleshooting.md.")
 
 
+# Measured cost (module docstring): a call's host words on the device, copied once, bounded.
 _HOST_WORDS: "collections.OrderedDict[tuple, torch.Tensor]" = collections.OrderedDict()
 
 
@@ -294,19 +303,17 @@ def _host_words(host: List[int], where: torch.device) -> torch.Tensor:
 
 
 def agree(group, what: str, items: Sequence[Tuple[str, Word, object]], local_error: Optional[BaseException],
-          device: torch.device, hint: str = "") -> Optional[torch.Tensor]:
+          device: torch.device, settings: Settings, hint: str = "") -> Optional[Verdict]:
     """One agreement over ``group`` (module docstring). ``items``: ``(name, word, shown value)``
     (the value is shown in the error for host words; device checksums are only named);
     ``local_error``: this rank's own check failure (raised here after its peers have been told).
-    Returns None, or in deferred mode the device-side 0-d bool "the ranks disagree" (the caller
-    poisons its output with it). Raises RingAgreementError (eager) or RingCommunicationError."""
+    Returns None, or in deferred mode the call's ``Verdict`` (the caller poisons its output with
+    ``verdict.bad``, the device-side 0-d bool "the ranks disagree", and checks the group's
+    verdicts in its backward). Raises RingAgreementError (eager) or RingCommunicationError."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if len(items) > ITEM_WORDS:
         raise AssertionError(f"{what}: {len(items)} agreement items, at most {ITEM_WORDS}")
-    try:
-        how = mode(device, group)
-    except ValueError as err:
-        how, local_error = "eager", local_error or err
+    how = mode(device, group, settings)
     where = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     host = [0] * (world + ITEM_WORDS)
     parts, slots = [], []
@@ -330,7 +337,7 @@ def agree(group, what: str, items: Sequence[Tuple[str, Word, object]], local_err
         words = torch.index_add(words, 0, layout.slot, terms).bitwise_and_(_MASK)
     both = torch.cat([words, words.neg()])
     try:
-        wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
+        wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), settings.ring_timeout_s)
     except Exception as err:
         # The approximator agrees too (no ring there): name the step by what it belongs to.
         owner, first = (("MTraining ring attention", "the first ring transfer") if "ring" in what
@@ -339,8 +346,8 @@ def agree(group, what: str, items: Sequence[Tuple[str, Word, object]], local_err
             f"{owner} ({what}): the agreement step before {first} failed: "
             f"{type(err).__name__}: {err}\nA peer process died or stopped before this call, or does not make it "
             "(look for the first error in the other ranks' logs), or it is slower than the transfer timeout: "
-            "Megatron's --distributed-timeout-minutes, init_process_group(timeout=...) or MTRAINING_RING_TIMEOUT_S. "
-            "See docs/troubleshooting.md.") from err
+            "Megatron's --distributed-timeout-minutes, init_process_group(timeout=...) or --mtraining-ring-timeout-s "
+            "(MTRAINING_RING_TIMEOUT_S). See docs/troubleshooting.md.") from err
     if local_error is not None:
         raise local_error
     if how == "eager":
@@ -348,9 +355,9 @@ def agree(group, what: str, items: Sequence[Tuple[str, Word, object]], local_err
         if err is not None:
             raise err
         return None
-    verdict = Verdict(what, items, both, world)
-    _DEFERRED.append(verdict)
-    return verdict.bad
+    verdict = Verdict(what, items, both, world, group)
+    _PENDING.setdefault(group, []).append(verdict)
+    return verdict
 
 
 class OwnChecks:
@@ -359,8 +366,8 @@ class OwnChecks:
     after they have been told (so they fail too, instead of waiting for this rank in a transfer);
     without peers it is raised at once."""
 
-    def __init__(self, group):
-        self.group, self.error = group, None
+    def __init__(self, group, settings: Settings):
+        self.group, self.settings, self.error = group, settings, None
 
     def __enter__(self) -> "OwnChecks":
         return self
@@ -372,23 +379,23 @@ class OwnChecks:
         return True  # recorded: ``agree`` raises it
 
     def agree(self, what: str, items: Callable[[], Sequence[tuple]], device: torch.device,
-              hint: str = "") -> Optional[torch.Tensor]:
+              hint: str = "") -> Optional[Verdict]:
         """``agree`` over the group (None without peers); ``items()`` is built only when this
         rank's checks passed (the call's values may be unset otherwise)."""
         if self.group is None:
             return None
-        return agree(self.group, what, [] if self.error is not None else items(), self.error, device, hint)
+        return agree(self.group, what, [] if self.error is not None else items(), self.error, device, self.settings,
+                     hint)
 
 
 def poison(out: torch.Tensor, bad: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``out`` cast to ``dtype`` (default: its own), NaN everywhere when ``bad`` (a deferred
     disagreement); no host synchronisation. The poison rides in the cast: one pass that multiplies
     by 1 or NaN and writes the cast result (x * 1 is exact, so a good call's output is bit for bit
-    ``out.to(dtype)``). A separate fill over the fp32 output cost a full read and write of it
-    (~1.1 ms per call at 256K tokens and 16 heads per GPU, 2.8% of the ring: docs/performance.md).
-    On CUDA a ``[b, h, s, d]`` output goes through the row copy with the flag (``relayout.copy_rows``):
-    PyTorch's multiply by a 0-d tensor into another dtype is not vectorised (1.11 against 0.46 ms
-    for the cast alone, 128K tokens and 16 heads per GPU on an H200)."""
+    ``out.to(dtype)``). A separate fill over the fp32 output would cost a full read and write of
+    it, a few percent of the ring (docs/performance.md). On CUDA a ``[b, h, s, d]`` output goes
+    through the row copy with the flag (``relayout.copy_rows``): PyTorch's multiply by a 0-d tensor
+    into another dtype is not vectorised, and takes over twice as long as the cast alone."""
     dtype = out.dtype if dtype is None else dtype
     if bad is None:
         return out.to(dtype)
@@ -403,5 +410,5 @@ def poison(out: torch.Tensor, bad: Optional[torch.Tensor], dtype: Optional[torch
     return torch.mul(out, factor, out=torch.empty_like(out, dtype=dtype))
 
 
-__all__ = ["AGREEMENT_ENV", "Checksum", "OwnChecks", "RingAgreementError", "agree", "check_deferred", "checksum",
+__all__ = ["Checksum", "OwnChecks", "RingAgreementError", "agree", "check_deferred", "checksum",
            "host_word", "mode", "poison"]

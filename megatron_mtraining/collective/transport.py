@@ -2,14 +2,13 @@
 
 A transfer that fails raises ``RingCommunicationError`` (the ring's transfers, ``ring/comm.py``, and
 the agreement's all-reduce, ``agreement.py``). One that does not complete fails after the transfer
-timeout (``transfer_timeout``): ``MTRAINING_RING_TIMEOUT_S`` seconds if set, otherwise the process
-group's own timeout (``init_process_group(timeout=...)``; Megatron sets it with
-``--distributed-timeout-minutes``).
+timeout: ``Settings.ring_timeout_s`` seconds if set (``MTRAINING_RING_TIMEOUT_S``,
+``--mtraining-ring-timeout-s``), otherwise the process group's own timeout
+(``init_process_group(timeout=...)``; Megatron sets it with ``--distributed-timeout-minutes``).
 """
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Optional
 
@@ -23,32 +22,18 @@ class RingCommunicationError(_DistError):
     ``torch.distributed.DistError``, i.e. a RuntimeError; the original error is its ``__cause__``)."""
 
 
-TIMEOUT_ENV = "MTRAINING_RING_TIMEOUT_S"
+TIMEOUT_ENV = "MTRAINING_RING_TIMEOUT_S"  # named in error messages; read by config.py
 
 
-def transfer_timeout() -> Optional[timedelta]:
-    """``MTRAINING_RING_TIMEOUT_S`` as a timedelta, or None: the process group's own timeout.
-    On NCCL an explicit timeout makes each wait block the host (PyTorch's blocking wait), so
-    leave it unset on GPUs except while debugging; NCCL's watchdog enforces the group's."""
-    value = os.environ.get(TIMEOUT_ENV, "")
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {value!r}")
-    return timedelta(seconds=seconds)
-
-
-def wait_work(work) -> None:
-    """``work.wait()`` within the transfer timeout; raises the transport's own error."""
-    timeout = transfer_timeout()
-    if timeout is None:
+def wait_work(work, timeout_s: Optional[float] = None) -> None:
+    """``work.wait()`` within ``timeout_s`` seconds (``Settings.ring_timeout_s``; None: the process
+    group's own timeout). On NCCL an explicit timeout makes each wait block the host (PyTorch's
+    blocking wait), so leave it unset on GPUs except while debugging; NCCL's watchdog enforces
+    the group's. Raises the transport's own error."""
+    if timeout_s is None:
         work.wait()
     else:
-        work.wait(timeout)
+        work.wait(timedelta(seconds=timeout_s))
 
 
-__all__ = ["RingCommunicationError", "TIMEOUT_ENV", "transfer_timeout", "wait_work"]
+__all__ = ["RingCommunicationError", "TIMEOUT_ENV", "wait_work"]

@@ -1,16 +1,20 @@
 """``--mtraining-*`` command-line flags for Megatron-LM.
 
 ``add_mtraining_args`` has the signature of Megatron's ``extra_args_provider``; defaults
-come from ``MTrainingConfig``'s fields. ``MTrainingConfig.from_args(args)`` turns the
-parsed namespace into the config; ``integration_options(args)`` returns the options that
-belong to the Megatron hooks rather than to the attention itself.
+come from ``MTrainingConfig``'s fields. The flags of ``Settings`` (how the attention runs) and
+``--mtraining-resume-changes`` default to None: unset, their environment variable (read at
+start-up, ``config.ENVIRONMENT_VARIABLES``) decides, else the field default.
+``MTrainingConfig.from_args(args)`` turns the parsed namespace into the config;
+``integration_options(args)`` returns the options that belong to the Megatron hooks rather than
+to the attention itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from ..config import BLOCK_SIZES, INDEX_BUILDERS, LAYOUTS, MTrainingConfig
+from ..config import (AGREEMENT_MODES, BLOCK_SIZES, INDEX_BUILDERS, KERNEL_CHOICES, LAYOUTS, RESUME_POLICIES,
+                      MTrainingConfig)
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(MTrainingConfig)}
 
@@ -54,8 +58,24 @@ def add_mtraining_args(parser):
                        help="Ranks per inner (intra-node) ring of the two-level ring (default: ranks per "
                        "node from LOCAL_WORLD_SIZE or GPUS_PER_NODE; one flat ring if neither is set).")
     group.add_argument("--mtraining-index", type=str, default=d["index"], choices=INDEX_BUILDERS,
-                       help="Index builder: vs (approximated vertical-slash), dense (all blocks) or fixed "
-                       f"(default: {d['index']}).")
+                       help="Index builder: vs (approximated vertical-slash), dense (all blocks), fixed, or "
+                       "block-sparse: moba (MoBA's gate picks key blocks per query block) or xattn (XAttention's "
+                       f"antidiagonal scores) (default: {d['index']}).")
+    group.add_argument("--mtraining-moba-block-size", type=int, default=d["moba_block_size"],
+                       help="With --mtraining-index moba: tokens per MoBA key block, a multiple of "
+                       f"--mtraining-block-size (default: {d['moba_block_size']}).")
+    group.add_argument("--mtraining-moba-top-k", type=int, default=d["moba_top_k"],
+                       help="With --mtraining-index moba: MoBA key blocks each query block attends, its own "
+                       f"included (default: {d['moba_top_k']}).")
+    group.add_argument("--mtraining-xattn-stride", type=int, default=d["xattn_stride"],
+                       help="With --mtraining-index xattn: antidiagonal stride, a power of two dividing "
+                       f"--mtraining-block-size (default: {d['xattn_stride']}).")
+    group.add_argument("--mtraining-xattn-threshold", type=float, default=d["xattn_threshold"],
+                       help="With --mtraining-index xattn: share of each query block's score mass its key blocks "
+                       f"must reach, in (0, 1] (default: {d['xattn_threshold']}).")
+    group.add_argument("--mtraining-xattn-max-blocks", type=int, default=d["xattn_max_blocks"],
+                       help="With --mtraining-index xattn: capacity, key blocks per query block, its own included "
+                       f"(default: {d['xattn_max_blocks']}).")
     group.add_argument("--mtraining-dense-max-seq-length", type=int, default=d["dense_max_seq_length"],
                        help="Sequences of at most N tokens attend densely (the dense index), e.g. the short "
                        "phases of a short-to-long schedule trained from scratch; 0 is never "
@@ -71,6 +91,28 @@ def add_mtraining_args(parser):
                        default=d["deterministic"],
                        help="Let layers with a dense index (--mtraining-index dense, --mtraining-dense-layers) "
                        "run the dense kernels (cuDNN / flash), whose backward is not deterministic.")
+    # How the attention runs (config.Settings); unset: the environment variable named, else "auto" / off.
+    group.add_argument("--mtraining-forward-kernel", type=str, default=None, choices=KERNEL_CHOICES,
+                       help="Sparse forward kernel on GPUs: auto (the Hopper kernel on sm_90 where it covers the "
+                       "call), triton, or hopper (an error where it cannot run) (default: MTRAINING_FORWARD_KERNEL, "
+                       "else auto).")
+    group.add_argument("--mtraining-backward-kernel", type=str, default=None, choices=KERNEL_CHOICES,
+                       help="Sparse backward kernels on GPUs, as --mtraining-forward-kernel "
+                       "(default: MTRAINING_BACKWARD_KERNEL, else auto).")
+    group.add_argument("--mtraining-ring-agreement", type=str, default=None, choices=AGREEMENT_MODES,
+                       help="When the CP ranks' agreement on a call is read: eager (before any transfer, one host "
+                       "synchronisation), deferred (no synchronisation: NaN output, the error at the next call) or "
+                       "auto (deferred on GPUs with NCCL) (default: MTRAINING_RING_AGREEMENT, else auto).")
+    group.add_argument("--mtraining-ring-timeout-s", type=float, default=None,
+                       help="Seconds a ring transfer may wait before it fails, naming the step; debugging only on "
+                       "NCCL, where it blocks the host (default: MTRAINING_RING_TIMEOUT_S, else the process group's "
+                       "timeout, --distributed-timeout-minutes).")
+    group.add_argument("--mtraining-validate", action="store_true", default=None,
+                       help="Check the index's and cu_seqlens' values on GPUs too, one synchronisation per call "
+                       "(default: MTRAINING_VALIDATE=1, else off; on the CPU they are always checked).")
+    group.add_argument("--mtraining-resume-changes", type=str, default=None, choices=RESUME_POLICIES,
+                       help="Resuming with other --mtraining-* flags than the checkpoint's: warn or error "
+                       "(default: MTRAINING_RESUME_CHANGES, else warn).")
     return parser
 
 

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from ..block_index import BlockIndex
 from ..index import VSIndex
 from ..collective.agreement import checksum
 from . import telemetry
@@ -144,23 +145,33 @@ def check_flags(attention, group, like: Optional[torch.Tensor] = None) -> None:
 _checksum = checksum  # position-weighted, padding-blind (shared with the ring's per-call agreement)
 
 
-def check_index(index: VSIndex, group, layer_number: int) -> None:
+def check_index(index: Union[VSIndex, BlockIndex], group, layer_number: int) -> None:
     """Raise ``ConsistencyError`` on every rank of ``group`` unless all of them hold the same
-    ``index`` (shapes, block size and the valid entries). A collective over ``group``."""
-    names = ["batch and heads", "slash capacity", "vertical capacity", "block size", "slash counts (n_slash)",
-             "slash offsets", "vertical counts (n_vertical)", "vertical columns"]
-    device = _device(group, index.slash)
-    shape = torch.tensor([_hash(tuple(index.slash.shape[:2])), index.slash.shape[-1], index.vertical.shape[-1],
-                          index.block_size], dtype=torch.int64)
-    sums = torch.stack([_checksum(index.n_slash), _checksum(index.slash, index.n_slash),
-                        _checksum(index.n_vertical), _checksum(index.vertical, index.n_vertical)])
+    ``index`` (kind, shapes, block size and the valid entries). A collective over ``group``."""
+    if isinstance(index, BlockIndex):  # the same eight words; the kind is hashed into the first
+        names = ["index kind, batch, heads and query blocks", "key-block capacity", "unused", "block size",
+                 "key-block counts (n_key_blocks)", "key blocks", "unused", "unused"]
+        device = _device(group, index.key_blocks)
+        shape = torch.tensor([_hash(("block index",) + tuple(index.key_blocks.shape[:3])), index.capacity, 0,
+                              index.block_size], dtype=torch.int64)
+        sums = torch.stack([_checksum(index.n_key_blocks), _checksum(index.key_blocks, index.n_key_blocks),
+                            torch.zeros((), dtype=torch.int64, device=index.device),
+                            torch.zeros((), dtype=torch.int64, device=index.device)])
+    else:
+        names = ["batch and heads", "slash capacity", "vertical capacity", "block size", "slash counts (n_slash)",
+                 "slash offsets", "vertical counts (n_vertical)", "vertical columns"]
+        device = _device(group, index.slash)
+        shape = torch.tensor([_hash(tuple(index.slash.shape[:2])), index.slash.shape[-1], index.vertical.shape[-1],
+                              index.block_size], dtype=torch.int64)
+        sums = torch.stack([_checksum(index.n_slash), _checksum(index.slash, index.n_slash),
+                            _checksum(index.n_vertical), _checksum(index.vertical, index.n_vertical)])
     values = torch.cat([shape.to(device), sums.to(device)])
     low, high = _min_max(values, group)
     bad = [name for name, lo, hi in zip(names, low, high) if lo != hi]
     if bad:
         raise ConsistencyError(
             f"MTraining: layer {layer_number}'s sparse index differs across the context-parallel ranks "
-            f"({', '.join(bad)}) [{_rank(group)}]. Every rank must build the same VSIndex: the built-in "
+            f"({', '.join(bad)}) [{_rank(group)}]. Every rank must build the same index: the built-in "
             "builders do (they combine their statistics across the CP group, deterministically); a custom "
             "indexer (MTrainingAttentionSubmodules(indexer=...)) must too. Other causes: ranks with different "
             "--mtraining-* flags or software versions (torch, triton, megatron_mtraining) within one "

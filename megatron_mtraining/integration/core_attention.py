@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import warnings
 from typing import Optional
 
 import torch
@@ -42,48 +41,17 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ..attention import sparse_attention
 from ..config import MTrainingConfig
 from ..index import VSIndex
-from ..kernels.dense import expand_kv
+from ..kernels.dense_kernels import expand_kv
 from ..kernels.dispatch import use_dense_kernels
 from ..kernels.relayout import heads_major, sequence_major
 from ..ring import dense_ring_attention, instrument, sparse_ring_attention
 from . import consistency, packing, telemetry
 from .indexer import MTrainingAttentionSubmodules
+from .patches.engine import check_placement
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MTrainingAttention", "inner_ring_size"]
-
-# Deprecated: module-level defaults for MTrainingAttention modules built from a spec without
-# ``params`` (``set_mtraining_config``). Nothing in this package sets or reads them except
-# MTrainingAttention's fallback below; pass the config in the spec instead.
-_legacy_config: Optional[MTrainingConfig] = None
-_legacy_dense_layers: int = 0
-_DEPRECATED = ("megatron_mtraining.integration.attention.{} is deprecated: pass the config in the layer spec, "
-               "get_gpt_layer_spec(config, dense_layers=...) or ModuleSpec(module=MTrainingAttention, "
-               "params={{'mtraining_config': config, 'dense_layers': n}})")
-
-
-def set_mtraining_config(config: Optional[MTrainingConfig], dense_layers: int = 0) -> None:
-    """Deprecated. The defaults for MTrainingAttention modules whose spec passes no
-    ``mtraining_config`` / ``dense_layers``; ``config=None`` resets them."""
-    warnings.warn(_DEPRECATED.format("set_mtraining_config"), DeprecationWarning, stacklevel=2)
-    global _legacy_config, _legacy_dense_layers
-    if config is not None and not isinstance(config, MTrainingConfig):
-        raise TypeError(f"set_mtraining_config expects an MTrainingConfig, got {type(config).__name__}")
-    _legacy_config, _legacy_dense_layers = config, _checked_dense_layers(dense_layers)
-
-
-def get_mtraining_config() -> MTrainingConfig:
-    """Deprecated. The config set by ``set_mtraining_config``, or ``MTrainingConfig()``."""
-    warnings.warn(_DEPRECATED.format("get_mtraining_config"), DeprecationWarning, stacklevel=2)
-    return _legacy_config if _legacy_config is not None else MTrainingConfig()
-
-
-def get_dense_layers() -> int:
-    """Deprecated. The ``dense_layers`` set by ``set_mtraining_config``."""
-    warnings.warn(_DEPRECATED.format("get_dense_layers"), DeprecationWarning, stacklevel=2)
-    return _legacy_dense_layers
-
 
 def _checked_dense_layers(dense_layers) -> int:
     if isinstance(dense_layers, bool) or int(dense_layers) != dense_layers or dense_layers < 0:
@@ -206,13 +174,13 @@ class MTrainingAttention(MegatronModule):
         if getattr(config, "qk_clip", False):
             raise ValueError("MTrainingAttention does not support qk_clip (no attention logits are kept)")
 
-        if mtraining_config is None:  # a spec without params: the deprecated module defaults, else the defaults
-            mtraining_config = _legacy_config if _legacy_config is not None else MTrainingConfig()
+        if mtraining_config is None:  # a spec without params: the defaults
+            mtraining_config = MTrainingConfig()
         if not isinstance(mtraining_config, MTrainingConfig):
             raise TypeError(f"MTrainingAttention: mtraining_config must be an MTrainingConfig, got "
                             f"{type(mtraining_config).__name__}")
         self.mtraining_config = mtraining_config
-        self.dense_layers = _legacy_dense_layers if dense_layers is None else _checked_dense_layers(dense_layers)
+        self.dense_layers = 0 if dense_layers is None else _checked_dense_layers(dense_layers)
         self.dense = self.layer_number <= self.dense_layers
 
         self.attention_dropout_p = float(config.attention_dropout if attention_dropout is None
@@ -308,8 +276,7 @@ class MTrainingAttention(MegatronModule):
     def _attention_dtype(self, device_type: str) -> Optional[torch.dtype]:
         """The dtype to attend in: the autocast dtype inside an autocast region, like PyTorch's
         fused attention (megatron-core's layers can hand us fp32 q/k/v there, and the fp32
-        kernels are tens of times slower: 2.6 s vs 0.1 s per training step of a 4-layer model at
-        32K on an H200); None (the inputs' own dtype) otherwise.
+        kernels are tens of times slower); None (the inputs' own dtype) otherwise.
 
         Megatron's activation recompute (``tensor_parallel.checkpoint``) runs a no-grad first
         pass, then re-runs the forward in the backward outside the autocast region. The first
@@ -349,11 +316,14 @@ class MTrainingAttention(MegatronModule):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, expand_kv(k, groups), expand_kv(v, groups), is_causal=True, scale=self.softmax_scale)
         return dense_ring_attention(q, k, v, group=group, layout="zigzag", inner_size=self.ring_inner_size(group),
-                                    softmax_scale=self.softmax_scale, sequence_major_grads=True)
+                                    softmax_scale=self.softmax_scale, sequence_major_grads=True,
+                                    settings=self.mtraining_config.settings)
 
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params=None) -> Tensor:
         sq, b, np_, hn = query.shape
         group = self.cp_group()
+        if group is not None:  # the tokens and positions this rank holds come from the installed patches
+            check_placement(self.mtraining_config, f"layer {self.layer_number}'s spec (its attention)")
         # Packed documents (THD packed_seq_params, or the current batch's): one Documents per batch, or None.
         documents = packing.documents_for_attention(self, packed_seq_params, sq * _group_size(group), b)
         # [s, b, heads, hn] -> [b, heads, s, hn]. The ring sends k/v, so it gets dense tensors (one row
@@ -388,13 +358,14 @@ class MTrainingAttention(MegatronModule):
             if documents is None and self.uses_dense_kernels(group, q):  # the dense kernels know no documents
                 out = self._attend_dense(q, k, v, group)
             elif group is None:
-                out = sparse_attention(q, k, v, index, softmax_scale=self.softmax_scale, cu_seqlens=documents)
+                out = sparse_attention(q, k, v, index, softmax_scale=self.softmax_scale, cu_seqlens=documents,
+                                       settings=self.mtraining_config.settings)
             else:
                 cfg = self.mtraining_config
                 out = sparse_ring_attention(q, k, v, index, group=group, layout=cfg.layout,
                                             inner_size=self.ring_inner_size(group),
                                             softmax_scale=self.softmax_scale, cu_seqlens=documents,
-                                            sequence_major_grads=True)
+                                            sequence_major_grads=True, settings=cfg.settings)
         if record is not None:
             record.record_index(self.layer_number, index, sq * _group_size(group))
             record.time_backward(out, q, cuda)

@@ -16,7 +16,7 @@ so that they cannot drift apart. From the parsed Megatron arguments it
 5. when resuming (``--load``), compares the ``--mtraining-*`` flags saved in the checkpoint with
    this run's and says what changed: a ``ResumeConfigWarning`` (MTraining keeps no state, so a
    change is allowed, but it changes the attention the model was trained with), or a ValueError
-   with ``MTRAINING_RESUME_CHANGES=error``,
+   with ``--mtraining-resume-changes error`` (or ``MTRAINING_RESUME_CHANGES=error``),
 
 and returns the GPT layer-spec hook (``spec -> spec`` with MTrainingAttention as core attention)
 that the caller applies to the spec every ``GPTModel`` is built with.
@@ -31,7 +31,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from ..config import MTrainingConfig
+from ..config import RESUME_POLICIES, MTrainingConfig, resume_policy
 from . import patches, telemetry
 from .transformer_engine import check_transformer_engine
 from .args import integration_options
@@ -39,8 +39,9 @@ from .spec import get_gpt_layer_spec
 
 __all__ = ["ResumeConfigWarning", "SpecHook", "check_inner_ring_size", "enable_mtraining", "resume_changes"]
 
-RESUME_ENV = "MTRAINING_RESUME_CHANGES"  # "warn" (default) or "error"
-_NOT_MATH = ("mtraining_log_interval",)  # flags that do not change what the model computes
+# Flags that do not change what the model computes (how it runs, what it logs).
+_NOT_MATH = ("mtraining_log_interval", "mtraining_resume_changes", "mtraining_forward_kernel",
+             "mtraining_backward_kernel", "mtraining_ring_agreement", "mtraining_ring_timeout_s", "mtraining_validate")
 
 
 class ResumeConfigWarning(UserWarning):
@@ -56,7 +57,7 @@ def check_inner_ring_size(args, config: MTrainingConfig) -> None:
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     if size is None or world is None or cp <= 1:
         return
-    from .attention import inner_ring_size  # megatron imports
+    from .core_attention import inner_ring_size  # megatron imports
 
     source = ("--mtraining-inner-ring-size" if getattr(args, "mtraining_inner_ring_size", None) is not None
               else "the default of --mtraining-inner-ring-size (LOCAL_WORLD_SIZE / GPUS_PER_NODE)")
@@ -118,17 +119,19 @@ def resume_changes(args) -> List[Tuple[str, object, object]]:
 
 
 def check_resume(args) -> None:
-    """Say what changed since the checkpoint (module docstring, item 5)."""
+    """Say what changed since the checkpoint (module docstring, item 5): ``--mtraining-resume-changes``
+    ("warn" or "error"; unset: ``MTRAINING_RESUME_CHANGES``, read at start-up, else "warn")."""
+    how = getattr(args, "mtraining_resume_changes", None) or resume_policy()
+    if how not in RESUME_POLICIES:
+        raise ValueError(f"--mtraining-resume-changes must be one of {RESUME_POLICIES}, got {how!r}")
     changes = resume_changes(args)
     if not changes:
         return
-    how = os.environ.get(RESUME_ENV, "warn") or "warn"
-    if how not in ("warn", "error"):
-        raise ValueError(f"{RESUME_ENV} must be 'warn' or 'error', got {how!r}")
     listed = "; ".join(f"{flag}: {before!r} in the checkpoint, {now!r} now" for flag, before, now in changes)
     message = (f"MTraining: resuming from {args.load} with other MTraining settings than the checkpoint was "
                f"saved with: {listed}. The attention now differs from the one the model was trained with; "
-               f"set {RESUME_ENV}=error to refuse such a resume. See docs/troubleshooting.md.")
+               "pass --mtraining-resume-changes error (or set MTRAINING_RESUME_CHANGES=error) to refuse such a "
+               "resume. See docs/troubleshooting.md.")
     if how == "error":
         raise ValueError(message)
     warnings.warn(message, ResumeConfigWarning, stacklevel=3)

@@ -30,6 +30,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..approx import approximate_index
+from ..block_index import BlockIndex
 from ..config import MTrainingConfig
 from ..documents import Documents
 from ..index import VSIndex
@@ -38,9 +39,10 @@ __all__ = ["MTrainingAttentionSubmodules", "MTrainingIndexer"]
 
 
 class MTrainingIndexer(MegatronModule):
-    """Builds one layer's ``VSIndex`` from its post-RoPE q ``[b, np, s_local, hn]`` and k
+    """Builds one layer's index from its post-RoPE q ``[b, np, s_local, hn]`` and k
     ``[b, ng, s_local, hn]`` with ``approximate_index`` (the ``index`` builder of the config:
-    ``vs``, ``dense`` or ``fixed``); layers marked dense get the dense index. No parameters;
+    ``vs``, ``dense`` or ``fixed``, a ``VSIndex``; ``moba``, a ``BlockIndex``); layers marked
+    dense get the dense index. No parameters;
     no autograd (the index is integer data)."""
 
     def __init__(self, config: TransformerConfig, layer_number: int, mtraining_config: MTrainingConfig,
@@ -53,10 +55,11 @@ class MTrainingIndexer(MegatronModule):
         self.softmax_scale = softmax_scale
 
     @torch.no_grad()
-    def forward(self, q: Tensor, k: Tensor, group=None, cu_seqlens: Optional[Documents] = None) -> VSIndex:
+    def forward(self, q: Tensor, k: Tensor, group=None,
+                cu_seqlens: Optional[Documents] = None) -> Union[VSIndex, BlockIndex]:
         """``cu_seqlens``: the packed documents the attention uses, if any (a ``documents.Documents``)."""
         cfg = self.mtraining_config
-        return approximate_index(q.detach(), k.detach(), cfg, group=group, layout=cfg.layout,
+        return approximate_index(q.detach(), k.detach(), cfg, group=group,
                                  softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
 
     def extra_repr(self) -> str:

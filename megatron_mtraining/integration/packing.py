@@ -99,6 +99,7 @@ class PackingOptions:
     eod_token: Optional[int] = None
 
 
+# Megatron's API: the packing flags of a megatron-core run, which has no parsed global arguments.
 _EXPLICIT: Optional[PackingOptions] = None
 
 
@@ -190,7 +191,7 @@ def current_batch_documents() -> Optional[BatchDocuments]:
     return _CURRENT
 
 
-_LOGGED = set()
+_LOGGED = set()  # log once: messages already logged (changes no result)
 
 
 def _log_once(key: str, message: str, *args) -> None:

@@ -17,7 +17,7 @@ import copy
 from typing import Optional
 
 from ..config import MTrainingConfig
-from .attention import MTrainingAttention
+from .core_attention import MTrainingAttention
 from .indexer import MTrainingAttentionSubmodules
 
 __all__ = ["get_gpt_layer_spec", "mtraining_attention_spec"]
@@ -49,7 +49,7 @@ def mtraining_attention_spec(config: Optional[MTrainingConfig] = None, dense_lay
     """The core-attention ``ModuleSpec``: ``MTrainingAttention`` with ``config`` and
     ``dense_layers`` in its params, and ``indexer`` (a module class or ``ModuleSpec``; default
     ``MTrainingIndexer``) as its indexer submodule. Without ``config`` the params carry none and
-    the attention takes ``MTrainingConfig()`` (or the deprecated ``set_mtraining_config`` default)."""
+    the attention takes ``MTrainingConfig()``."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     if config is not None and not isinstance(config, MTrainingConfig):

@@ -24,11 +24,12 @@ writer (last rank) the last stage; per-layer tags carry global layer numbers.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from ..block_index import BlockIndex
 from ..index import VSIndex
 from ..ring import instrument
 
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Telemetry", "disable_telemetry", "enable_telemetry", "get_telemetry"]
 
+# Megatron's API: its training loop has no hook to hand our telemetry to the layers.
 _TELEMETRY: Optional["Telemetry"] = None
 
 
@@ -64,12 +66,16 @@ class IterationRecord:
         out.register_hook(lambda g: (clock.start(), g)[1])
         q.register_hook(lambda g: (clock.stop(), g)[1])
 
-    def record_index(self, layer_number: int, index: VSIndex, seq_len: int) -> None:
-        self.layers[layer_number] = {
-            "density": index.density(seq_len).float().mean(),
-            "vertical": index.n_vertical.float().mean(),
-            "slash": index.n_slash.float().mean(),
-        }
+    def record_index(self, layer_number: int, index: Union[VSIndex, BlockIndex], seq_len: int) -> None:
+        """Density and budgets; a block index has no columns, and its key blocks per query block
+        stand in the "slash" figure (both are block counts)."""
+        if isinstance(index, BlockIndex):
+            vertical = torch.zeros((), device=index.device)
+            slash = index.n_key_blocks.float().mean()
+        else:
+            vertical, slash = index.n_vertical.float().mean(), index.n_slash.float().mean()
+        self.layers[layer_number] = {"density": index.density(seq_len).float().mean(), "vertical": vertical,
+                                     "slash": slash}
 
     # ------------------------------------------------------------------ reduction
 

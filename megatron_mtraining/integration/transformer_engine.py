@@ -26,7 +26,7 @@ __all__ = ["MINIMUM", "TESTED", "check_transformer_engine", "installed_version"]
 
 MINIMUM = (2, 0)
 TESTED = (2, 20)
-_warned = set()
+_warned = set()  # warn once: versions already warned about (changes no result)
 
 
 def installed_version() -> Optional[str]:

@@ -1,6 +1,6 @@
 """Single-device building blocks: reference, index conversion, Triton and PyTorch step kernels."""
 
-from .plan import StepPlan, build_step_plan, convert_step, convert_step_reference, single_device_plan
+from .step_plan import StepPlan, build_step_plan, convert_step, convert_step_reference, single_device_plan
 from .reference import reference_attention, vs_mask
 from .dispatch import resolve_backend
 from .step import step_backward, step_forward

@@ -13,9 +13,9 @@ the programs are dealt out to the head's LIVE tiles (those holding a column) at 
 
 A head whose columns fill the capacity gets ``splits`` per tile, as a plain (tile, split) grid
 would; at W = 4 a step's heads hold about a quarter of it, and the same programs split each live
-tile about 4 ways instead of idling on empty tiles (at 512K over 4 H200s the column kernel took
-25.7 ms per rank against 18.5, the 1-GPU time / 4: a quarter of its programs had work, and they
-were the long ones). A split past a tile's query range walks nothing and writes zeros (with few
+tile about 4 ways instead of idling on empty tiles (dealt as a plain grid, a quarter of the
+programs had work, the long ones, and the column kernel took 1.4x the one-GPU time / 4:
+docs/performance.md). A split past a tile's query range walks nothing and writes zeros (with few
 live tiles there can be more splits than query blocks; capping them in the kernel moved its
 register allocation, doubling the spill reloads in its loop in one build).
 

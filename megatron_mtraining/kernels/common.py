@@ -6,17 +6,23 @@ import here, so ``dispatch.py`` can read it on any machine.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from ..config import interpreting as _interpreting_at_start
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
 
 
+# Triton's own switch, read once at start-up (config.ENVIRONMENT): Triton reads it itself where a
+# kernel is defined (``triton.jit``, at import), so a value set later would not change Triton either.
+INTERPRETING = _interpreting_at_start()
+
+
 def interpreting() -> bool:
-    """Whether Triton runs its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether Triton runs its CPU interpreter (TRITON_INTERPRET=1 at start-up)."""
+    return INTERPRETING
 
 
 # Rows (and keys) of the Hopper kernels' tiles: one warpgroup's m64 wgmma (``hopper_common.TILE``).

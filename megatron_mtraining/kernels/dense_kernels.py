@@ -40,8 +40,8 @@ def _check(q, k, v, causal):
 
 def expand_kv(x, group):
     """GQA K/V for every query head: [b, hkv, n, d] -> [b, hq, n, d]. The fused aten ops are called
-    with equal head counts: their forwards took unequal ones on torch 2.11 (H200), but their GQA
-    backwards were not checked (``MTrainingAttention``'s SDPA path expands for the same reason)."""
+    with equal head counts: their forwards take unequal ones, but their GQA backwards were not
+    checked (``MTrainingAttention``'s SDPA path expands for the same reason)."""
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 

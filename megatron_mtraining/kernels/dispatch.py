@@ -1,7 +1,7 @@
 """The one place that picks the backend, the kernels and their schedule for a call.
 
 Every other module asks here and runs what it is told (``step.py`` for the sparse kernels,
-``dense.py`` for the dense ones, ``plan.py`` for the index conversion). This module imports none
+``dense_kernels.py`` for the dense ones, ``step_plan.py`` for the index conversion). This module imports none
 of the kernels (only ``common`` and the extension's status), so it answers on any machine: the
 CPU tests walk its whole table with the capabilities monkeypatched (``tests/test_dispatch.py``).
 
@@ -16,15 +16,15 @@ Decision table (first matching row wins):
   approximator statistics        backend "triton" (as resolved above)    Triton (``triton_approx``)
   (``approx_kernel``)            backend "torch"                         PyTorch (``approx.py``'s passes)
   sparse forward kernel          backend "torch"                         PyTorch (``torch_step``)
-  (``forward_kernel``; on the    MTRAINING_FORWARD_KERNEL=triton         "triton"
+  (``forward_kernel``; on the    Settings.forward_kernel "triton"        "triton"
   "triton" backend)              Hopper covers the call (below)          "hopper"
-                                 MTRAINING_FORWARD_KERNEL=hopper, not    error, with the reason
+                                 Settings.forward_kernel "hopper", not   error, with the reason
                                  covered
                                  otherwise ("auto", the default)         "triton"
   Hopper forward schedule        B = 128                                 128-row programs: ping-pong
   (``hopper_forward_rows``)      other B                                 64-row programs: lockstep
   sparse backward kernels        backend "torch"                         PyTorch (``torch_step``)
-  (``backward_kernel``, then     MTRAINING_BACKWARD_KERNEL, as forward   "triton" / "hopper" / error
+  (``backward_kernel``, then     Settings.backward_kernel, as forward    "triton" / "hopper" / error
   ``backward_parts``)            "hopper", B = 128                       dQ, key blocks, columns: Hopper
                                  "hopper", other B                       dQ, key blocks: Triton; columns: Hopper
                                  "triton"                                all three: Triton
@@ -58,16 +58,18 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 from typing import NamedTuple
 
 import torch
 
 from .. import _ext
+from ..config import KERNEL_CHOICES
 from .common import HOPPER_TILE, interpreting
 
 logger = logging.getLogger(__name__)
-_ANNOUNCED = set()  # (variable, kernel, reason) already logged: each choice is said once per process
+# (direction, kernel, reason) already logged: each choice is said once per process. Kept for the
+# log only (a set that grows to a few entries; it changes no result).
+_ANNOUNCED = set()
 
 # ----------------------------------------------------------------------------------------- backend
 
@@ -96,11 +98,11 @@ def approx_kernel(backend: str, device: torch.device) -> str:
 
 # On the "triton" backend, where the Hopper kernels (Gluon, sm_90) cover a call they replace the
 # Triton ones: the forward (kernels/hopper_fwd.py) and the backward (kernels/hopper_bwd.py).
-# MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL = triton or hopper force one ("hopper"
+# Settings.forward_kernel / backward_kernel (MTRAINING_FORWARD_KERNEL / MTRAINING_BACKWARD_KERNEL,
+# --mtraining-forward-kernel / --mtraining-backward-kernel) = triton or hopper force one ("hopper"
 # fails with the reason where it cannot run).
-KERNEL_CHOICES = ("auto", "triton", "hopper")
-FORWARD_KERNEL_ENV = "MTRAINING_FORWARD_KERNEL"
-BACKWARD_KERNEL_ENV = "MTRAINING_BACKWARD_KERNEL"
+_SOURCES = {"forward": "MTRAINING_FORWARD_KERNEL, --mtraining-forward-kernel",
+            "backward": "MTRAINING_BACKWARD_KERNEL, --mtraining-backward-kernel"}
 HOPPER_DTYPES = (torch.bfloat16, torch.float16)
 HOPPER_HEAD_DIMS = (64, 128)
 # The index block size at which dQ and the key-block dK/dV run on the Hopper kernels: their
@@ -120,7 +122,7 @@ def _has_gluon() -> bool:
         return False
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # cost: asked on every ring step; a device's answer never changes
 def hopper_device_reason(device: torch.device) -> str:
     """Why the Hopper kernels cannot run on ``device`` ('' when they can): they need an sm_90 GPU
     (H100, H200, GH200, H20) and Triton's Gluon dialect (Triton >= 3.5)."""
@@ -151,46 +153,50 @@ def hopper_unsupported_reason(block_size: int, tensors: dict) -> str:
     return ""
 
 
-def _kernel_choice(env: str, block_size: int, tensors: dict) -> str:
-    """"hopper" or "triton" for one call of the "triton" backend (``env``: the variable that forces one)."""
-    choice = os.environ.get(env, "auto") or "auto"
+def _kernel_choice(direction: str, choice: str, block_size: int, tensors: dict) -> str:
+    """"hopper" or "triton" for one call of the "triton" backend; ``choice``: the setting of this
+    ``direction`` ("forward" or "backward"), "auto", "triton" or "hopper"."""
     if choice not in KERNEL_CHOICES:
-        raise ValueError(f"{env} must be one of {KERNEL_CHOICES}, got {choice!r}")
+        raise ValueError(f"the {direction} kernel must be one of {KERNEL_CHOICES}, got {choice!r}")
     if choice == "triton":
         return "triton"
     q = next(iter(tensors.values()))
     reason = hopper_device_reason(q.device) or hopper_unsupported_reason(block_size, tensors)
     if not reason:
-        _announce(env, "hopper", "")
+        _announce(direction, "hopper", "")
         return "hopper"
     if choice == "hopper":
-        raise ValueError(f"{env}=hopper, but the Hopper kernel cannot run this call: {reason}")
-    _announce(env, "triton", reason)
+        raise ValueError(f"the {direction} kernel is set to hopper ({_SOURCES[direction]}), but the Hopper kernel "
+                         f"cannot run this call: {reason}")
+    _announce(direction, "triton", reason)
     return "triton"
 
 
-def _announce(env: str, kernel: str, reason: str) -> None:
+def _announce(direction: str, kernel: str, reason: str) -> None:
     """Log once which kernel a direction runs (and why not the Hopper one), as a user wants to see
     at start-up; a later call that chooses differently (another dtype, say) logs again."""
-    key = (env, kernel, reason)
+    key = (direction, kernel, reason)
     if key in _ANNOUNCED:
         return
     _ANNOUNCED.add(key)
-    part = "forward" if env == FORWARD_KERNEL_ENV else "backward"
     if kernel == "hopper":
-        logger.info("MTraining: %s on the Hopper kernel (sm_90, Gluon); %s=triton for the Triton one", part, env)
+        logger.info("MTraining: %s on the Hopper kernel (sm_90, Gluon); set it to triton (%s) for the Triton one",
+                    direction, _SOURCES[direction])
     else:
-        logger.info("MTraining: %s on the Triton kernel (the Hopper one does not cover this call: %s)", part, reason)
+        logger.info("MTraining: %s on the Triton kernel (the Hopper one does not cover this call: %s)", direction,
+                    reason)
 
 
-def forward_kernel(q, k, v, plan, out) -> str:
-    """The forward that runs this step on the "triton" backend: "hopper" or "triton"."""
-    return _kernel_choice(FORWARD_KERNEL_ENV, plan.block_size, dict(q=q, k=k, v=v, out=out))
+def forward_kernel(q, k, v, plan, out, choice: str = "auto") -> str:
+    """The forward that runs this step on the "triton" backend: "hopper" or "triton";
+    ``choice``: ``Settings.forward_kernel``."""
+    return _kernel_choice("forward", choice, plan.block_size, dict(q=q, k=k, v=v, out=out))
 
 
-def backward_kernel(q, k, v, do, plan) -> str:
-    """The backward's kernels for this step on the "triton" backend: "hopper" or "triton"."""
-    return _kernel_choice(BACKWARD_KERNEL_ENV, plan.block_size, dict(q=q, k=k, v=v, do=do))
+def backward_kernel(q, k, v, do, plan, choice: str = "auto") -> str:
+    """The backward's kernels for this step on the "triton" backend: "hopper" or "triton";
+    ``choice``: ``Settings.backward_kernel``."""
+    return _kernel_choice("backward", choice, plan.block_size, dict(q=q, k=k, v=v, do=do))
 
 
 def hopper_forward_rows(block_size: int) -> int:
@@ -243,7 +249,9 @@ def conversion_impl(impl: str, device: torch.device) -> str:
 
 DENSE_IMPLS = ("auto", "cudnn", "flash", "torch")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
-_cudnn_attention_failed = False  # set once cuDNN raised under "auto": it is not tried again
+# Fallback memory: set once cuDNN raised under "auto", so later calls do not fail in cuDNN again
+# before each runs flash attention (and log a warning every step).
+_cudnn_attention_failed = False
 
 
 def note_cudnn_failure() -> None:
@@ -265,7 +273,7 @@ def dense_impls_available(device) -> list:
 
 
 def dense_impl(impl: str, q: torch.Tensor) -> str:
-    """The dense attention that runs for ``impl`` on ``q`` (``kernels/dense.py``): "auto" is cuDNN
+    """The dense attention that runs for ``impl`` on ``q`` (``kernels/dense_kernels.py``): "auto" is cuDNN
     on CUDA for fp16/bf16 (flash once cuDNN failed or where it is missing), "torch" otherwise."""
     if impl not in DENSE_IMPLS:
         raise ValueError(f"dense attention: impl must be one of {DENSE_IMPLS}, got {impl!r}")

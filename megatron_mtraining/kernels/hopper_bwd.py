@@ -16,17 +16,16 @@ product finishes, then the gradient products, which retire at the next tile's to
 land; one bar.sync per tile (a thread's copies visible to all, a slot refilled only once every
 warp's products that read it retired).
 
-Program shapes (docs/performance.md, "The whole backward in Gluon"): a dQ / key-block program holds a whole index
-block of 128, two warpgroups sharing every streamed tile (half the bytes per pair). At 128K on an
-H200, B = 128: dQ 11.1 ms, key blocks 10.3, columns 4.1 against Triton's 11.9, 17.6 and 9.9
-(fwd+bwd 36.5 against 49.8 ms). At B = 64 the same kernels with one warpgroup per program were no
-faster than Triton's (dQ 10.0 against 9.9, key blocks 10.4-10.9 against 9.9-10.1), so B = 64 runs
-Triton's dQ and key-block kernels (``dispatch.backward_parts``) and this module's columns
-(4.5 against 5.7 ms).
+Program shapes (docs/performance.md, "The whole backward in Gluon", has the timings): a dQ /
+key-block program holds a whole index block of 128, two warpgroups sharing every streamed tile
+(half the bytes per pair); at B = 128 all three kernels beat Triton's, the key blocks and the
+columns by far. At B = 64 the same kernels with one warpgroup per program were no faster than
+Triton's, so B = 64 runs Triton's dQ and key-block kernels (``dispatch.backward_parts``) and this
+module's columns, which are faster at both block sizes.
 
 (The ping-pong schedule of the B = 128 forward, a producer warpgroup and two consumer warpgroups
-taking turns on the tensor cores, was tried for dQ and the key-block dK/dV: 23% slower than these
-lockstep kernels on an H200 (``docs/performance.md``), and removed.)
+taking turns on the tensor cores, was tried for dQ and the key-block dK/dV: about a quarter slower
+than these lockstep kernels (``docs/performance.md``), and removed.)
 """
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ def _dkdv_col_sm90_kernel(
     """N_TILES x SPLITS programs per (batch x query head), shared by the head's live 64-column
     tiles (``column_partials``): one program per (live tile, query-range split). The gathered K and
     V rows sit in shared memory as wgmma operands for the whole loop (Triton's column kernel holds
-    them in registers, spills and waits on memory: 5.7 ms against 4.5 at 128K)."""
+    them in registers, spills and waits on memory, and takes about 1.3x as long)."""
     gl.static_assert(BLOCK % TILE == 0, "index blocks are whole 64-row tiles")
     c_layout: gl.constexpr = copy_layout(HEAD_DIM)
     s_layout: gl.constexpr = mma_layout(TILE)  # S^T and dP^T

@@ -6,8 +6,8 @@ QK^T -> softmax -> PV one after the other in its single warpgroup, so the tensor
 exp2 runs. Here one warpgroup issues S_t = Q K_t^T and O += P_{t-1} V_{t-1} as two asynchronous
 wgmma groups, waits for the scores only, and runs tile t's softmax while the tensor cores run
 tile t-1's PV product (FA3's intra-warpgroup pipelining); K/V tiles stream into a ring of
-STAGES shared-memory slots two tiles ahead. Spike M10 measured this on the slash loop at 1.09-1.16x
-Triton's rate, bit for bit the same result.
+STAGES shared-memory slots two tiles ahead. On the slash loop this runs 1.1x Triton's rate or
+better, bit for bit the same result (docs/performance.md).
 
 One 4-warp program per (64 query rows, batch x query head). Its tiles are 64 keys each: first
 the slash key blocks of its query block (``BLOCK // 64`` tiles per block), then the plan's columns
@@ -33,9 +33,9 @@ The ping-pong forward, B = 128 only (docs/performance.md, "The ping-pong forward
 the 64-row forward moves 8 bytes of K/V per pair and sits at that stream's time. At B = 128 one
 program can hold the whole query block, so that two consumer warpgroups (64 query rows each)
 share every streamed K/V tile: half the bytes per pair. In lockstep the two softmaxes collide (a
-128-row variant of the kernel above: 2% slower), so here they take turns to issue their wgmma
-groups (ping-pong): one's softmax runs while the other's products use the tensor cores. A
-slash-only spike of this shape ran 1.63x our B = 128 forward. One program per (query block,
+128-row variant of the kernel above was slower), so here they take turns to issue their wgmma
+groups (ping-pong): one's softmax runs while the other's products use the tensor cores. One
+program per (query block,
 batch x query head), three partitions (``gl.warp_specialize``):
   * a producer warpgroup copies Q once, then every key tile (128 keys: one slash key block, or
     128 column slots) into a ring of PINGPONG_STAGES slots by ``cp.async`` from row indices (TMA
@@ -46,8 +46,8 @@ batch x query head), three partitions (``gl.warp_specialize``):
     async wgmma groups, tile t's softmax over PV_{t-1}; the masks are the same
     (``hopper_common``'s key stream with KT = 128); a slot is released on ``empty`` once both
     consumers' PV products that read it retired.
-(The backward's dQ and key-block kernels in this schedule ran ~23% slower than the lockstep ones
-of ``hopper_bwd.py`` on an H200, docs/performance.md, and were removed.)
+(The backward's dQ and key-block kernels in this schedule ran about a quarter slower than the
+lockstep ones of ``hopper_bwd.py``, docs/performance.md, and were removed.)
 """
 
 from __future__ import annotations

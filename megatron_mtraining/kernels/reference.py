@@ -1,9 +1,10 @@
-"""Plain-PyTorch vertical-slash attention: the oracle every kernel and ring schedule is tested against.
+"""Plain-PyTorch sparse attention: the oracle every kernel and ring schedule is tested against.
 
-It computes docs/design.md §1 literally: query ``n`` attends key ``m`` iff ``m <= n`` and
-(``n//B - m//B`` is a selected slash offset or ``m`` is a selected column), and, for packed
-documents (``cu_seqlens``), both lie in one document; softmax over the active keys only, in fp32
-(fp64 if the inputs are fp64).
+It computes docs/design.md §1 literally: query ``n`` attends key ``m`` iff ``m <= n`` and, for a
+``VSIndex``, (``n//B - m//B`` is a selected slash offset or ``m`` is a selected column), for a
+``BlockIndex``, ``m//B`` is one of the key blocks of ``n//B``; and, for packed documents
+(``cu_seqlens``), both lie in one document; softmax over the active keys only, in fp32 (fp64 if
+the inputs are fp64).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ..block_index import BlockIndex
 from ..documents import Documents
 from ..index import VSIndex
 
@@ -43,7 +45,33 @@ def vs_mask(index: VSIndex, q_positions: torch.Tensor, k_positions: torch.Tensor
     return causal & (slash_hit | column_hit)
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex,
+def block_mask(index: BlockIndex, q_positions: torch.Tensor, k_positions: torch.Tensor,
+               num_blocks: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``vs_mask`` for a ``BlockIndex``: bool [b, hq, nq, nk], key ``m`` active for query ``n`` iff
+    ``m <= n`` and ``m//B`` is a key block of ``n//B`` (and, with ``cu_seqlens``, one document)."""
+    B = index.block_size
+    if num_blocks is not None and num_blocks != index.num_blocks:
+        raise ValueError(f"the BlockIndex has {index.num_blocks} blocks, the call asks for {num_blocks}")
+    q_positions = q_positions.to(index.device).long()
+    k_positions = k_positions.to(index.device).long()
+    rows = index.block_rows(q_positions // B)  # [b, h, nq, num_blocks]
+    hit = rows.index_select(-1, k_positions // B)
+    causal = k_positions[None, :] <= q_positions[:, None]
+    if cu_seqlens is not None:
+        causal = causal & (document_ids(cu_seqlens, q_positions)[:, None]
+                           == document_ids(cu_seqlens, k_positions)[None, :])
+    return causal & hit
+
+
+def index_mask(index: Union[VSIndex, BlockIndex], q_positions: torch.Tensor, k_positions: torch.Tensor,
+               num_blocks: Optional[int] = None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The active pairs of either index kind (``vs_mask`` or ``block_mask``)."""
+    if isinstance(index, BlockIndex):
+        return block_mask(index, q_positions, k_positions, num_blocks, cu_seqlens)
+    return vs_mask(index, q_positions, k_positions, num_blocks, cu_seqlens)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Union[VSIndex, BlockIndex],
                         q_positions: Optional[torch.Tensor] = None,
                         k_positions: Optional[torch.Tensor] = None,
                         softmax_scale: Optional[float] = None,
@@ -51,9 +79,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
                         cu_seqlens: Union[Documents, torch.Tensor, None] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Masked attention of docs/design.md §1 in fp32; differentiable through autograd.
 
-    q ``[b, hq, nq, d]``, k/v ``[b, hkv, nk, d]``. ``q_positions`` / ``k_positions`` (int,
-    ``[nq]`` / ``[nk]``) are the tokens' global positions, so any (query chunk, key chunk)
-    pair of any layout can be checked; by default both are ``0..n-1`` (the full sequence).
+    q ``[b, hq, nq, d]``, k/v ``[b, hkv, nk, d]``, ``index`` a ``VSIndex`` or a ``BlockIndex``.
+    ``q_positions`` / ``k_positions`` (int, ``[nq]`` / ``[nk]``) are the tokens' global positions,
+    so any (query chunk, key chunk) pair of any layout can be checked; by default both are
+    ``0..n-1`` (the full sequence).
     ``cu_seqlens`` (int32 ``[0, e1, ..., N]``, global positions, or a ``documents.Documents``)
     masks pairs across documents.
     Returns ``(out, lse)``: out fp32 ``[b, hq, nq, d]`` and lse fp32 ``[b, hq, nq]``. Rows
@@ -75,7 +104,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
     kf = k.to(dtype).repeat_interleave(group, dim=1)
     vf = v.to(dtype).repeat_interleave(group, dim=1)
     scores = torch.matmul(q.to(dtype), kf.transpose(-1, -2)) * scale
-    mask = vs_mask(index, q_positions, k_positions, num_blocks, cu_seqlens).to(q.device)
+    mask = index_mask(index, q_positions, k_positions, num_blocks, cu_seqlens).to(q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
     # Max-shifted softmax that stays finite (also in autograd) for rows with no active key.
     row_max = scores.amax(dim=-1, keepdim=True).detach()

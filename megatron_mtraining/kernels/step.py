@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import torch
 
+from ..config import Settings
 from .column_partials import add_column_partials, empty_column_partials
 from .common import HOPPER_TILE, LOG2E, column_arguments, document_arguments, int64_offsets, plan_tensors
 from .dispatch import BackwardParts, backward_kernel, backward_parts, forward_kernel, hopper_forward_rows
-from .plan import first_query_blocks, query_block_ends
+from .step_plan import first_query_blocks, query_block_ends
 from .torch_step import vs_attention_bwd_torch, vs_attention_fwd_torch
 from .triton_common import tile_config
 
+AUTO = Settings()  # the kernels' choice for a caller that gives none: "auto" both ways
 
-def step_forward(backend: str, q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool) -> None:
-    """Write (or merge, with ``accumulate``) this step's attention into ``out`` and fp32 ``lse``."""
-    if backend == "triton" and forward_kernel(q, k, v, plan, out) == "hopper":
+
+def step_forward(backend: str, q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool,
+                 settings: Settings = AUTO) -> None:
+    """Write (or merge, with ``accumulate``) this step's attention into ``out`` and fp32 ``lse``;
+    ``settings.forward_kernel`` picks the kernel on the "triton" backend."""
+    if backend == "triton" and forward_kernel(q, k, v, plan, out, settings.forward_kernel) == "hopper":
         from .hopper_fwd import vs_attention_fwd_hopper
         vs_attention_fwd_hopper(q, k, v, plan, out, lse, softmax_scale, accumulate,
                                 rows=hopper_forward_rows(plan.block_size))
@@ -43,53 +48,58 @@ def backward_delta(backend: str, out: torch.Tensor, d_out: torch.Tensor) -> torc
 
 
 def step_backward(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float,
-                  accumulate_dq: bool = True) -> None:
+                  accumulate_dq: bool = True, settings: Settings = AUTO) -> None:
     """Add this step's gradients into fp32 ``dq``, ``dk``, ``dv`` (final ``lse`` and ``delta``);
     ``accumulate_dq=False`` (a ring's first step) writes ``dq`` instead, which may then be uninitialised.
     The two halves, ``step_backward_queries`` then ``step_backward_keys``, may also be called apart."""
     if backend != "triton" and not accumulate_dq:
         dq.zero_()  # the PyTorch path adds dQ with the key side
-    step_backward_queries(backend, q, k, v, do, lse, delta, plan, dq, softmax_scale, accumulate_dq)
-    step_backward_keys(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
+    step_backward_queries(backend, q, k, v, do, lse, delta, plan, dq, softmax_scale, accumulate_dq, settings)
+    step_backward_keys(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale, settings)
 
 
 def step_backward_queries(backend: str, q, k, v, do, lse, delta, plan, dq, softmax_scale: float,
-                          accumulate_dq: bool = True) -> None:
+                          accumulate_dq: bool = True, settings: Settings = AUTO) -> None:
     """The step's dQ, added into (or with ``accumulate_dq=False`` written in) ``dq``: the half of a
     step's backward whose result stays on this rank, so a ring runs it after sending the step's
     dK/dV on, while they travel. Nothing on the PyTorch path, which computes all three gradients
     together in ``step_backward_keys`` (adding dQ: give it a zeroed ``dq`` for a first step)."""
     if backend == "triton":
         vs_attention_backward(q, k, v, do, lse, delta, plan, dq, None, None, softmax_scale,
-                              backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size),
+                              backward_parts(backward_kernel(q, k, v, do, plan, settings.backward_kernel),
+                                             plan.block_size),
                               accumulate_dq=accumulate_dq)
 
 
-def step_backward_keys(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float) -> None:
+def step_backward_keys(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float,
+                       settings: Settings = AUTO) -> None:
     """The step's dK/dV, added into fp32 ``dk``/``dv``; before or after ``step_backward_queries``
     (they are independent). On the PyTorch path also dQ, added into ``dq``."""
     if backend == "triton":
         vs_attention_backward(q, k, v, do, lse, delta, plan, None, dk, dv, softmax_scale,
-                              backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size))
+                              backward_parts(backward_kernel(q, k, v, do, plan, settings.backward_kernel),
+                                             plan.block_size))
     else:
         vs_attention_bwd_torch(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
 
 
-def single_step_backward(backend: str, q, k, v, do, lse, delta, plan, softmax_scale: float):
+def single_step_backward(backend: str, q, k, v, do, lse, delta, plan, softmax_scale: float,
+                         settings: Settings = AUTO):
     """(dq, dk, dv) in the inputs' dtypes for a one-step attention. The Triton dQ kernel is then
     the only writer of each dq row and stores it directly in q's dtype: no fp32 dq buffer to
-    fill, add into and cast (at 128K, 16 heads: 1 GB of fp32 and ~0.9 ms)."""
+    fill, add into and cast (at 128K tokens and 16 heads, 1 GB of fp32)."""
     acc = delta.dtype
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     if backend == "triton":
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale,
-                              backward_parts(backward_kernel(q, k, v, do, plan), plan.block_size),
+                              backward_parts(backward_kernel(q, k, v, do, plan, settings.backward_kernel),
+                                             plan.block_size),
                               accumulate_dq=False)
     else:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        step_backward(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
+        step_backward(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale, settings=settings)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

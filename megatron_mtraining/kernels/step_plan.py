@@ -29,13 +29,15 @@ stops a column tile's gradient at the last query block of its columns' documents
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from .. import _ext
+from ..block_index import BlockIndex
 from ..documents import DocumentBlocks
 from ..index import VSIndex
+from .block_plan import convert_block_step
 from .column_words import column_words_reference, column_words_triton
 from .dispatch import column_words_kernel, conversion_impl
 
@@ -185,7 +187,7 @@ def query_block_ends(plan: "StepPlan", block_col: int) -> torch.Tensor:
 class StepPlan:
     """Everything the kernels need for one (query chunk, key chunk) pair; fixed shapes."""
 
-    index: VSIndex
+    index: Union[VSIndex, BlockIndex]
     num_blocks: int               # global blocks in the full sequence
     q_block_ids: torch.Tensor     # int32 [nqb]
     k_block_ids: torch.Tensor     # int32 [nkb]
@@ -245,10 +247,11 @@ class StepPlan:
         return self.positions(self.k_block_ids)
 
 
-def build_step_plan(index: VSIndex, q_block_ids: torch.Tensor, k_block_ids: torch.Tensor, num_blocks: int,
-                    slash_bitmap: Optional[torch.Tensor] = None, impl: str = "auto",
+def build_step_plan(index: Union[VSIndex, BlockIndex], q_block_ids: torch.Tensor, k_block_ids: torch.Tensor,
+                    num_blocks: int, slash_bitmap: Optional[torch.Tensor] = None, impl: str = "auto",
                     documents: Optional[DocumentBlocks] = None) -> StepPlan:
-    """Convert ``index`` for one step. Pass ``slash_bitmap`` to reuse it across the steps of a ring;
+    """Convert ``index`` (a ``VSIndex``, or a ``BlockIndex``: ``block_plan.py``) for one step. Pass
+    ``slash_bitmap`` to reuse it across the steps of a ring;
     ``documents`` (``documents.DocumentBlocks`` of the global sequence) for packed documents."""
     dev = index.device
     q_block_ids = q_block_ids.to(device=dev, dtype=torch.int32)
@@ -256,12 +259,19 @@ def build_step_plan(index: VSIndex, q_block_ids: torch.Tensor, k_block_ids: torc
     if slash_bitmap is None:
         slash_bitmap = index.slash_bitmap(num_blocks)
     floor = None if documents is None else documents.key_block_floor
-    parts = convert_step(index.slash, index.n_slash, index.vertical, index.n_vertical, q_block_ids,
-                         k_block_ids, num_blocks, index.block_size, impl=impl, key_block_floor=floor)
+    if isinstance(index, BlockIndex):  # PyTorch on every device: the extension converts slash/columns only
+        if impl not in ("auto", "torch"):
+            raise ValueError(f"build_step_plan: a BlockIndex is converted in PyTorch only (impl 'auto' or 'torch'), "
+                             f"got impl={impl!r}")
+        parts = convert_block_step(index.key_blocks, index.n_key_blocks, q_block_ids, k_block_ids, num_blocks,
+                                   key_block_floor=floor)
+    else:
+        parts = convert_step(index.slash, index.n_slash, index.vertical, index.n_vertical, q_block_ids,
+                             k_block_ids, num_blocks, index.block_size, impl=impl, key_block_floor=floor)
     return StepPlan(index, int(num_blocks), q_block_ids, k_block_ids, slash_bitmap, *parts, documents=documents)
 
 
-def single_device_plan(index: VSIndex, seq_len: int, impl: str = "auto",
+def single_device_plan(index: Union[VSIndex, BlockIndex], seq_len: int, impl: str = "auto",
                        documents: Optional[DocumentBlocks] = None) -> StepPlan:
     """The plan of the full causal sequence on one device."""
     nb = seq_len // index.block_size

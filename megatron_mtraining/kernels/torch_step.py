@@ -1,7 +1,7 @@
 """PyTorch forward/backward of one (query chunk, key chunk) step: the CPU path.
 
 Same contract as the Triton step functions (accumulate into fp32 buffers, gradients from the
-final lse), computed from the mask of ``reference.vs_mask`` in query chunks so memory stays
+final lse), computed from the mask of ``reference.index_mask`` in query chunks so memory stays
 O(chunk * keys). Formulas are written out (not autograd) so the gradient path is independent
 of the reference it is tested against.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import vs_mask
+from .reference import index_mask
 
 QUERY_CHUNK = 1024
 
@@ -30,7 +30,7 @@ def vs_attention_fwd_torch(q, k, v, plan, out, lse, softmax_scale: float, accumu
     q_pos, k_pos = plan.q_positions, plan.k_positions
     for start in range(0, q.shape[2], QUERY_CHUNK):
         rows = slice(start, start + QUERY_CHUNK)
-        mask = vs_mask(plan.index, q_pos[rows], k_pos, plan.num_blocks, plan.cu_seqlens)
+        mask = index_mask(plan.index, q_pos[rows], k_pos, plan.num_blocks, plan.cu_seqlens)
         s = torch.matmul(q[:, :, rows].to(dtype), kf.transpose(-1, -2)) * softmax_scale
         s = s.masked_fill(~mask, float("-inf"))
         m = s.amax(-1, keepdim=True)
@@ -73,7 +73,7 @@ def vs_attention_bwd_torch(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_sc
         rows = slice(start, start + QUERY_CHUNK)
         qc, doc = q[:, :, rows].to(dtype), do[:, :, rows].to(dtype)
         lse_c = lse[:, :, rows].to(dtype)
-        mask = vs_mask(plan.index, q_pos[rows], k_pos, plan.num_blocks, plan.cu_seqlens)
+        mask = index_mask(plan.index, q_pos[rows], k_pos, plan.num_blocks, plan.cu_seqlens)
         s = torch.matmul(qc, kf.transpose(-1, -2)) * softmax_scale
         # lse = -inf only for rows with no key at all: their p is 0.
         lse_safe = torch.where(torch.isfinite(lse_c), lse_c, torch.full_like(lse_c, float("inf")))

@@ -21,9 +21,9 @@ group id for the block masses. Each row tile lies within one document slot, so w
 outside the tile's key range ``[tile_lo, tile_hi]`` are skipped: the scored work is about
 ``last_q`` rows per key of the scored documents, as without documents.
 
-Cost at 128K local keys, 16/2 heads, d 128, L 64 (per pass): QK^T 2 x 1024 x 128K x 128 = 34 GFLOP
-(~0.1 ms on tensor cores), 134M exps, 64 MB of K: each pass ~0.1-0.3 ms, against ~8 ms for
-the PyTorch version, which writes and re-reads the fp32/fp64 score chunks several times.
+Cost at 128K local keys, 16/2 heads, d 128, L 64 (per pass): QK^T 2 x 1024 x 128K x 128 = 34 GFLOP,
+134M exps, 64 MB of K, and no score leaves the chip; the PyTorch version writes and re-reads the
+fp32/fp64 score chunks several times, and is several times slower (docs/performance.md).
 """
 
 from __future__ import annotations

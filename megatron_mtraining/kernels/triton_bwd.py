@@ -208,8 +208,8 @@ def _dkdv_kernel(
                                                    stride_qb, stride_qh, stride_qn, stride_ob, stride_oh,
                                                    stride_on, stride_lb, stride_lh, INT64, UPCAST)
                 # Masked on every tile: a branch to two copies of the tile's code (unmasked off the
-                # diagonal) made this kernel twice as slow on an H200, and a branch around the mask
-                # alone 9% slower (more spills; commit 48f0817).
+                # diagonal) made this kernel twice as slow, and a branch around the mask alone
+                # slower too (more spills).
                 # (DOCS: the key must also lie in the query's document.)
                 q_doc = document_starts(DocStart, q_pos, DOCS)
                 p_t = tl.where(token_mask_t(k_pos, q_pos, q_doc, DOCS), _probs_t(k, q, lse2, qk_scale, DOT_PRECISION),

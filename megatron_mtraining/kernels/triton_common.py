@@ -11,8 +11,8 @@ import triton.language as tl
 
 from .common import interpreting
 
-# Launch settings (num_warps, num_stages) per kernel family, "fwd" or "bwd", that replace the
-# defaults below: benchmarks/kernel.py --launch sets them to compare settings; empty otherwise.
+# Benchmark hook: launch settings (num_warps, num_stages) per kernel family, "fwd" or "bwd", that
+# replace the defaults below: benchmarks/kernel.py --launch sets them to compare settings; empty otherwise.
 LAUNCH_OVERRIDES: dict = {}
 
 

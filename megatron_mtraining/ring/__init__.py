@@ -1,7 +1,7 @@
 """Distributed (context-parallel) sparse ring attention."""
 
 from ..collective.agreement import RingAgreementError
-from .attention import sparse_ring_attention
+from .sparse import sparse_ring_attention
 from .comm import Ring, RingCommunicationError, RingTopology, ring_topology
 from .dense import dense_ring_attention
 from .instrument import imbalance_metrics, record_ring_steps

@@ -11,8 +11,9 @@ A transfer that fails raises ``RingCommunicationError``, naming the ring step, t
 whose data was on its way and the peer it was coming from, with the original error chained:
 when it is posted (``batch_isend_irecv`` raises at once on a closed connection) and when it is
 waited for (``Pending.wait``). A transfer that does not complete fails after the transfer
-timeout (``transfer_timeout``): ``MTRAINING_RING_TIMEOUT_S`` seconds if set, otherwise the
-process group's own timeout (``init_process_group(timeout=...)``; Megatron sets it with
+timeout: ``Settings.ring_timeout_s`` seconds if set (``MTRAINING_RING_TIMEOUT_S``,
+``--mtraining-ring-timeout-s``; the topology carries it), otherwise the process group's own
+timeout (``init_process_group(timeout=...)``; Megatron sets it with
 ``--distributed-timeout-minutes``); the error and the timeout live in ``collective/transport.py``,
 shared with the agreement.
 
@@ -23,6 +24,7 @@ differ between ranks.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -34,7 +36,7 @@ from ..collective.transport import TIMEOUT_ENV, RingCommunicationError, wait_wor
 _LIKELY_CAUSE = ("A peer process died or stopped (look for the first error in the other ranks' logs), or it is "
                  "alive but slower than the transfer timeout: raise it with Megatron's "
                  "--distributed-timeout-minutes, torch.distributed.init_process_group(timeout=...) or "
-                 f"{TIMEOUT_ENV}. See docs/troubleshooting.md.")
+                 f"--mtraining-ring-timeout-s ({TIMEOUT_ENV}). See docs/troubleshooting.md.")
 
 
 class Pending:
@@ -51,8 +53,9 @@ class Pending:
         """The received tensors. ``context``: ``(direction, step, steps, what, source)`` of the
         ring schedule, put into the error message if the transfer fails (no cost otherwise)."""
         try:
+            timeout_s = None if self._ring is None else self._ring.timeout_s
             for work in self._works:
-                wait_work(work)
+                wait_work(work, timeout_s)
         except Exception as err:
             raise RingCommunicationError(self._describe(context, err)) from err
         if self._arrival is not None:
@@ -81,8 +84,10 @@ def describe_failure(ring, context, err: BaseException, posting: bool = False) -
 class Ring:
     """One ring over ``ranks`` (global ranks, ring order) of ``group``; ``index`` is our position."""
 
-    def __init__(self, group, ranks: Sequence[int], index: int, name: str = "flat"):
+    def __init__(self, group, ranks: Sequence[int], index: int, name: str = "flat",
+                 timeout_s: Optional[float] = None):
         self.group = group
+        self.timeout_s = timeout_s  # a transfer's timeout (``Settings.ring_timeout_s``; None: the group's)
         self.name = name  # "flat", "inner" (intra-node) or "outer" (inter-node): error messages
         self.size = len(ranks)
         self.index = index
@@ -106,9 +111,10 @@ class Ring:
         return Pending(received, works, keep_alive=tuple(tensors), arrival=arrival, ring=self)
 
 
-# Called as hook(ring, received) when a transfer is posted; it may return a CUDA event that the data
-# is taken to arrive at (``Pending.wait`` makes the stream wait for it too), or None. Off (None) in
-# training; the ring benchmark's emulated slow inter-node links (benchmarks/slow_link.py) set it.
+# Benchmark hook: called as hook(ring, received) when a transfer is posted; it may return a CUDA
+# event that the data is taken to arrive at (``Pending.wait`` makes the stream wait for it too), or
+# None. Off (None) in training; the ring benchmark's emulated slow inter-node links
+# (benchmarks/slow_link.py) set it.
 _ARRIVAL_HOOK: Optional[Callable] = None
 
 
@@ -135,12 +141,23 @@ class RingTopology:
     def outer_size(self) -> int:
         return self.outer.size
 
+    def with_timeout(self, timeout_s: Optional[float]) -> "RingTopology":
+        """This topology, its rings' transfers waiting at most ``timeout_s`` seconds (None: the
+        process group's timeout); the same process groups, new ``Ring`` objects."""
+        def timed(ring):
+            timed_ring = copy.copy(ring)
+            timed_ring.timeout_s = timeout_s
+            return timed_ring
+        return dataclasses.replace(self, inner=timed(self.inner), outer=timed(self.outer))
+
     def source(self, outer_step: int, inner_step: int) -> int:
         """Group rank whose K/V this rank holds at (outer step, inner step)."""
         node, i = divmod(self.rank, self.inner_size)
         return ((node - outer_step) % self.outer_size) * self.inner_size + (i - inner_step) % self.inner_size
 
 
+# torch.distributed's API: subgroups (NCCL communicators) are created once per (CP group, inner size)
+# by a collective of their members, not per call.
 _SINGLE = None
 _TOPOLOGIES: Dict[Tuple[Tuple[int, ...], int], RingTopology] = {}
 
@@ -158,14 +175,14 @@ def check_inner_size(inner_size: Optional[int], world: int) -> int:
     return inner
 
 
-def _agree_on_inner_size(group, inner: int, world: int) -> None:
+def _agree_on_inner_size(group, inner: int, world: int, timeout_s: Optional[float]) -> None:
     """Before any subgroup exists: every rank of ``group`` must have asked for the same inner
     size (one all-reduce), else ValueError on every rank; never a rank stuck in ``new_group``."""
     both = torch.tensor([inner, -inner], dtype=torch.int64)
     if dist.get_backend(group) == "nccl":
         both = both.cuda()
     try:
-        wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True))
+        wait_work(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout_s)
     except Exception as err:
         raise RingCommunicationError(f"MTraining ring set-up: agreeing on the inner ring size failed: "
                                      f"{type(err).__name__}: {err}\n{_LIKELY_CAUSE}") from err
@@ -176,10 +193,11 @@ def _agree_on_inner_size(group, inner: int, world: int) -> None:
                          "same inner_size (--mtraining-inner-ring-size)")
 
 
-def ring_topology(group=None, inner_size: Optional[int] = None) -> RingTopology:
+def ring_topology(group=None, inner_size: Optional[int] = None, timeout_s: Optional[float] = None) -> RingTopology:
     """The (cached) flat or hierarchical ring of ``group``. The first time for a (group, inner
     size) the ranks agree on the inner size (one all-reduce); subgroups are then created by
-    their members only (``use_local_synchronization``), so no rank waits in ``new_group``."""
+    their members only (``use_local_synchronization``), so no rank waits in ``new_group``.
+    ``timeout_s``: its transfers' timeout (``Settings.ring_timeout_s``; None: the group's)."""
     global _SINGLE
     if not (dist.is_available() and dist.is_initialized()):
         if inner_size not in (None, 1):
@@ -194,7 +212,7 @@ def ring_topology(group=None, inner_size: Optional[int] = None) -> RingTopology:
     key = (tuple(ranks), inner)
     if key not in _TOPOLOGIES:
         if world > 1:
-            _agree_on_inner_size(group, inner, world)
+            _agree_on_inner_size(group, inner, world, timeout_s)
         node, i = divmod(rank, inner)
         if inner in (1, world):  # one level: the group itself is the ring
             flat = Ring(group, ranks, rank)
@@ -208,4 +226,5 @@ def ring_topology(group=None, inner_size: Optional[int] = None) -> RingTopology:
             outer_group = dist.new_group(outer_ranks, use_local_synchronization=True)
             _TOPOLOGIES[key] = RingTopology(world, rank, Ring(inner_group, inner_ranks, i, "inner (intra-node)"),
                                             Ring(outer_group, outer_ranks, node, "outer (inter-node)"))
-    return _TOPOLOGIES[key]
+    topo = _TOPOLOGIES[key]
+    return topo if timeout_s is None else topo.with_timeout(timeout_s)

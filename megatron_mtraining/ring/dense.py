@@ -16,11 +16,12 @@ import torch
 
 from ..attention import check_qkv
 from ..collective import agreement
+from ..config import Settings, settings_or_default
 from ..documents import Documents
 from ..index import VSIndex
-from ..kernels.dense import dense_attention_backward, dense_attention_forward
+from ..kernels.dense_kernels import dense_attention_backward, dense_attention_forward
 from ..kernels.torch_step import merge_partials
-from .attention import RingAttentionFunction, _device_of, call_items, cp_group_of, sparse_ring_attention
+from .sparse import RingAttentionFunction, _device_of, call_items, cp_group_of, sparse_ring_attention
 from .comm import check_inner_size, ring_topology
 
 
@@ -71,7 +72,7 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
                          inner_size: Optional[int] = None, softmax_scale: Optional[float] = None,
                          impl: str = "auto", block_size: int = 64,
                          cu_seqlens: Union[Documents, torch.Tensor, None] = None,
-                         sequence_major_grads: bool = False) -> torch.Tensor:
+                         sequence_major_grads: bool = False, settings: Optional[Settings] = None) -> torch.Tensor:
     """Dense causal attention across the context-parallel ``group`` (same conventions as
     ``sparse_ring_attention``). ``impl`` picks the dense kernel of the zigzag layout ("auto",
     "cudnn", "flash", "torch"); ``block_size`` is the stripe of the striped layout.
@@ -80,10 +81,12 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     tensor, as in ``sparse_ring_attention``) masks attention to each document.
     Either layout then runs the block-skipping sparse kernels with an all-blocks index: they skip
     whole key blocks of earlier documents and mask only blocks that straddle a boundary, which a
-    per-step dense kernel call cannot express on these layouts (``impl`` is then unused)."""
+    per-step dense kernel call cannot express on these layouts (``impl`` is then unused).
+    ``settings``: as in ``sparse_ring_attention``."""
+    settings = settings_or_default(settings, "dense_ring_attention")
     cp_group, world = cp_group_of(group)
     if layout == "striped" or cu_seqlens is not None:
-        with agreement.OwnChecks(cp_group) as checks:
+        with agreement.OwnChecks(cp_group, settings) as checks:
             check_qkv(q, k, v, "torch" if q.device.type == "cpu" else "cuda")  # names the expected shapes
             b, hq, n_local, d = q.shape
             index = VSIndex.dense(b, hq, n_local * world, block_size, device=q.device)
@@ -91,10 +94,11 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
             # Tell the peers (waiting in sparse_ring_attention's agreement), then raise the error here.
             checks.agree("dense_ring_attention", list, _device_of(q))
         return sparse_ring_attention(q, k, v, index, group, layout, inner_size, softmax_scale,
-                                     cu_seqlens=cu_seqlens, sequence_major_grads=sequence_major_grads)
+                                     cu_seqlens=cu_seqlens, sequence_major_grads=sequence_major_grads,
+                                     settings=settings)
     if cp_group is not None:
-        agreement.check_deferred()
-    with agreement.OwnChecks(cp_group) as checks:  # on failure the peers are told in the agreement below
+        agreement.check_deferred(cp_group)
+    with agreement.OwnChecks(cp_group, settings) as checks:  # on failure the peers are told in the agreement below
         if layout != "zigzag":
             raise ValueError(f"layout must be 'striped' or 'zigzag', got {layout!r}")
         check_qkv(q, k, v, "torch" if q.device.type == "cpu" else "cuda")
@@ -106,9 +110,9 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
             check_inner_size(inner_size, world)
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    disagree = checks.agree("dense_ring_attention", lambda: call_items(
+    verdict = checks.agree("dense_ring_attention", lambda: call_items(
         "dense_ring_attention (zigzag)", q, k, v, layout, world if inner_size is None else inner_size, softmax_scale,
         None, None), _device_of(q))
-    topo = ring_topology(group, inner_size)
+    topo = ring_topology(group, inner_size, settings.ring_timeout_s)
     return RingAttentionFunction.apply(q, k, v, topo, DenseZigzagSteps(topo.rank, float(softmax_scale), impl),
-                                       disagree, sequence_major_grads)
+                                       verdict, sequence_major_grads)

@@ -19,6 +19,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+# Megatron's API: the telemetry's step timer, on while a log iteration runs; Megatron's forward
+# passes no argument of ours down to the ring's steps.
 _active: Optional["StepTimer"] = None
 
 # The kind of an interval whose time belongs to every step of its phase (``StepTimer.summary``).

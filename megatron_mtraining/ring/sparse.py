@@ -1,16 +1,20 @@
-"""sparse_ring_attention: vertical-slash attention over a context-parallel group.
+"""sparse_ring_attention: sparse attention over a context-parallel group.
 
-Every rank holds its layout's tokens of q, k, v and the same global ``VSIndex``. The K/V chunks
-go round the ring (flat or hierarchical, ``schedule.py``); at each step the index is converted
-for (this rank's blocks, the source rank's blocks) and the step kernel merges the partial
-result into fp32 accumulators. The backward recomputes from the saved lse; dQ stays local,
-dK/dV travel home with their K/V. The result equals ``sparse_attention`` on the full sequence.
+Every rank holds its layout's tokens of q, k, v and the same global index (a vertical-slash
+``VSIndex`` or a block-sparse ``BlockIndex``). The K/V chunks go round the ring (flat or
+hierarchical, ``schedule.py``); at each step the index is converted for (this rank's blocks, the
+source rank's blocks) and the step kernel merges the partial result into fp32 accumulators. The
+backward recomputes from the saved lse; dQ stays local, dK/dV travel home with their K/V. The
+result equals ``sparse_attention`` on the full sequence.
 
 Per-step fixed costs: the plan of step 0 is built before the ring starts (a conversion error is
 raised before any transfer); the others just before their step (``SparseSteps.prepare``), so the
 host enqueues them while the GPU runs the previous step. The forward's first step writes the fp32
 output rather than merging into zeroed buffers, and so does the backward's first dQ step where dQ
 has its own kernel (Triton).
+
+``RingAttentionFunction`` (the autograd around the ring schedules) and the call's agreement items
+(``call_items``) are shared with ``dense.py``'s ``dense_ring_attention``.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import torch
 import torch.distributed as dist
 
 from ..attention import check_attention_inputs, check_qkv
+from ..block_index import BlockIndex, check_index
+from ..config import Settings, settings_or_default
 from ..documents import Documents
-from ..index import VSIndex, value_checks
-from ..kernels.plan import build_step_plan
+from ..index import VSIndex
+from ..kernels.step_plan import build_step_plan
 from ..kernels.relayout import copy_into, sequence_major_empty
 from ..kernels.dispatch import resolve_backend
 from ..kernels.step import backward_delta, step_backward_keys, step_backward_queries, step_forward
@@ -65,8 +71,8 @@ def cp_group_of(group):
     return (group if world > 1 else None), world
 
 
-def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, index: Optional[VSIndex],
-               documents: Optional[Documents]):
+def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale,
+               index: Union[VSIndex, BlockIndex, None], documents: Optional[Documents]):
     """The agreement items of a ring call (``agreement.agree``): everything that changes the math."""
     dtype = _DTYPES.index(q.dtype) if q.dtype in _DTYPES else host_word(str(q.dtype))
     items = [("function", host_word(function), function),
@@ -87,6 +93,15 @@ def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, i
              "slash offsets", "vertical counts (n_vertical)", "vertical columns"]
     if index is None:
         items += [(name, 0, None) for name in names]
+    elif isinstance(index, BlockIndex):  # the same eight slots; the kind is hashed into the second
+        shape = ("block index",) + tuple(index.key_blocks.shape[:3])
+        items += [("block size", int(index.block_size), index.block_size),
+                  ("index kind, batch, heads and query blocks", host_word(shape), shape),
+                  ("key-block capacity", int(index.capacity), index.capacity),
+                  ("unused", 0, None),
+                  ("key-block counts (n_key_blocks)", Checksum(index.n_key_blocks), "on the device"),
+                  ("key blocks", Checksum(index.key_blocks, index.n_key_blocks), "on the device"),
+                  ("unused", 0, None), ("unused", 0, None)]
     else:
         items += [("block size", int(index.block_size), index.block_size),
                   ("index batch and heads", host_word(tuple(index.slash.shape[:2])), tuple(index.slash.shape[:2])),
@@ -100,15 +115,15 @@ def call_items(function: str, q, k, v, layout: str, inner_size, softmax_scale, i
 
 
 class SparseSteps:
-    """Ring steps of vertical-slash attention: one converted index (plan) per source rank, built by
+    """Ring steps of sparse attention: one converted index (plan) per source rank, built by
     ``build_plan(source)`` on first use (``prepare``) and kept for the backward."""
 
     def __init__(self, build_plan: Callable, world_size: int, softmax_scale: float, backend: str,
-                 build_query_plan: Optional[Callable] = None):
+                 build_query_plan: Optional[Callable] = None, settings: Settings = Settings()):
         self._build_plan = build_plan
         self._build_query_plan = build_query_plan  # this rank's queries against every source's keys
         self.plans: List = [None] * world_size
-        self.softmax_scale, self.backend = softmax_scale, backend
+        self.softmax_scale, self.backend, self.settings = softmax_scale, backend, settings
 
     def prepare(self, source: int) -> None:
         if self.plans[source] is None:
@@ -131,18 +146,19 @@ class SparseSteps:
         return self.backend != "torch"
 
     def forward(self, q, k, v, source, out, lse, accumulate: bool = True):
-        step_forward(self.backend, q, k, v, self.plan(source), out, lse, self.softmax_scale, accumulate=accumulate)
+        step_forward(self.backend, q, k, v, self.plan(source), out, lse, self.softmax_scale, accumulate=accumulate,
+                     settings=self.settings)
 
     def delta(self, out, d_out):
         return backward_delta(self.backend, out, d_out)
 
     def backward_queries(self, q, k, v, d_out, out, lse, delta, source, dq, accumulate_dq: bool = True):
         step_backward_queries(self.backend, q, k, v, d_out, lse, delta, self.plan(source), dq, self.softmax_scale,
-                              accumulate_dq=accumulate_dq)
+                              accumulate_dq=accumulate_dq, settings=self.settings)
 
     def backward_keys(self, q, k, v, d_out, out, lse, delta, source, dq, dk, dv):
         step_backward_keys(self.backend, q, k, v, d_out, lse, delta, self.plan(source), dq, dk, dv,
-                           self.softmax_scale)
+                           self.softmax_scale, settings=self.settings)
 
     def dq_in_one_pass(self, q, k) -> bool:
         """Whether the backward keeps every source's K/V and computes dQ once, after the ring, in
@@ -159,7 +175,7 @@ class SparseSteps:
         """dQ of this rank's queries against ``k_all``/``v_all`` (every source's K/V, source s at
         slot s), written in ``dq``'s dtype."""
         step_backward_queries(self.backend, q, k_all, v_all, d_out, lse, delta, self._build_query_plan(), dq,
-                              self.softmax_scale, accumulate_dq=False)
+                              self.softmax_scale, accumulate_dq=False, settings=self.settings)
 
 
 class RingAttentionFunction(torch.autograd.Function):
@@ -171,7 +187,7 @@ class RingAttentionFunction(torch.autograd.Function):
     there by the last kernel or cast that touches them."""
 
     @staticmethod
-    def forward(ctx, q, k, v, topo, steps, disagree=None, sequence_major_grads=False):
+    def forward(ctx, q, k, v, topo, steps, verdict=None, sequence_major_grads=False):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         b, hq, n, d = q.shape
         writes = getattr(steps, "first_step_writes", False)
@@ -193,14 +209,17 @@ class RingAttentionFunction(torch.autograd.Function):
         prepare = getattr(steps, "prepare", None)
         with torch.profiler.record_function("mtraining::ring forward"):  # a range in profiler traces
             ring_forward(topo, (k, v), lambda kv, source: step(kv[0], kv[1], source), prepare)
-        out = agreement.poison(out, disagree, q.dtype)  # deferred agreement: NaN if the ranks disagreed
+        # Deferred agreement: NaN if the ranks disagreed; the backward raises the verdict's error.
+        out = agreement.poison(out, None if verdict is None else verdict.bad, q.dtype)
+        ctx.verdict_group = None if verdict is None else verdict.group
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.topo, ctx.steps, ctx.sequence_major_grads = topo, steps, sequence_major_grads
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        agreement.check_deferred()  # a disagreement found since the forward: raise it (never waits)
+        if ctx.verdict_group is not None:  # this call's or an earlier one's over its group (never waits)
+            agreement.check_deferred(ctx.verdict_group)
         q, k, v, out, lse = ctx.saved_tensors
         d_out = d_out.contiguous()
         delta = ctx.steps.delta(out, d_out)
@@ -248,24 +267,27 @@ class RingAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: VSIndex, group=None,
-                          layout: str = "striped", inner_size: Optional[int] = None,
+def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: Union[VSIndex, BlockIndex],
+                          group=None, layout: str = "striped", inner_size: Optional[int] = None,
                           softmax_scale: Optional[float] = None, backend: str = "auto",
                           cu_seqlens: Union[Documents, torch.Tensor, None] = None,
-                          sequence_major_grads: bool = False) -> torch.Tensor:
-    """Vertical-slash sparse attention across the context-parallel ``group`` (docs/design.md §3-4).
+                          sequence_major_grads: bool = False, settings: Optional[Settings] = None) -> torch.Tensor:
+    """Sparse attention across the context-parallel ``group`` (docs/design.md §3-4).
 
     q ``[b, hq, n_local, d]`` and k/v ``[b, hkv, n_local, d]`` hold this rank's tokens in the
-    ``layout``'s local order ("striped" or "zigzag"); ``index`` is the same global ``VSIndex`` on
-    every rank. ``inner_size`` (ranks per node, dividing the group size) selects the
-    hierarchical ring; None runs one flat ring. Returns this rank's output ``[b, hq, n_local,
-    d]`` in q's dtype, equal to ``sparse_attention`` on the full sequence at these positions.
+    ``layout``'s local order ("striped" or "zigzag"); ``index`` is the same global ``VSIndex``
+    or ``BlockIndex`` (built for the global length) on every rank. ``inner_size`` (ranks per
+    node, dividing the group size) selects the hierarchical ring; None runs one flat ring.
+    Returns this rank's output ``[b, hq, n_local, d]`` in q's dtype, equal to
+    ``sparse_attention`` on the full sequence at these positions.
     ``cu_seqlens``: packed documents of the GLOBAL sequence, the same on every rank: a
     ``documents.Documents`` (built once per batch, its values checked there) or its int32 tensor
     ``[0, e1, ..., N]`` (its values checked where that is free, as in ``sparse_attention``). Key
     blocks of earlier documents are skipped in every step. ``sequence_major_grads``: the
     gradients of q, k, v come back as ``[b, h, s, d]`` views of ``[s, b, h, d]`` memory, for a
     caller whose tensors were ``[s, b, h, d]`` (Megatron): its permute back is then contiguous.
+    ``settings``: how it runs (``config.Settings``: kernels, agreement, transfer timeout, value
+    checks); None: the environment's (``config.environment_settings``, read at start-up).
 
     On every call the ranks agree on everything that changes the math (shapes, dtype, layout,
     block size, inner_size, softmax scale, the index contents, cu_seqlens' presence and values)
@@ -274,29 +296,29 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     ``RingAgreementError``). On GPUs with NCCL the verdict is read without a host
     synchronisation (deferred: NaN output, then the error at the next call or the backward).
     """
+    settings = settings_or_default(settings, "sparse_ring_attention")
     cp_group, world = cp_group_of(group)
     if cp_group is not None:
-        agreement.check_deferred()
-    with agreement.OwnChecks(cp_group) as checks:  # on failure the peers are told in the agreement below
+        agreement.check_deferred(cp_group)
+    with agreement.OwnChecks(cp_group, settings) as checks:  # on failure the peers are told in the agreement below
         if cp_group is not None:
             check_inner_size(inner_size, world)
         backend = resolve_backend(backend, q.device)
         check_qkv(q, k, v, backend)
-        if not isinstance(index, VSIndex):
-            raise ValueError(f"index must be a VSIndex, got {type(index).__name__}")
+        if not isinstance(index, (VSIndex, BlockIndex)):
+            raise ValueError(f"index must be a VSIndex or a BlockIndex, got {type(index).__name__}")
         seq_len = q.shape[2] * world
         check_layout(seq_len, layout, world, index.block_size)  # names the global length
         check_attention_inputs(q, k, v, index, backend)
-        if value_checks(q.device):  # the CPU always; a GPU with MTRAINING_VALIDATE=1 (it synchronises)
-            index.validate(seq_len)
+        check_index(index, seq_len, settings.validate)  # values: the CPU always; a GPU with validate (synchronises)
         # No collective here: the agreement below compares the ranks' documents.
-        documents = Documents.of(cu_seqlens, seq_len)
+        documents = Documents.of(cu_seqlens, seq_len, validate=settings.validate)
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    disagree = checks.agree("sparse_ring_attention", lambda: call_items(
+    verdict = checks.agree("sparse_ring_attention", lambda: call_items(
         "sparse_ring_attention", q, k, v, layout, world if inner_size is None else inner_size, softmax_scale, index,
         documents), _device_of(q))
-    topo = ring_topology(group, inner_size)  # after the agreement: every rank asks for the same rings
+    topo = ring_topology(group, inner_size, settings.ring_timeout_s)  # after the agreement: the same rings
     B, nb = index.block_size, seq_len // index.block_size
     blocks = _block_ids_on(q.device, seq_len, layout, topo.world_size, B)
     bitmap = index.slash_bitmap(nb)
@@ -309,7 +331,7 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
         return build_step_plan(index, blocks[topo.rank], _all_block_ids_on(q.device, seq_len, layout, topo.world_size, B),
                                nb, slash_bitmap=bitmap, documents=tables)
 
-    steps = SparseSteps(build_plan, topo.world_size, float(softmax_scale), backend, build_query_plan)
+    steps = SparseSteps(build_plan, topo.world_size, float(softmax_scale), backend, build_query_plan, settings)
     with instrument.measure("forward", "plan", 0):  # step 0's (own K/V): an error comes before any transfer
         steps.prepare(topo.rank)
-    return RingAttentionFunction.apply(q, k, v, topo, steps, disagree, sequence_major_grads)
+    return RingAttentionFunction.apply(q, k, v, topo, steps, verdict, sequence_major_grads)

@@ -86,7 +86,7 @@ PATCHES: Tuple[Patch, ...] = (
           optional=True, unless_attr="_get_batch_on_this_cp_rank_per_document_balancing", scan_importers=True),
     # 4. THD RoPE over CP.
     Patch(rope.ROPE_UTILS, "apply_rotary_pos_emb", rope.make_rope_apply, rope.THD_ROPE_REASON, scan_importers=True),
-    # 5-7. Checkpoint resume on installs without Apex or Transformer Engine (the GPU machines' image).
+    # 5-7. Checkpoint resume on installs without Apex or Transformer Engine.
     Patch(optimizer.DISTRIB_OPTIMIZER, "DistributedOptimizer.sharded_state_dict",
           optimizer.make_optimizer_state_before_load, optimizer.LOAD_REASON, **_TORCH_ADAM),
     Patch(optimizer.DISTRIB_OPTIMIZER, "DistributedOptimizer.load_parameter_state_from_dp_zero",

@@ -1,8 +1,9 @@
 """The patch engine: a ``Patch`` names one Megatron attribute to replace; ``install(config, table)``
 applies a table of them (idempotent, reversible, every replacement logged once at INFO),
 ``uninstall()`` restores the exact original objects, ``installed()`` tells, and
-``current_config()`` is the config the replacements read at call time. ``scan_importers``
-patches also reach every loaded ``megatron.*`` module that imported the function by name.
+``current_config()`` is the config the replacements read at call time; ``check_placement``
+refuses a layer config that places tokens otherwise. ``scan_importers`` patches also reach
+every loaded ``megatron.*`` module that imported the function by name.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from ...config import MTrainingConfig
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Patch", "current_config", "install", "installed", "uninstall"]
+__all__ = ["PLACEMENT_FIELDS", "Patch", "check_placement", "current_config", "install", "installed", "uninstall"]
+
+# The settings that decide which tokens a context-parallel rank holds and at which positions: the
+# batch split and the RoPE slicing read them from the installed config, the attention from its own.
+PLACEMENT_FIELDS = ("layout", "block_size")
 
 # Modules scanned for by-name imports of a patched function.
 _SCAN_PREFIXES = ("megatron.",)
@@ -52,6 +57,8 @@ class Patch:
 
 # ------------------------------------------------------------------------------ installed state
 
+# Megatron's API: the installed patches replace Megatron's own functions (batch split, RoPE), which
+# take no argument of ours; the config they read and what to undo live here.
 _lock = threading.RLock()
 _config: Optional[MTrainingConfig] = None
 # (module, attribute, original, replacement), in the order applied.
@@ -69,6 +76,24 @@ def current_config() -> MTrainingConfig:
 def installed() -> bool:
     """Whether ``install`` is in effect."""
     return _config is not None
+
+
+def check_placement(config: MTrainingConfig, where: str) -> None:
+    """ValueError naming both values when the installed patches split batches and slice RoPE with
+    another layout or block size (``PLACEMENT_FIELDS``) than ``config``, the one ``where`` (the
+    attention) computes with: its rank would hold other tokens, at other positions, than it
+    assumes. Nothing to compare when the patches are not installed (the caller shards the tokens)."""
+    cfg = _config
+    if cfg is None or cfg is config:
+        return
+    differ = [(name, getattr(cfg, name), getattr(config, name)) for name in PLACEMENT_FIELDS
+              if getattr(cfg, name) != getattr(config, name)]
+    if differ:
+        listed = "; ".join(f"{name} {theirs!r} in the config given to install() (batch split, RoPE), {mine!r} in "
+                           f"{where}" for name, theirs, mine in differ)
+        raise ValueError(f"MTraining: two configs disagree on which tokens a context-parallel rank holds: {listed}. "
+                         "Give install() and get_gpt_layer_spec() the same MTrainingConfig (the launcher and "
+                         "enable_mtraining do).")
 
 
 # ------------------------------------------------------------------------------ install / uninstall
