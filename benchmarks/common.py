@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_mtraining import VSIndex
+from megatron_mtraining import BlockIndex, VSIndex
 from corpus import PROLONG_MIX
 
 # ----------------------------------------------------------------------------------------------
@@ -451,6 +451,50 @@ def packed_active_pairs(index: VSIndex, cu_seqlens: torch.Tensor, seq_len: int) 
             cols = index.vertical[bi, h, :n].long()
             result[bi, h] += reach[cols // B, doc[cols]].sum()
     return result
+
+
+def moba_density(seq_len: int, block_size: int, moba_block_size: int, top_k: int) -> float:
+    """Mean density of a MoBA index, whatever its gate picks: a query block of MoBA block j keeps
+    min(top_k, j + 1) MoBA blocks, its own up to itself (causal inside the diagonal block)."""
+    B, per = block_size, moba_block_size // block_size
+    i = torch.arange(seq_len // B, dtype=torch.float64)
+    j = torch.div(i, per, rounding_mode="floor")
+    pairs = B * B * ((torch.clamp(j + 1, max=top_k) - 1) * per + (i - j * per)) + B * (B + 1) / 2
+    return float(pairs.sum()) / (seq_len * (seq_len + 1) / 2)
+
+
+def moba_top_k_for_density(seq_len: int, block_size: int, moba_block_size: int, density: float) -> int:
+    """The MoBA top-k whose index density is closest to ``density``."""
+    n_moba = -(-seq_len // moba_block_size)
+    return min(range(1, n_moba + 1),
+               key=lambda k: abs(moba_density(seq_len, block_size, moba_block_size, k) - density))
+
+
+def fixed_moba_index(batch: int, heads: int, seq_len: int, block_size: int = 64, moba_block_size: int = 4096,
+                     top_k: int = 12, device=None, seed: int = 0) -> BlockIndex:
+    """Deterministic synthetic MoBA index (the same on every rank for one seed): per (batch, head,
+    query block) its own MoBA block and ``top_k - 1`` earlier ones drawn at random, each MoBA block's
+    index blocks up to the query block (``block_approx.moba_blocks``'s layout, without a gate)."""
+    if seq_len % block_size or moba_block_size % block_size:
+        raise ValueError(f"sequence length {seq_len} and MoBA block {moba_block_size} must be multiples of "
+                         f"block_size {block_size}")
+    B, per = block_size, moba_block_size // block_size
+    nb, n_moba = seq_len // B, -(-seq_len // moba_block_size)
+    own = (torch.arange(nb) // per)[:, None]
+    moba = torch.arange(n_moba)
+    gen = torch.Generator().manual_seed(seed)
+    gate = torch.rand(batch, heads, nb, n_moba, generator=gen)
+    gate = gate.masked_fill(moba > own, float("-inf")).masked_fill(moba == own, float("inf"))
+    values, chosen = gate.topk(min(top_k, n_moba), dim=-1)
+    chosen = torch.where(values > float("-inf"), chosen, n_moba).sort(-1).values   # n_moba: not chosen
+    blocks = (chosen[..., None] * per + torch.arange(per)).flatten(-2)              # ascending
+    valid = (chosen < n_moba).repeat_interleave(per, -1) & (blocks <= torch.arange(nb)[:, None])
+    capacity = min(blocks.shape[-1], nb)
+    slot = torch.cumsum(valid, -1) - 1
+    out = torch.zeros(batch, heads, nb, capacity + 1, dtype=torch.int32)
+    out.scatter_(-1, torch.where(valid & (slot < capacity), slot, capacity), (blocks * valid).to(torch.int32))
+    counts = valid.sum(-1, dtype=torch.int32).clamp_(max=capacity)
+    return BlockIndex(out[..., :capacity].contiguous().to(device), counts.to(device), B)
 
 
 def fixed_packed_index(batch: int, heads: int, seq_len: int, cu_seqlens: torch.Tensor, block_size: int = 64,

@@ -10,8 +10,15 @@ length it records, each item on its own so one failure loses nothing else:
   flex   compiled FlexAttention with a 128-block BlockMask of exactly the same active pairs;
   effective TFLOP/s, peak extra memory, speed ratios, and a correctness spot check.
 
+With ``--index block`` each length also runs a block-sparse ``BlockIndex`` of about the same
+density (``--block-pattern moba``: the MoBA builder's index on the benchmark's own q/k, top-k
+chosen for the density; ``random``: random key blocks) through the same kernels and through
+FlexAttention with the same BlockMask: its TFLOP/s on active pairs over the vertical-slash
+kernel's, and FlexAttention's time over ours.
+
     python benchmarks/kernel.py                  # GPU: writes benchmarks/results/kernel_<device>.json
     python benchmarks/kernel.py --smoke          # tiny CPU run of the whole script
+    python benchmarks/kernel.py --seq-lens 131072 --index block --block-pattern moba --skip dense,flex  # block keys
 """
 
 from __future__ import annotations
@@ -33,9 +40,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import (describe_index, device_slug, fixed_vs_index, json_ready, kernel_times_ms,  # noqa: E402
-                    median, peak_extra_mb, relative_l2, run_metadata, synchronize, tflops, time_ms)
+                    median, moba_top_k_for_density, peak_extra_mb, relative_l2, run_metadata,
+                    synchronize, tflops, time_ms)
 
-from megatron_mtraining import reference_attention, sparse_attention  # noqa: E402
+from megatron_mtraining import BlockIndex, MTrainingConfig, reference_attention, sparse_attention  # noqa: E402
+from megatron_mtraining.block_approx import moba_index  # noqa: E402
 from megatron_mtraining.kernels import resolve_backend, single_device_plan, step_backward  # noqa: E402
 from megatron_mtraining.config import KERNEL_CHOICES, Settings, environment_settings  # noqa: E402
 from megatron_mtraining.kernels.dispatch import backward_kernel, forward_kernel  # noqa: E402
@@ -73,6 +82,9 @@ class Config:
     launch: str = ""  # "fwd:WxS,bwd:WxS" num_warps x num_stages overrides ("" = the defaults)
     forward_kernel: str = "auto"  # kernels/dispatch.py KERNEL_CHOICES: the GPU forward (auto: Hopper's on sm_90)
     backward_kernel: str = "auto"  # the same for the backward's dK/dV (key blocks and columns)
+    index: str = "vs"  # "block": also a block-sparse index of about the same density (INDEX_KINDS)
+    block_pattern: str = "moba"  # BLOCK_PATTERNS
+    moba_block_size: int = 512  # tokens per MoBA key block (a multiple of block_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -163,8 +175,10 @@ def kernel_breakdown(fn: Callable, args: Sequence) -> Dict:
 
 
 def kernel_settings(cfg: Config) -> Settings:
-    """The settings our attention runs with: the kernels asked for (--forward-kernel, --backward-kernel)."""
-    return Settings(forward_kernel=cfg.forward_kernel, backward_kernel=cfg.backward_kernel)
+    """The settings our attention runs with: the kernels asked for (--forward-kernel, --backward-kernel)
+    and their launch settings (--launch)."""
+    return Settings(forward_kernel=cfg.forward_kernel, backward_kernel=cfg.backward_kernel,
+                    kernel_launch=parse_launch(cfg.launch))
 
 
 def backward_step_inputs(index, arg_sets, backend: str, scale: float, settings: Settings) -> List[tuple]:
@@ -286,12 +300,18 @@ def flex_block_mask(index, seq_len: int, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
     B = index.block_size
-    slash = index.slash_bitmap(seq_len // B).bool()   # [b, h, num_blocks]
-    columns = index.column_mask(seq_len)               # [b, h, seq_len]
+    if isinstance(index, BlockIndex):
+        blocks = index.to_mask()                       # [b, h, num_blocks, num_blocks]
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        delta = (q_idx // B - kv_idx // B).clamp(min=0)  # causal below makes the clamped pairs inactive
-        return (kv_idx <= q_idx) & (slash[b, h, delta] | columns[b, h, kv_idx])
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & blocks[b, h, q_idx // B, kv_idx // B]
+    else:
+        slash = index.slash_bitmap(seq_len // B).bool()   # [b, h, num_blocks]
+        columns = index.column_mask(seq_len)               # [b, h, seq_len]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            delta = (q_idx // B - kv_idx // B).clamp(min=0)  # causal below makes the clamped pairs inactive
+            return (kv_idx <= q_idx) & (slash[b, h, delta] | columns[b, h, kv_idx])
 
     # _compile=True: without it create_block_mask materialises the dense mask (OOM at 128K).
     # torch 2.11 flags the argument as deprecated but still honours it; keep the log clean.
@@ -330,6 +350,78 @@ def bench_flex(index, seq_len: int, arg_sets, cfg: Config, device: torch.device)
 
 
 # ----------------------------------------------------------------------------------------------
+# Block-sparse index (--index block): the same kernels and FlexAttention on a BlockIndex
+# ----------------------------------------------------------------------------------------------
+
+INDEX_KINDS = ("vs", "block")
+BLOCK_PATTERNS = ("moba", "random")
+
+
+def moba_top_k_for(seq_len: int, cfg: Config) -> int:
+    """The top-k whose MoBA index density is closest to ``cfg.density``."""
+    return moba_top_k_for_density(seq_len, cfg.block_size, cfg.moba_block_size, cfg.density)
+
+
+def random_block_index(cfg: Config, seq_len: int, device: torch.device) -> BlockIndex:
+    """Each causal key block kept with the probability that gives ``cfg.density`` (the diagonal
+    always); the capacity is the widest row (the plan's lists are no longer than needed)."""
+    B = cfg.block_size
+    nb = seq_len // B
+    diagonal = nb * B * (B + 1) / 2
+    below = B * B * nb * (nb - 1) / 2
+    p = min(max((cfg.density * seq_len * (seq_len + 1) / 2 - diagonal) / below, 0.0), 1.0) if nb > 1 else 0.0
+    gen = torch.Generator().manual_seed(cfg.seed + seq_len)
+    mask = torch.rand(cfg.batch, cfg.heads, nb, nb, generator=gen) < p
+    full = (mask & torch.ones(nb, nb, dtype=torch.bool).tril()) | torch.eye(nb, dtype=torch.bool)
+    return BlockIndex.from_mask(full.to(device), B, max_blocks=int(full.sum(-1).max()))
+
+
+def block_index_for(cfg: Config, seq_len: int, device: torch.device, q: torch.Tensor, k: torch.Tensor):
+    """(BlockIndex, how it was made) of ``cfg.block_pattern`` at about ``cfg.density``."""
+    if cfg.block_pattern == "random":
+        return random_block_index(cfg, seq_len, device), {"pattern": "random"}
+    top_k = moba_top_k_for(seq_len, cfg)
+    config = MTrainingConfig(block_size=cfg.block_size, index="moba", moba_block_size=cfg.moba_block_size,
+                             moba_top_k=top_k, settings=kernel_settings(cfg))
+    with torch.no_grad():
+        index = moba_index(q.detach(), k.detach(), config)
+    return index, {"pattern": "moba", "moba_block_size": cfg.moba_block_size, "moba_top_k": top_k,
+                   "built_by": "block_approx.moba_index on the first input set"}
+
+
+def describe_block_index(index: BlockIndex, seq_len: int) -> Dict:
+    """``describe_index``'s figures for a BlockIndex."""
+    dens = index.density(seq_len).float()
+    causal_pairs = seq_len * (seq_len + 1) / 2
+    return {"density_mean": float(dens.mean()), "density_min": float(dens.min()), "density_max": float(dens.max()),
+            "capacity": index.capacity, "max_key_blocks": int(index.n_key_blocks.max()),
+            "active_pairs": float(dens.sum()) * causal_pairs, "causal_pairs_per_head": causal_pairs}
+
+
+def bench_block(cfg: Config, seq_len: int, arg_sets, device: torch.device, vs_entry: Dict) -> Dict:
+    """The block index through our kernels and FlexAttention; rates against the VS run of ``vs_entry``."""
+    section: Dict = {"pattern": cfg.block_pattern}
+    q, k = arg_sets[0][:2]
+    built = attempt(section, "index", lambda: block_index_for(cfg, seq_len, device, q, k), keep=False)
+    if built is None:
+        return section
+    index, made = built
+    section["index"] = dict(describe_block_index(index, seq_len), **made)
+    section["ours"] = bench_ours(cfg, index, seq_len, arg_sets, device)
+    if device.type != "cuda":
+        section["flex"] = {"skipped": "no CUDA"}
+    else:
+        section["flex"] = ({"skipped": "--skip block_flex"} if "block_flex" in cfg.skip
+                           else bench_flex(index, seq_len, arg_sets, cfg, device))
+    add_rates(section, cfg, seq_len)
+    vs = vs_entry.get("ours", {})
+    section["rate_ratio_over_vs"] = {
+        kind: section["ours"][f"{kind}_tflops"] / vs[f"{kind}_tflops"] for kind in ("fwd", "fwdbwd")
+        if section["ours"].get(f"{kind}_tflops") and vs.get(f"{kind}_tflops")}
+    return section
+
+
+# ----------------------------------------------------------------------------------------------
 # Correctness spot check: the benchmark's own generator on a short sequence
 # ----------------------------------------------------------------------------------------------
 
@@ -359,6 +451,34 @@ def spot_check(cfg: Config, device: torch.device) -> Dict:
     attempt(result, "ours", lambda: check(lambda *a: sparse_attention(*a, index, backend=backend,
                                                                       settings=kernel_settings(cfg))))
     if device.type == "cuda" and "flex" not in cfg.skip:
+        attempt(result, "flex", lambda: check(flex_attention_fn(flex_block_mask(index, seq_len, device))))
+    if cfg.index == "block":
+        attempt(result, "block", lambda: spot_check_block(cfg, device, q, k, v, dout))
+    return result
+
+
+def spot_check_block(cfg: Config, device: torch.device, q, k, v, dout) -> Dict:
+    """The block index of ``cfg.block_pattern`` (ours and Flex's mask) against the fp32 reference."""
+    seq_len = q.shape[2]
+    index, made = block_index_for(cfg, seq_len, device, q, k)
+    result: Dict = {"pattern": cfg.block_pattern, "density": float(index.density(seq_len).mean()), **made}
+    ref_inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    ref_out = reference_attention(*ref_inputs, index)[0]
+    ref_grads = torch.autograd.grad(ref_out, ref_inputs, dout.float())
+    ref_out = ref_out.detach()
+
+    def check(attn):
+        out = attn(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        errors = {"out": relative_l2(out, ref_out)}
+        errors.update({f"d{n}": relative_l2(g, r) for n, g, r in zip("qkv", grads, ref_grads)})
+        errors["pass"] = all(e < CHECK_TOLERANCE for e in errors.values())
+        return errors
+
+    backend = resolve_backend(cfg.backend, device)
+    attempt(result, "ours", lambda: check(lambda *a: sparse_attention(*a, index, backend=backend,
+                                                                      settings=kernel_settings(cfg))))
+    if device.type == "cuda" and "block_flex" not in cfg.skip:
         attempt(result, "flex", lambda: check(flex_attention_fn(flex_block_mask(index, seq_len, device))))
     return result
 
@@ -406,6 +526,9 @@ def bench_seq_len(cfg: Config, seq_len: int, device: torch.device, dense_choice)
         entry["flex"] = ({"skipped": "--skip flex"} if "flex" in cfg.skip
                          else bench_flex(index, seq_len, arg_sets, cfg, device))
     add_rates(entry, cfg, seq_len)
+    if cfg.index == "block":
+        del index
+        entry["block"] = bench_block(cfg, seq_len, arg_sets, device, entry)
     return entry
 
 
@@ -437,7 +560,24 @@ def print_table(result: Dict) -> None:
               f"{fmt(o.get('fwdbwd_tflops'), '.0f', 7)} {fmt(o.get('plan_ms'), '.2f', 6)}")
     print("(ms, median; blk = share of causal 128-blocks Flex computes; 'x dense' / 'x flex' = their\n"
           " fwd+bwd time over ours; TF/s fb = ours on active pairs; ours f includes the plan conversion)")
+    for r in result["runs"]:
+        if "block" in r:
+            b = r["block"]
+            o, f = b.get("ours", {}), b.get("flex", {})
+            print(f"block {b['pattern']} S={r['seq_len']} density {fmt(b.get('index', {}).get('density_mean'), '.3f', 5)}: "
+                  f"ours fb {fmt(o.get('fwdbwd_ms'))} ms, {fmt(o.get('fwdbwd_tflops'), '.0f', 4)} TF/s "
+                  f"(x{fmt(b.get('rate_ratio_over_vs', {}).get('fwdbwd'), '.2f', 4)} the VS rate); flex fb "
+                  f"{fmt(f.get('fwdbwd_ms'))} ms (x{fmt(b.get('speedup', {}).get('flex_over_ours_fwdbwd'), '.1f', 4)})")
+            for name in ("index", "ours", "flex"):
+                for key, msg in (b.get("errors", {}) if name == "index" else b.get(name, {}).get("errors", {})).items():
+                    print(f"error S={r['seq_len']} block {name} {key}: {msg[:160]}")
     check = result.get("check", {})
+    block_check = check.get("block") if isinstance(check.get("block"), dict) else {}
+    for name in ("ours", "flex"):
+        if isinstance(block_check.get(name), dict):
+            c = block_check[name]
+            print(f"check S={check['seq_len']} block {block_check['pattern']} {name}: out {c['out']:.2e} "
+                  f"dq {c['dq']:.2e} dk {c['dk']:.2e} dv {c['dv']:.2e} -> {'pass' if c['pass'] else 'FAIL'}")
     for name in ("ours", "flex"):
         if isinstance(check.get(name), dict):
             c = check[name]
@@ -470,7 +610,14 @@ def parse_args(argv=None):
     p.add_argument("--input-sets", type=int, default=3, help="input sets rotated between repetitions")
     p.add_argument("--check-len", type=int, default=4096, help="sequence length of the correctness check")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--skip", default="", help="comma-separated: dense, flex, breakdown, check")
+    p.add_argument("--skip", default="", help="comma-separated: dense, flex, breakdown, check, block_flex")
+    p.add_argument("--index", default="vs", choices=INDEX_KINDS,
+                   help="block: also time a block-sparse index of about the same density (--block-pattern) through "
+                   "our kernels and FlexAttention, against the vertical-slash kernel")
+    p.add_argument("--block-pattern", default="moba", choices=BLOCK_PATTERNS,
+                   help="moba: the MoBA builder's index on the benchmark's q/k (top-k for --density); random: random "
+                   "key blocks")
+    p.add_argument("--moba-block-size", type=int, default=512, help="tokens per MoBA key block (--block-pattern moba)")
     p.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on CPU: tests the script itself")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/kernel_<device>.json)")
     p.add_argument("--launch", default="", help="launch settings instead of the defaults, e.g. fwd:4x3,bwd:8x2m "
@@ -510,22 +657,19 @@ def parse_launch(text: str) -> Dict[str, dict]:
 def sweep(cfg: Config, candidates: str, device: torch.device) -> Dict:
     """Our fwd and fwd+bwd times per launch setting: each fwd candidate with the default bwd,
     then each bwd candidate with the default fwd (the two families are independent kernels)."""
-    from megatron_mtraining.kernels import triton_common
     rows = []
-    ours_only = dataclasses.replace(cfg, skip=tuple(cfg.skip) + ("breakdown",))
     for seq_len in cfg.seq_lens:
         index, arg_sets = index_and_inputs(cfg, seq_len, device)  # the same inputs for every setting
         for family in ("fwd", "bwd"):
             for setting in filter(None, candidates.split(",")):
-                triton_common.LAUNCH_OVERRIDES.clear()
-                triton_common.LAUNCH_OVERRIDES.update(parse_launch(f"{family}:{setting}"))
+                ours_only = dataclasses.replace(cfg, skip=tuple(cfg.skip) + ("breakdown",),
+                                                launch=f"{family}:{setting}")
                 ours = bench_ours(ours_only, index, seq_len, arg_sets, device)
                 rows.append({"family": family, "launch": setting, "seq_len": seq_len,
                              "fwd_ms": ours.get("fwd_ms"), "fwdbwd_ms": ours.get("fwdbwd_ms"),
                              "errors": ours.get("errors")})
                 print(f"{family} {setting:>5} S={seq_len}: fwd {fmt(ours.get('fwd_ms'))} ms, "
                       f"fwd+bwd {fmt(ours.get('fwdbwd_ms'))} ms", flush=True)
-    triton_common.LAUNCH_OVERRIDES.clear()
     return {"benchmark": "kernel_sweep", "meta": run_metadata(device), "config": dataclasses.asdict(cfg),
             "rows": rows}
 
@@ -535,11 +679,16 @@ def make_config(args) -> Config:
     if args.smoke:
         return Config(seq_lens=[256], block_size=64, heads=4, kv_heads=2, head_dim=64, dtype="fp32",
                       density=args.density, seed=args.seed, backend="torch", warmup=1, reps=3,
-                      input_sets=2, check_len=256, skip=skip, smoke=True, launch=args.launch)
+                      input_sets=2, check_len=256, skip=skip, smoke=True, launch=args.launch,
+                      index=args.index, block_pattern=args.block_pattern, moba_block_size=128)
+    if args.moba_block_size < args.block_size or args.moba_block_size % args.block_size:
+        raise SystemExit(f"kernel.py: --moba-block-size {args.moba_block_size} must be a multiple of --block-size "
+                         f"{args.block_size}")
     return Config(seq_lens=[int(s) for s in args.seq_lens.split(",")], block_size=args.block_size,
                   density=args.density, seed=args.seed, backend=args.backend, warmup=args.warmup,
                   reps=args.reps, input_sets=args.input_sets, check_len=args.check_len, skip=skip,
-                  launch=args.launch, forward_kernel=args.forward_kernel, backward_kernel=args.backward_kernel)
+                  launch=args.launch, forward_kernel=args.forward_kernel, backward_kernel=args.backward_kernel,
+                  index=args.index, block_pattern=args.block_pattern, moba_block_size=args.moba_block_size)
 
 
 def output_path(args, device: torch.device) -> str:
@@ -554,8 +703,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = make_config(args)
     device = torch.device("cuda" if torch.cuda.is_available() and not cfg.smoke else "cpu")
-    from megatron_mtraining.kernels import triton_common
-    triton_common.LAUNCH_OVERRIDES.update(parse_launch(cfg.launch))
+    parse_launch(cfg.launch)  # a bad --launch fails before any run
     if args.sweep:
         if cfg.launch:
             raise SystemExit("kernel.py: --sweep tries each setting against the other family's defaults; "

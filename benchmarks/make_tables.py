@@ -147,8 +147,30 @@ def render_kernel(results: List[Result]) -> str:
         text.append("FlexAttention gets a 128-block BlockMask of exactly the same pairs; the blocks it "
                     "computes, as a share of the causal blocks: " + ", ".join(notes) + ".")
         text.append("")
+    block_rows = block_kernel_rows(results)
+    if block_rows:
+        text += ["Block-sparse indices (`kernel.py --index block`) through the same kernels, beside the vertical-slash "
+                 "index of the same run; FlexAttention gets the same BlockMask (128-blocks, exactly the same pairs).",
+                 "", table(["device", "S", "pattern", "density (VS)", "ours fwd / fwd+bwd ms", "Flex fwd / fwd+bwd ms",
+                            "TFLOP/s fwd+bwd", "rate over VS", "vs Flex fwd+bwd"], block_rows), ""]
     text.append(source_line(results))
     return "\n".join(text)
+
+
+def block_kernel_rows(results: List[Result]) -> List[List[str]]:
+    rows = []
+    for _, data in results:
+        for run in data.get("runs", []):
+            block = run.get("block")
+            if not block:
+                continue
+            ours, flex, made = block.get("ours", {}), block.get("flex", {}), block.get("index", {})
+            rows.append([data.get("meta", {}).get("device", "?"), tokens(run["seq_len"]), block.get("pattern", "?"),
+                         f"{num(made.get('density_mean'), 3)} ({num(run.get('index', {}).get('density_mean'), 3)})",
+                         pair(ours.get("fwd_ms"), ours.get("fwdbwd_ms")), pair(flex.get("fwd_ms"), flex.get("fwdbwd_ms")),
+                         num(ours.get("fwdbwd_tflops"), 0), num(block.get("rate_ratio_over_vs", {}).get("fwdbwd")),
+                         num(block.get("speedup", {}).get("flex_over_ours_fwdbwd"), 1)])
+    return rows
 
 
 @renderer("packed")
@@ -190,6 +212,7 @@ RING_LABELS = {
     "sparse_zigzag": "sparse ring, zigzag",
     "sparse_striped": "sparse ring, striped",
     "sparse_striped_hier": "sparse ring, striped, hierarchical",
+    "sparse_moba": "sparse ring, striped, MoBA pattern",
 }
 
 
@@ -613,6 +636,11 @@ TARGETS = {  # key: (comparison, target)
     # Packed documents (packed.json): ours vs Flex's document-causal attention; our per-pair rate packed over
     # the unpacked kernel's (kernel_fwdbwd_effective_tflops_128k).
     "packed_speedup_vs_flex_doc_128k": (">=", 8), "packed_effective_tflops_ratio_128k": (">=", 0.9),
+    # Block-sparse indices (kernel.py --index block, MoBA pattern at about the VS density): the same kernels'
+    # TFLOP/s on active pairs over the vertical-slash index's, fwd+bwd; FlexAttention with the same BlockMask.
+    "block_kernel_rate_ratio_128k": (">=", 0.9), "block_speedup_vs_flex_128k": (">=", 2),
+    # The MoBA pattern on the striped ring (ring.py --variants ...,sparse_moba), 512K over 4 GPUs.
+    "ring_moba_speedup_vs_dense_512k_4gpu": (">=", 7), "ring_moba_worker_imbalance": ("<=", 1.1),
     # Training quality (quality.json: the default settings; its variants are ablations).
     "final_loss_gap": ("abs <=", 0.02), "retrieval_accuracy_gap": ("<=", 2.0), "mean_density": ("<=", 0.10),
     # The same with packed documents (quality_packed.json; density of document-causal pairs).
@@ -668,6 +696,23 @@ def flagship_values(flagship: List[Result]) -> Dict[str, Tuple]:
     return values
 
 
+def block_kernel_values(path: str, data: Dict) -> Dict[str, Tuple]:
+    """The block-sparse kernel keys of a ``kernel.py --index block`` result at 128K (MoBA pattern only)."""
+    values: Dict[str, Tuple] = {}
+    for run in data.get("runs", []):
+        block = run.get("block", {})
+        if run["seq_len"] != 131072 or block.get("pattern") != "moba":
+            continue
+        made = block.get("index", {})
+        where = (f"MoBA, {made.get('moba_block_size')}-token blocks, top-{made.get('moba_top_k')}, density "
+                 f"{num(made.get('density_mean'), 3)} (VS {num(run.get('index', {}).get('density_mean'), 3)})")
+        values["block_kernel_rate_ratio_128k"] = (block.get("rate_ratio_over_vs", {}).get("fwdbwd"), path,
+                                                  f"fwd+bwd TFLOP/s on active pairs; {where}")
+        values["block_speedup_vs_flex_128k"] = (block.get("speedup", {}).get("flex_over_ours_fwdbwd"), path,
+                                                f"fwd+bwd; {where}")
+    return values
+
+
 def summarise(results: Dict[str, List[Result]]) -> Dict:
     """The target figures found in the results (None where not measured yet), with sources."""
     values: Dict[str, Tuple] = {}  # key -> (value, source, note)
@@ -675,6 +720,9 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
         cfg = data.get("config", {})
         if cfg.get("density") != 0.05 or cfg.get("block_size", 64) != 64:
             continue  # the targets' shape only (the other figures, e.g. kernel_report_*, are tabled)
+        if cfg.get("index", "vs") == "block":
+            values.update(block_kernel_values(path, data))
+            continue  # the vertical-slash keys come from the plain runs
         for run in data.get("runs", []):
             sp = run.get("speedup", {})
             if run["seq_len"] == 131072:
@@ -694,6 +742,7 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
                 "over the unpacked kernel at 5% of causal pairs (4x the work per query block); over the unpacked "
                 f"kernel at the same work: {num(ratios.get('packed_over_unpacked_equal_work_tflops_fwdbwd'))}")
     imbalances = []  # (path, data, the 512K 4-GPU striped run's imbalance figures)
+    moba_runs = []  # (path, data, the 512K 4-GPU run's sparse_moba section, its index)
     for path, data in results.get("ring", []):
         if data.get("config", {}).get("slow_link_gbps"):  # emulated slow link: its own key below
             continue
@@ -701,6 +750,8 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
             if run["seq_len"] != 524288 or run["world_size"] != 4:
                 continue
             striped, zigzag = run["variants"].get("sparse_striped", {}), run["variants"].get("sparse_zigzag", {})
+            if run["variants"].get("sparse_moba", {}).get("speedup", {}).get("vs_best_dense"):
+                moba_runs.append((path, data, run["variants"]["sparse_moba"], run.get("moba_index", {})))
             if striped.get("speedup", {}).get("vs_best_dense"):  # a scaling run has no dense baseline
                 values["ring_speedup_vs_dense_512k_4gpu"] = (striped["speedup"]["vs_best_dense"], path, "")
             if striped.get("fwdbwd_ms") and zigzag.get("fwdbwd_ms"):
@@ -719,6 +770,15 @@ def summarise(results: Dict[str, List[Result]]) -> Dict:
         return meta.get("device") == "NVIDIA H200", meta.get("time_utc") or ""
 
     measured_at = {path: precedence((path, data)) for path, data in results.get("ring", [])}
+    if moba_runs:  # the MoBA pattern's figures, from the run with precedence
+        path, data, moba, made = max(moba_runs, key=lambda entry: precedence(entry[:2]))
+        imbalance = moba.get("steps", {}).get("fwd_bwd", {}).get("imbalance", {})
+        where = (f"{moba.get('pattern', 'MoBA')}, density {num(made.get('density_mean'), 3)}, striped ring; step "
+                 f"imbalance {num(imbalance.get('step_imbalance'))}, computation ratio "
+                 f"{num(imbalance.get('computation_ratio'))}; commit {short_commit(data)}")
+        values["ring_moba_speedup_vs_dense_512k_4gpu"] = (moba["speedup"]["vs_best_dense"], path,
+                                                          f"fwd+bwd over the faster dense ring; {where}")
+        values["ring_moba_worker_imbalance"] = (imbalance.get("worker_imbalance"), path, where)
     if imbalances:  # the paper's imbalance figures, from the run with precedence
         path, data, imbalance = max(imbalances, key=lambda entry: precedence(entry[:2]))
         for key, value in imbalance.items():

@@ -12,6 +12,7 @@ not break down per compile variant.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -24,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernel import Config, forward_and_backward, index_and_inputs, parse_launch  # noqa: E402
 
 from megatron_mtraining import sparse_attention  # noqa: E402
-from megatron_mtraining.kernels import column_words, triton_bwd, triton_common, triton_delta, triton_fwd  # noqa: E402
+from megatron_mtraining.config import environment_settings  # noqa: E402
+from megatron_mtraining.kernels import column_words, triton_bwd, triton_delta, triton_fwd  # noqa: E402
 
 
 def compiled_variants():
@@ -54,12 +56,12 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_kernels.py needs a CUDA device")
-    triton_common.LAUNCH_OVERRIDES.update(parse_launch(args.launch))
+    settings = dataclasses.replace(environment_settings(), kernel_launch=parse_launch(args.launch))
     cfg = Config(seq_lens=[args.seq_len], block_size=args.block_size)
     device = torch.device("cuda")
     index, arg_sets = index_and_inputs(cfg, args.seq_len, device)
     scale = 1.0 / math.sqrt(cfg.head_dim)
-    run = forward_and_backward(lambda q, k, v: sparse_attention(q, k, v, index, scale, "triton"))
+    run = forward_and_backward(lambda q, k, v: sparse_attention(q, k, v, index, scale, "triton", settings=settings))
     for _ in range(2):
         run(*arg_sets[0])
     torch.cuda.synchronize()

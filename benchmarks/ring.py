@@ -14,6 +14,9 @@ Variants, each measured on its own (a failure is recorded and the run goes on):
   sparse_zigzag        sparse_ring_attention, zigzag layout, flat ring
   sparse_striped       sparse_ring_attention, striped layout, flat ring
   sparse_striped_hier  the same on the hierarchical ring (inner_size 2; needs W > 2)
+  sparse_moba          only when named: a MoBA-pattern BlockIndex (--moba-block-size, top-k for
+                       --density unless --moba-top-k) on the striped ring (make_tables.py's
+                       ring_moba_speedup_vs_dense_512k_4gpu)
 
 Times: forward+backward (``out.backward(grad)``) and forward-only milliseconds, CUDA events,
 a barrier before every repetition, median over repetitions per rank, then the max over ranks.
@@ -31,6 +34,8 @@ device and commit: ``ring_strong_scaling_<W>gpu`` and ``ring_weak_scaling_<T>k_p
     python -m torch.distributed.run --nproc_per_node 2 benchmarks/ring.py --smoke         # tiny fp32 run on CPU (gloo)
     python -m torch.distributed.run --nproc_per_node 4 benchmarks/ring.py --tokens-per-gpu 16384,32768,131072 \
         --variants sparse_striped --no-fwd                                                 # weak scaling, 4 GPUs
+    python -m torch.distributed.run --nproc_per_node 4 benchmarks/ring.py --seq-lens 524288 \
+        --variants dense_zigzag,sparse_striped,sparse_moba                                 # MoBA pattern, 4 GPUs
 """
 
 from __future__ import annotations
@@ -52,9 +57,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import (cu_seqlens_of, describe_index, device_slug, document_mix, fixed_packed_index,  # noqa: E402
-                    fixed_vs_index, json_ready, median, run_metadata, synchronize)
+from common import (cu_seqlens_of, describe_index, device_slug, document_mix, fixed_moba_index,  # noqa: E402
+                    fixed_packed_index, fixed_vs_index, json_ready, median, moba_top_k_for_density, run_metadata,
+                    synchronize)
 
+from megatron_mtraining import BlockIndex  # noqa: E402
 from megatron_mtraining.documents import Documents  # noqa: E402
 from megatron_mtraining.ring import (dense_ring_attention, imbalance_metrics, record_ring_steps,  # noqa: E402
                                      sparse_ring_attention)
@@ -63,6 +70,8 @@ DEFAULT_SEQ_LENS = "262144,524288"
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VARIANTS = ("dense_zigzag", "torch_native_cp", "sparse_zigzag", "sparse_striped", "sparse_striped_hier")
+# Run only when --variants names them: sparse_moba, a MoBA-pattern BlockIndex on the striped ring.
+OPTIONAL_VARIANTS = ("sparse_moba",)
 DENSE_BASELINES = ("dense_zigzag", "torch_native_cp")
 NOTES = [
     "Times are the max over ranks of each rank's median; speedup = the faster dense baseline "
@@ -101,6 +110,8 @@ class Config:
     documents: bool = False  # pack common.DOCUMENT_MIX_128K (scaled) into every sequence
     tokens_per_gpu: Sequence[int] = ()  # weak scaling: these tokens per GPU (S = T x W), beside seq_lens
     kernel_profile: bool = False  # one more fwd+bwd under torch.profiler: its kernels' time on rank 0
+    moba_block_size: int = 4096  # sparse_moba: tokens per MoBA key block (MoBA's default)
+    moba_top_k: int = 0  # sparse_moba: MoBA blocks per query block; 0: the top-k closest to `density`
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,15 +359,26 @@ def local_inputs(cfg: Config, seq_len: int, device: torch.device) -> Dict[str, t
             "v": rand(cfg.kv_heads).requires_grad_(), "grad": rand(cfg.heads)}
 
 
+def ring_settings(cfg: Config):
+    """The ring calls' settings: the environment's, with the emulated slow link's arrival hook
+    (``slow_link.emulated_arrival``) when ``cfg`` asks for one."""
+    if not cfg.slow_link_gbps:
+        return None
+    from slow_link import emulated_arrival
+
+    from megatron_mtraining.config import environment_settings
+    return dataclasses.replace(environment_settings(), ring_arrival_hook=emulated_arrival)
+
+
 def bench_dense_zigzag(cfg: Config, x: Dict, device: torch.device, cu_seqlens=None) -> Dict:
     from megatron_mtraining.kernels.dispatch import dense_impl
 
     def attn():
         return dense_ring_attention(x["q"], x["k"], x["v"], layout="zigzag", impl=cfg.dense_impl,
-                                    block_size=cfg.block_size, cu_seqlens=cu_seqlens)
+                                    block_size=cfg.block_size, cu_seqlens=cu_seqlens, settings=ring_settings(cfg))
 
     local = measure_local(attn, (x["q"], x["k"], x["v"]), x["grad"], cfg, device, per_step=True)
-    # "auto" resolves to cuDNN and falls back to flash for good once cuDNN raised: say what ran.
+    # "auto" resolves to cuDNN where it is present (a call whose cuDNN raises runs flash, with a warning).
     # With documents the dense ring runs our block-skipping kernels on the all-blocks index.
     local["impl"] = "sparse kernels, all blocks, documents" if cu_seqlens is not None else \
         dense_impl(cfg.dense_impl, x["q"])
@@ -369,7 +391,7 @@ def bench_sparse(cfg: Config, x: Dict, index, device: torch.device, layout: str,
 
     def attn():
         return sparse_ring_attention(x["q"], x["k"], x["v"], index, layout=layout, inner_size=inner_size,
-                                     backend=cfg.sparse_backend, cu_seqlens=cu_seqlens)
+                                     backend=cfg.sparse_backend, cu_seqlens=cu_seqlens, settings=ring_settings(cfg))
 
     local = measure_local(attn, (x["q"], x["k"], x["v"]), x["grad"], cfg, device, per_step=True)
     local.update(layout=layout, inner_size=inner_size, backend=resolve_backend(cfg.sparse_backend, device))
@@ -432,7 +454,30 @@ def native_cp_section(cfg: Config, seq_len: int, device: torch.device) -> Dict:
 
 
 def index_fingerprint(index) -> List[int]:
+    if isinstance(index, BlockIndex):
+        return [int(t.long().sum()) for t in (index.key_blocks, index.n_key_blocks)]
     return [int(t.long().sum()) for t in (index.slash, index.n_slash, index.vertical, index.n_vertical)]
+
+
+def bench_moba(cfg: Config, seq_len: int, x: Dict, device: torch.device, entry: Dict, cu) -> Dict:
+    """sparse_moba: MoBA's pattern (``common.fixed_moba_index``: per query block its own MoBA block and
+    top-k - 1 earlier ones, seeded, the same on every rank) on the striped ring, like sparse_striped."""
+    if cu is not None:
+        return {"skipped": "the MoBA pattern is benchmarked without documents"}
+    top_k = cfg.moba_top_k or moba_top_k_for_density(seq_len, cfg.block_size, cfg.moba_block_size, cfg.density)
+    try:  # deterministic: every rank takes the same branch
+        index = fixed_moba_index(cfg.batch, cfg.heads, seq_len, cfg.block_size, cfg.moba_block_size, top_k, device,
+                                 cfg.seed)
+    except Exception as exc:  # noqa: BLE001
+        return {"errors": {"index": error_text(exc)}}
+    dens = index.density(seq_len).float()
+    entry["moba_index"] = {"moba_block_size": cfg.moba_block_size, "moba_top_k": top_k,
+                           "density_mean": float(dens.mean()), "capacity": index.capacity,
+                           "active_pairs": float(dens.sum()) * seq_len * (seq_len + 1) / 2,
+                           "same_on_all_ranks": len({tuple(f) for f in gather(index_fingerprint(index))}) == 1}
+    section = run_variant("sparse_moba", lambda: bench_sparse(cfg, x, index, device, "striped", None, None))
+    section["pattern"] = f"MoBA, {cfg.moba_block_size}-token blocks, top-{top_k}"
+    return section
 
 
 def add_speedups(variants: Dict) -> Optional[str]:
@@ -488,6 +533,7 @@ def bench_seq_len(cfg: Config, seq_len: int, device: torch.device, on_update: Ca
             if W > cfg.inner_size and W % cfg.inner_size == 0
             else {"skipped": f"needs a world size that is a multiple of inner_size {cfg.inner_size}, "
                              f"larger than it (have {W})"}),
+        "sparse_moba": lambda: bench_moba(cfg, seq_len, x, device, entry, cu),
     }
     for name in cfg.variants:
         variants[name] = plan[name]()
@@ -579,6 +625,8 @@ def print_table(result: Dict) -> None:
                 note = "skipped: " + s["skipped"][:70]
             elif name == entry.get("best_dense"):
                 note = "baseline"
+            elif name == "sparse_moba" and "moba_index" in entry:
+                note = f"{s.get('pattern', 'MoBA')}, {100 * entry['moba_index']['density_mean']:.1f}%"
             for key in ("impl", "sdpa", "backend"):
                 if key in s:
                     note = f"{note} {key}={s[key]}".strip()
@@ -612,7 +660,12 @@ def parse_args(argv=None):
                    help="K/V rotation of PyTorch's context parallel (alltoall: ring exchange)")
     p.add_argument("--native-sdpa", default="cudnn,flash",
                    help="SDPA backends tried in order for PyTorch's context parallel")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="comma-separated subset of " + ", ".join(VARIANTS + OPTIONAL_VARIANTS) + " (default: all but "
+                   + ", ".join(OPTIONAL_VARIANTS) + ")")
+    p.add_argument("--moba-block-size", type=int, default=4096, help="sparse_moba: tokens per MoBA key block")
+    p.add_argument("--moba-top-k", type=int, default=0,
+                   help="sparse_moba: MoBA blocks per query block (0: the top-k whose density is closest to --density)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-fwd", action="store_true", help="skip the forward-only timings")
@@ -648,9 +701,9 @@ def parse_lengths(text: str, flag: str) -> List[int]:
 
 def make_config(args, world_size: int) -> Config:
     variants = [v for v in args.variants.split(",") if v]
-    unknown = set(variants) - set(VARIANTS)
+    unknown = set(variants) - set(VARIANTS + OPTIONAL_VARIANTS)
     if unknown:
-        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS + OPTIONAL_VARIANTS}")
     tokens_per_gpu = parse_lengths(args.tokens_per_gpu, "--tokens-per-gpu") if args.tokens_per_gpu else []
     explicit = parse_lengths(args.seq_lens, "--seq-lens") if args.seq_lens else []
     seq_lens = sorted(set(explicit) | {t * world_size for t in tokens_per_gpu}) or \
@@ -660,14 +713,16 @@ def make_config(args, world_size: int) -> Config:
                   native_rotate=args.native_rotate, native_sdpa=tuple(s for s in args.native_sdpa.split(",") if s),
                   forward_only=not args.no_fwd, variants=tuple(variants), scaling=args.scaling,
                   slow_link_gbps=args.slow_link_gbps, slow_link_latency_us=args.slow_link_latency_us,
-                  documents=args.documents, kernel_profile=args.kernel_profile)
+                  documents=args.documents, kernel_profile=args.kernel_profile, moba_top_k=args.moba_top_k)
     if args.smoke:  # --tokens-per-gpu / --seq-lens still choose the lengths (tests of the scaling modes)
         return Config(seq_lens=seq_lens if (tokens_per_gpu or explicit) else [512], block_size=16, heads=4,
-                      kv_heads=2, head_dim=32, dtype="fp32",
+                      kv_heads=2, head_dim=32, dtype="fp32", moba_block_size=64,
                       sparse_backend="torch", dense_impl="torch", warmup=1, reps=3, smoke=True, **common)
+    if args.moba_block_size < args.block_size or args.moba_block_size % args.block_size:
+        raise SystemExit(f"--moba-block-size {args.moba_block_size} must be a multiple of --block-size {args.block_size}")
     return Config(seq_lens=seq_lens, block_size=args.block_size,
                   sparse_backend=args.backend, dense_impl=args.dense_impl, warmup=args.warmup, reps=args.reps,
-                  **common)
+                  moba_block_size=args.moba_block_size, **common)
 
 
 def output_path(args, device: torch.device, world_size: int) -> str:

@@ -15,8 +15,9 @@ with compute as a slow link's would, and successive transfers over one ring queu
 other (one link, shared bandwidth). It is a receiver-side model: the sender's send completes
 at NVLink speed, and the link time starts when the receiver posts its receive (a late sender is
 under-charged). Nothing else changes: results are identical.
-It plugs into the ring's transfers through ``megatron_mtraining.ring.comm.set_arrival_hook``;
-off (and free) unless ``set_slow_link`` was called.
+It plugs into the ring's transfers as their arrival hook: the ring benchmark passes
+``emulated_arrival`` as ``Settings.ring_arrival_hook`` of its calls (``ring.py``'s ``ring_settings``);
+training passes none.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ import dataclasses
 from typing import Dict, Optional, Tuple
 
 import torch
-
-from megatron_mtraining.ring import comm
 
 __all__ = ["SlowLink", "LinkDelay", "emulated_arrival", "get_slow_link", "set_slow_link"]
 
@@ -75,14 +74,13 @@ def _cycles_per_ms(device: int) -> float:
 
 
 def set_slow_link(link: Optional[SlowLink]) -> None:
-    """Emulate ``link`` in every ring transfer from now on (None: off). Needs CUDA."""
+    """The link ``emulated_arrival`` emulates from now on (None: off). Needs CUDA."""
     global _LINK
     if link is not None:
         if not torch.cuda.is_available():
             raise RuntimeError("the slow-link emulation needs CUDA (it delays transfers with GPU sleeps)")
         _cycles_per_ms(torch.cuda.current_device())
     _LINK = link
-    comm.set_arrival_hook(None if link is None else emulated_arrival)
 
 
 # (incoming hop's receiver, device) -> its link's delay: one sleep stream per receiving rank, shared by

@@ -13,7 +13,7 @@ import functools
 import os
 import re
 import types
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 LAYOUTS = ("striped", "zigzag")
 INDEX_BUILDERS = ("vs", "dense", "fixed", "moba", "xattn")
@@ -86,6 +86,13 @@ class Settings:
         own timeout (on NCCL an explicit one makes every wait block the host: debugging only).
     validate: check the index's and cu_seqlens' values on GPU tensors too (one device
         synchronisation per call; on the CPU they are always checked).
+    kernel_launch: the Triton kernels' launch settings and tile options per kernel family, "fwd"
+        or "bwd", instead of ``kernels/triton_common.py``'s defaults, e.g. ``{"bwd": {"num_warps":
+        8, "num_stages": 3}}`` (stored as sorted pairs); empty in training (no flag, no variable):
+        ``benchmarks/kernel.py --launch`` compares settings with it.
+    ring_arrival_hook: None in training (no flag, no variable): called as ``hook(ring, received)``
+        when a ring transfer is posted, it may return a CUDA event the data is taken to arrive at
+        (``ring/comm.py``); the ring benchmark's emulated slow links (``benchmarks/slow_link.py``).
     """
 
     forward_kernel: str = "auto"
@@ -93,6 +100,8 @@ class Settings:
     ring_agreement: str = "auto"
     ring_timeout_s: Optional[float] = None
     validate: bool = False
+    kernel_launch: tuple = dataclasses.field(default=(), metadata={"flag": False})
+    ring_arrival_hook: Optional[Callable] = dataclasses.field(default=None, metadata={"flag": False})
 
     def __post_init__(self):
         for name in ("forward_kernel", "backward_kernel"):
@@ -107,6 +116,9 @@ class Settings:
                              f"got {self.ring_timeout_s!r}")
         if not isinstance(self.validate, bool):
             raise ValueError(f"Settings: validate must be True or False, got {self.validate!r}")
+        object.__setattr__(self, "kernel_launch", _launch_pairs(self.kernel_launch))  # frozen: normalise in place
+        if self.ring_arrival_hook is not None and not callable(self.ring_arrival_hook):
+            raise ValueError(f"Settings: ring_arrival_hook must be None or callable, got {self.ring_arrival_hook!r}")
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **fields) -> "Settings":
@@ -136,6 +148,28 @@ class Settings:
                 values[name] = raw
         values.update({name: value for name, value in fields.items() if value is not None})
         return cls(**values)
+
+
+LAUNCH_KEYS = ("num_warps", "num_stages", "BLOCK_M", "BLOCK_N", "BLOCK_COL", "MASK_EVERY_TILE", "COLUMN_PROGRAMS")
+
+
+def _launch_pairs(launch) -> tuple:
+    """``Settings.kernel_launch`` as sorted ``(family, ((key, value), ...))`` pairs (hashable),
+    from a mapping or such pairs; a ValueError names an unknown family or key."""
+    try:
+        families = dict(launch)
+        pairs = tuple(sorted((family, tuple(sorted(dict(options).items()))) for family, options in families.items()))
+    except (TypeError, ValueError):
+        raise ValueError(f"Settings: kernel_launch must map 'fwd' / 'bwd' to {{setting: value}}, "
+                         f"got {launch!r}") from None
+    for family, options in pairs:
+        if family not in ("fwd", "bwd"):
+            raise ValueError(f"Settings: kernel_launch families are 'fwd' and 'bwd', got {family!r}")
+        unknown = [key for key, _ in options if key not in LAUNCH_KEYS]
+        if unknown:
+            raise ValueError(f"Settings: kernel_launch[{family!r}] has unknown settings {unknown}; "
+                             f"known: {LAUNCH_KEYS}")
+    return pairs
 
 
 @functools.lru_cache(maxsize=None)
@@ -295,7 +329,7 @@ class MTrainingConfig:
         else ``GPUS_PER_NODE``, else None: one flat ring), else keep the field defaults.
         Validation errors are ValueErrors naming the flag."""
         names = [f.name for f in dataclasses.fields(cls) if f.name != "settings"]
-        names += [f.name for f in dataclasses.fields(Settings)]
+        names += [f.name for f in dataclasses.fields(Settings) if f.metadata.get("flag", True)]
         values = {name: getattr(args, "mtraining_" + name, None) for name in names}
         values = {name: value for name, value in values.items() if value is not None}
         try:

@@ -193,6 +193,42 @@ def test_bad_impl_and_causal_shape_rejected():
         dense_attention_forward(q, k, v, True, 1.0, impl="torch")
 
 
+def test_a_cudnn_failure_falls_back_for_its_own_call_only(monkeypatch):
+    """Under "auto", cuDNN that raises in a ring call's first step is not tried again in that
+    call (its other steps, its backward), and a later call tries it again."""
+    from megatron_mtraining.kernels import dense_kernels
+    from megatron_mtraining.ring.dense import DenseZigzagSteps
+    tried = []
+
+    def cudnn(*args):
+        tried.append("cudnn")
+        raise RuntimeError("cuDNN: no valid execution plan")
+
+    def flash(kind):
+        def run(*args):
+            tried.append("flash")
+            return getattr(dense_kernels, f"_torch_{kind}")(*args)
+        return run
+
+    monkeypatch.setattr(dense_kernels, "dense_impl", lambda impl, q, cudnn_failed=False:
+                        "flash" if cudnn_failed else "cudnn")
+    monkeypatch.setattr(dense_kernels, "_cudnn_forward", cudnn)
+    monkeypatch.setattr(dense_kernels, "_cudnn_backward", cudnn)
+    monkeypatch.setattr(dense_kernels, "_flash_forward", flash("forward"))
+    monkeypatch.setattr(dense_kernels, "_flash_backward", flash("backward"))
+    q, k, v = make(1, 2, 2, 16, 16, 8, seed=0)
+    out, lse = torch.zeros_like(q, dtype=torch.float32), torch.full(q.shape[:3], float("-inf"))
+    for _ in range(2):  # two calls
+        steps = DenseZigzagSteps(1, 0.25, "auto")
+        steps.forward(q, k, v, 1, out, lse)
+        steps.forward(q, k, v, 0, out, lse)
+        grads = [torch.zeros_like(x, dtype=torch.float32) for x in (q, k, v)]
+        steps.backward_keys(q, k, v, torch.ones_like(q), out, lse, None, 0, *grads)
+    assert tried == ["cudnn", "flash", "flash", "flash"] * 2
+    with pytest.raises(RuntimeError, match="no valid execution plan"):  # asked for by name: no fallback
+        dense_attention_forward(q, k, v, True, 0.25, impl="cudnn")
+
+
 # ------------------------------------------------------------------------------------------ GPU
 
 

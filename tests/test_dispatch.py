@@ -186,7 +186,7 @@ def test_the_kernel_variables_reach_the_step_through_the_settings(monkeypatch, v
     asked = []
     monkeypatch.setattr(step, "forward_kernel", lambda *a: asked.append(("forward", a[-1])) or "triton")
     monkeypatch.setattr(step, "backward_kernel", lambda *a: asked.append(("backward", a[-1])) or "triton")
-    monkeypatch.setattr(step, "_launchers", lambda family: (lambda *a: None,) * 3)
+    monkeypatch.setattr(step, "_launchers", lambda family, kernel_launch=(): (lambda *a: None,) * 3)
     import megatron_mtraining.kernels.triton_fwd as triton_fwd
     monkeypatch.setattr(triton_fwd, "vs_attention_fwd_triton", lambda *a: None)
     step.step_forward("triton", q, k, v, plan, torch.empty_like(q), lse, 0.125, False, settings=settings)
@@ -247,7 +247,7 @@ def test_step_backward_launches_each_part_where_dispatch_says(monkeypatch, kerne
     q, k, v, do, lse, delta, plan = _step_inputs(B)
     calls = []
 
-    def launchers(family):
+    def launchers(family, kernel_launch=()):
         return tuple((lambda *a, _p=part, _f=family: calls.append((_p, _f))) for part in ("query", "blocks", "columns"))
 
     monkeypatch.setattr(step, "backward_kernel", lambda *a: kernel)
@@ -317,7 +317,7 @@ def test_conversion_errors(monkeypatch):
 
 @pytest.mark.parametrize("impl, cuda, dtype, cudnn, failed, want", [
     ("auto", True, torch.bfloat16, True, False, "cudnn"),
-    ("auto", True, torch.float16, True, True, "flash"),  # cuDNN raised before
+    ("auto", True, torch.float16, True, True, "flash"),  # cuDNN raised earlier in the call
     ("auto", True, torch.bfloat16, False, False, "flash"),  # no cuDNN
     ("auto", True, torch.float32, True, False, "torch"),
     ("auto", False, torch.bfloat16, True, False, "torch"),
@@ -327,18 +327,19 @@ def test_conversion_errors(monkeypatch):
 ])
 def test_dense_impl(monkeypatch, impl, cuda, dtype, cudnn, failed, want):
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: cudnn)
-    monkeypatch.setattr(dispatch, "_cudnn_attention_failed", failed)
     q = types.SimpleNamespace(is_cuda=cuda, dtype=dtype)
-    assert dispatch.dense_impl(impl, q) == want
+    assert dispatch.dense_impl(impl, q, cudnn_failed=failed) == want
 
 
-def test_a_cudnn_failure_turns_auto_to_flash(monkeypatch):
+def test_the_dense_choice_keeps_no_process_state(monkeypatch):
+    """A cuDNN failure is the failing call's (``dense_kernels.DenseFallback``): "auto" asks cuDNN
+    again afterwards, and the module holds no fallback flag."""
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
-    monkeypatch.setattr(dispatch, "_cudnn_attention_failed", False)
     q = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
     assert dispatch.dense_impl("auto", q) == "cudnn"
-    dispatch.note_cudnn_failure()
-    assert dispatch.dense_impl("auto", q) == "flash"
+    assert dispatch.dense_impl("auto", q, cudnn_failed=True) == "flash"
+    assert dispatch.dense_impl("auto", q) == "cudnn"
+    assert not hasattr(dispatch, "_cudnn_attention_failed") and not hasattr(dispatch, "note_cudnn_failure")
     with pytest.raises(ValueError, match="impl must be one of"):
         dispatch.dense_impl("sdpa", q)
     assert dispatch.dense_impls_available("cpu") == ["torch"]

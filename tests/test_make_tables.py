@@ -187,3 +187,44 @@ def test_flagship_keys_pair_the_fastest_runs_of_one_precision_and_take_the_worst
     summary = make_tables.summarise({"flagship": [("flagship.json", data)]})
     assert summary["details"]["flagship_qwen2.5_3b_256k_4gpu_vs_te_cp"]["met"] is True
     assert summary["flagship_llama3.1_8b_512k_8gpu_vs_te_cp"] is None
+
+
+def test_block_kernel_keys_come_from_the_moba_run_at_128k_and_leave_the_vs_keys_alone():
+    """kernel.py --index block: the block keys from its MoBA pattern at 128K; its vertical-slash
+    figures (run without cuDNN) never stand in for the plain run's keys; the table shows the block rows."""
+    def result(index, pattern, rate_ratio, flex_speedup, cudnn):
+        run = {"seq_len": 131072, "index": {"density_mean": 0.05}, "speedup": {"dense_over_ours_fwdbwd": cudnn},
+               "ours": {"fwdbwd_tflops": 400.0}}
+        if index == "block":
+            run["block"] = {"pattern": pattern, "index": {"density_mean": 0.05, "moba_block_size": 512, "moba_top_k": 7},
+                            "ours": {"fwdbwd_ms": 10.0, "fwdbwd_tflops": 380.0}, "flex": {"fwdbwd_ms": 25.0},
+                            "rate_ratio_over_vs": {"fwdbwd": rate_ratio}, "speedup": {"flex_over_ours_fwdbwd": flex_speedup}}
+        return {"meta": {"device": "GPU"}, "config": {"density": 0.05, "block_size": 64, "index": index},
+                "runs": [run]}
+    results = [("r/kernel_block_moba.json", result("block", "moba", 0.95, 2.5, None)),
+               ("r/kernel_block_random.json", result("block", "random", 0.5, 9.0, None)),
+               ("r/kernel_gpu.json", result("vs", None, None, None, 13.0))]
+    summary = make_tables.summarise({"kernel": results})
+    assert summary["block_kernel_rate_ratio_128k"] == 0.95 and summary["block_speedup_vs_flex_128k"] == 2.5
+    assert summary["details"]["block_kernel_rate_ratio_128k"]["met"] is True
+    assert "top-7" in summary["details"]["block_speedup_vs_flex_128k"]["note"]
+    assert summary["kernel_fwdbwd_speedup_vs_cudnn_128k"] == 13.0
+    assert summary["details"]["block_speedup_vs_flex_128k"]["target"] == ">= 2"
+    text = make_tables.render_kernel(results)
+    assert "| GPU | 128K | moba | 0.050 (0.050) |" in text and "| random |" in text
+
+
+def test_ring_moba_keys_come_from_the_sparse_moba_variant_at_512k_4gpu():
+    ring = _ring_result("aaaaaaa", 4, 150.0, dense_ms=1800.0)
+    ring["runs"][0]["moba_index"] = {"density_mean": 0.054, "moba_top_k": 4}
+    ring["runs"][0]["variants"]["sparse_moba"] = {
+        "fwdbwd_ms": 240.0, "speedup": {"vs_best_dense": 7.5}, "pattern": "MoBA, 4096-token blocks, top-4",
+        "steps": {"fwd_bwd": {"imbalance": {"worker_imbalance": 1.08, "step_imbalance": 1.2,
+                                            "computation_ratio": 0.9}}}}
+    summary = make_tables.summarise({"ring": [("r/ring_4gpu.json", ring)]})
+    assert summary["ring_moba_speedup_vs_dense_512k_4gpu"] == 7.5 and summary["ring_moba_worker_imbalance"] == 1.08
+    assert summary["details"]["ring_moba_speedup_vs_dense_512k_4gpu"]["met"] is True
+    assert summary["details"]["ring_moba_worker_imbalance"]["target"] == "<= 1.1"
+    assert "top-4" in summary["details"]["ring_moba_worker_imbalance"]["note"]
+    assert make_tables.summarise({"ring": [("r/ring_4gpu.json", _ring_result("a", 4, 1.0))]})[
+        "ring_moba_speedup_vs_dense_512k_4gpu"] is None

@@ -390,22 +390,20 @@ def _hop_home_worker(rank: int, world_size: int) -> dict:
 
     results = {}
     for inner in (None, 2, 1):
-        topo = comm.ring_topology(None, inner)
+        sent = []
+        topo = comm.ring_topology(None, inner, arrival_hook=lambda ring, received: sent.append(
+            [str(t.dtype) for t in received]))
         kv = (torch.full((3, 5), float(rank)), torch.full((3, 5), float(rank) + 0.5))
 
         def compute(held, source):  # values that round differently in bf16, different on every rank
             g = torch.Generator().manual_seed(100 * rank + source)
             return tuple(torch.randn(t.shape, generator=g, dtype=torch.float32) * 1.001 ** source for t in held)
 
-        sent = []
-        comm.set_arrival_hook(lambda ring, received: sent.append([str(t.dtype) for t in received]))
-        try:
-            home = ring_backward(topo, kv, compute, home_dtype=torch.bfloat16)
-            transfers, sent[:] = list(sent), []
-            fp32 = ring_backward(topo, kv, compute)
-            wider, sent[:] = ring_backward(topo, kv, compute, home_dtype=torch.float64), []  # cast on arrival
-        finally:
-            comm.set_arrival_hook(None)
+        home = ring_backward(topo, kv, compute, home_dtype=torch.bfloat16)
+        transfers, sent[:] = list(sent), []
+        fp32 = ring_backward(topo, kv, compute)
+        wider, sent[:] = ring_backward(topo, kv, compute, home_dtype=torch.float64), []  # cast on arrival
+        assert comm.ring_topology(None, inner).inner.arrival_hook is None  # the cached rings carry none
         results[str(inner)] = {"home": home, "fp32": fp32, "transfers": transfers, "fp64": wider}
     return results
 
@@ -425,6 +423,35 @@ def test_gradients_go_home_in_the_inputs_dtype_with_the_fp32_sums():
             dtypes = [d for transfer in got["transfers"] for d in transfer]
             assert dtypes.count("torch.bfloat16") == 2, (rank, inner, got["transfers"])
             assert got["transfers"][-1] == ["torch.bfloat16"] * 2, (rank, inner, got["transfers"])  # the last
+
+
+def _arrival_hook_worker(rank: int, world_size: int) -> dict:
+    """Transfers each call's arrival hook saw: a sparse and a dense ring call given the hook in
+    ``settings`` ("hooked"), and after the same calls given none ("after")."""
+    from megatron_mtraining import dense_ring_attention, sparse_ring_attention
+    from megatron_mtraining.config import Settings
+
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g, requires_grad=True) for _ in range(3))
+    index = VSIndex.dense(1, 2, 64 * world_size, 16)
+    counts = {}
+    for name in ("sparse", "dense"):
+        seen = []
+        for settings in (Settings(ring_arrival_hook=lambda ring, received: seen.append(ring.name)), None):
+            out = sparse_ring_attention(q, k, v, index, settings=settings) if name == "sparse" else \
+                dense_ring_attention(q, k, v, layout="zigzag", impl="torch", settings=settings)
+            out.sum().backward()
+            counts[name, "hooked" if settings is not None else "after"] = len(seen)
+    return counts
+
+
+@requires_ring
+def test_the_arrival_hook_travels_in_the_calls_settings():
+    """A ring call's ``Settings.ring_arrival_hook`` sees its transfers (forward and backward);
+    a later call given no hook runs without it (nothing is left behind in the process)."""
+    for counts in run_distributed(_arrival_hook_worker, 2, timeout=120):
+        for name in ("sparse", "dense"):
+            assert counts[name, "hooked"] > 0 and counts[name, "after"] == counts[name, "hooked"], counts
 
 
 # ----------------------------------------------------------------------------- dQ in one pass

@@ -91,6 +91,24 @@ def test_ring_benchmark_weak_scaling_smoke(tmp_path):
     assert "plan / merge ms" in proc.stdout
 
 
+def test_ring_benchmark_moba_variant_smoke(tmp_path):
+    """--variants ...,sparse_moba: the MoBA-pattern BlockIndex runs on the striped ring beside the dense
+    ring, the same on both ranks, with a speedup and the per-step imbalance figures."""
+    out = tmp_path / "ring.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(REPO, "benchmarks", "ring.py"), "--smoke", "--variants", "dense_zigzag,sparse_moba",
+           "--no-fwd", "--moba-top-k", "3", "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = json.loads(out.read_text())["runs"][0]
+    made, moba = run["moba_index"], run["variants"]["sparse_moba"]
+    assert made["same_on_all_ranks"] and made["moba_top_k"] == 3 and made["moba_block_size"] == 64
+    assert "errors" not in moba and moba["fwdbwd_ms"] > 0 and moba["speedup"]["vs_best_dense"] > 0
+    assert moba["steps"]["fwd_bwd"]["imbalance"]["worker_imbalance"] >= 1.0
+    assert "sparse_moba" in proc.stdout
+
+
 def test_ring_benchmark_rejects_bad_lengths():
     sys.path.insert(0, os.path.join(REPO, "benchmarks"))
     import ring as ring_benchmark
@@ -101,6 +119,9 @@ def test_ring_benchmark_rejects_bad_lengths():
     args = ring_benchmark.parse_args(["--tokens-per-gpu", "16384,32768", "--seq-lens", "131072"])
     assert ring_benchmark.make_config(args, 4).seq_lens == [65536, 131072]
     assert ring_benchmark.make_config(ring_benchmark.parse_args([]), 4).seq_lens == [262144, 524288]
+    assert "sparse_moba" not in ring_benchmark.make_config(ring_benchmark.parse_args([]), 4).variants
+    with pytest.raises(SystemExit, match="multiple of --block-size"):
+        ring_benchmark.make_config(ring_benchmark.parse_args(["--moba-block-size", "100"]), 4)
 
 
 # ----------------------------------------------------------------------------- scripts/gpu_ring_scaling.sh

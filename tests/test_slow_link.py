@@ -63,20 +63,34 @@ def test_only_cross_node_hops_are_delayed(monkeypatch):
     assert arrival(comm.Ring(None, ranks, 2), received) is None   # off: nothing
 
 
-def test_the_hook_is_off_unless_a_link_is_set_and_reaches_every_posted_transfer(monkeypatch):
-    """Training never calls the hook (it is None); a set hook sees each exchange's ring and buffers and
-    its event goes into the Pending that the schedule waits on."""
-    assert comm._ARRIVAL_HOOK is None
+def test_the_hook_travels_with_the_ring_and_reaches_every_posted_transfer(monkeypatch):
+    """Training's rings carry no hook (``Settings().ring_arrival_hook`` is None); a ring given one
+    calls it with each exchange's ring and buffers, and its event goes into the Pending that the
+    schedule waits on. Nothing in ``comm`` holds a hook for other rings."""
+    from megatron_mtraining.config import Settings
+    assert Settings().ring_arrival_hook is None and comm.Ring(None, [0, 1], 1).arrival_hook is None
+    assert not hasattr(comm, "_ARRIVAL_HOOK") and not hasattr(comm, "set_arrival_hook")
     seen = []
     monkeypatch.setattr(comm.dist, "batch_isend_irecv", lambda ops: [])
     monkeypatch.setattr(comm.dist, "P2POp", lambda *args: args)
-    comm.set_arrival_hook(lambda ring, received: seen.append((ring.global_rank, len(received))) or "event")
-    try:
-        pending = comm.Ring(None, [0, 1], 1).exchange([torch.zeros(2), torch.zeros(3)])
-        assert seen == [(1, 2)] and pending._arrival == "event"
-    finally:
-        comm.set_arrival_hook(None)
-    assert comm._ARRIVAL_HOOK is None
+    hook = lambda ring, received: seen.append((ring.global_rank, len(received))) or "event"  # noqa: E731
+    pending = comm.Ring(None, [0, 1], 1, arrival_hook=hook).exchange([torch.zeros(2), torch.zeros(3)])
+    assert seen == [(1, 2)] and pending._arrival == "event"
+    assert comm.Ring(None, [0, 1], 1).exchange([torch.zeros(2)])._arrival is None  # another ring: none
+    topo = comm.RingTopology(2, 1, comm.Ring(None, [0, 1], 1), comm.Ring(None, [1], 0))
+    hooked = topo.with_arrival_hook(hook)
+    assert hooked.inner.arrival_hook is hook and hooked.outer.arrival_hook is hook
+    assert topo.inner.arrival_hook is None  # the cached topology is unchanged
+    with pytest.raises(ValueError, match="ring_arrival_hook must be None or callable"):
+        Settings(ring_arrival_hook="slow")
+
+
+def test_the_ring_benchmark_gives_its_calls_the_hook_only_with_a_link():
+    import ring as ring_benchmark  # benchmarks/ring.py
+
+    assert ring_benchmark.ring_settings(ring_benchmark.Config(seq_lens=[256])) is None
+    settings = ring_benchmark.ring_settings(ring_benchmark.Config(seq_lens=[256], slow_link_gbps=2.0))
+    assert settings.ring_arrival_hook is slow_link.emulated_arrival
 
 
 @pytest.mark.gpu

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_mtraining import VSIndex, reference_attention, sparse_attention
+from megatron_mtraining import Settings, VSIndex, reference_attention, sparse_attention
 from oracle import attention_f64, dense_mask, rel_err
 
 BACKENDS = ["torch", "triton"]  # triton runs in the CPU interpreter when there is no GPU
@@ -18,11 +18,11 @@ def inputs(b, hq, hkv, n, d, dtype=torch.float32, seed=0):
     return [x.to(DEVICE, dtype).requires_grad_() for x in (q, k, v)]
 
 
-def check_against_oracle(q, k, v, index, backend, tol):
+def check_against_oracle(q, k, v, index, backend, tol, settings=None):
     """Forward and all three gradients against the float64 oracle and the fp32 reference."""
     n = q.shape[2]
     mask = dense_mask(index, n).to(DEVICE)
-    out = sparse_attention(q, k, v, index.to(DEVICE), backend=backend)
+    out = sparse_attention(q, k, v, index.to(DEVICE), backend=backend, settings=settings)
     assert out.dtype == q.dtype and out.shape == q.shape
     expected = attention_f64(q, k, v, mask)
     ref_out, _ = reference_attention(q, k, v, index.to(DEVICE))
@@ -196,31 +196,48 @@ def test_invalid_index_values_rejected_on_cpu():
 
 
 @pytest.mark.parametrize("tile", [16, 32])
-def test_triton_tiles_smaller_than_the_block(monkeypatch, tile):
+def test_triton_tiles_smaller_than_the_block(tile):
     """Index blocks larger than the kernel tiles (as fp32 with block 128 runs on the GPU)."""
     from megatron_mtraining.kernels import triton_common
     tiles = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=16, num_warps=4, num_stages=1)
-    monkeypatch.setattr(triton_common, "LAUNCH_OVERRIDES", {"fwd": tiles, "bwd": tiles})
-    assert triton_common.tile_config(64, torch.float32, "bwd")["BLOCK_M"] == tile
+    settings = Settings(kernel_launch={"fwd": tiles, "bwd": tiles})
+    assert triton_common.tile_config(64, torch.float32, "bwd", settings.kernel_launch)["BLOCK_M"] == tile
     q, k, v = inputs(1, 4, 2, 192, 32, seed=tile)
     index = VSIndex.random(1, 4, 192, 64, max_slash=3, max_vertical=40,
                            generator=torch.Generator().manual_seed(tile))
-    check_against_oracle(q, k, v, index, "triton", 1e-5)
+    check_against_oracle(q, k, v, index, "triton", 1e-5, settings)
+
+
+@pytest.mark.parametrize("family", ["fwd", "bwd"])
+def test_launch_settings_travel_in_the_calls_settings(family):
+    """``Settings.kernel_launch`` reaches the kernels of the call that carries it (a column tile past
+    one 64-bit word is refused there, in the forward or the backward), and no other call."""
+    q, k, v = inputs(1, 2, 2, 128, 32, seed=3)
+    index = VSIndex.random(1, 2, 128, 64, max_slash=2, max_vertical=8, generator=torch.Generator().manual_seed(3))
+    wide = Settings(kernel_launch={family: {"BLOCK_COL": 128}})
+    with pytest.raises(ValueError, match="must divide 64"):
+        sparse_attention(q, k, v, index, backend="triton", settings=wide).sum().backward()
+    sparse_attention(q, k, v, index, backend="triton").sum().backward()  # the defaults again
+    with pytest.raises(ValueError, match="unknown settings"):
+        Settings(kernel_launch={"fwd": {"BLOCK_K": 64}})
+    with pytest.raises(ValueError, match="families are 'fwd' and 'bwd'"):
+        Settings(kernel_launch={"dq": {"num_warps": 4}})
+    assert Settings(kernel_launch={"fwd": {"num_warps": 4}}) == Settings(kernel_launch=(("fwd", (("num_warps", 4),)),))
 
 
 @pytest.mark.parametrize("group, option", [(4, "MASK_EVERY_TILE"), (2, "COLUMN_PROGRAMS")])
-def test_triton_launch_options(monkeypatch, group, option):
+def test_triton_launch_options(group, option):
     """The kernels' launch options compute the same attention and gradients, batch > 1 included:
     MASK_EVERY_TILE (the causal mask on every slash tile instead of the diagonal block's only)
     and COLUMN_PROGRAMS (here as many column-gradient splits as query blocks)."""
     from megatron_mtraining.kernels import triton_common
     value = 10 ** 6 if option == "COLUMN_PROGRAMS" else True  # one split per query block
-    monkeypatch.setattr(triton_common, "LAUNCH_OVERRIDES", {f: {option: value} for f in ("fwd", "bwd")})
-    assert triton_common.tile_config(64, torch.bfloat16, "bwd")[option] == value
+    settings = Settings(kernel_launch={f: {option: value} for f in ("fwd", "bwd")})
+    assert triton_common.tile_config(64, torch.bfloat16, "bwd", settings.kernel_launch)[option] == value
     q, k, v = inputs(2, 4, 4 // group, 128, 32, seed=group)
     index = VSIndex.random(2, 4, 128, 16, max_slash=4, max_vertical=24,
                            generator=torch.Generator().manual_seed(group))
-    check_against_oracle(q, k, v, index, "triton", 1e-5)
+    check_against_oracle(q, k, v, index, "triton", 1e-5, settings)
 
 
 def test_triton_backend_takes_tensors_beyond_32_bit_offsets():

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_mtraining import VSIndex, reference_attention
+from megatron_mtraining import Settings, VSIndex, reference_attention
 from megatron_mtraining.kernels import build_step_plan, step_backward, step_forward
 from megatron_mtraining.kernels.column_partials import column_program
 from oracle import rel_err
@@ -69,7 +69,7 @@ def uneven_columns(n, B, g):
                                                  ("striped", 1, "many_columns"),
                                                  ("zigzag", 2, "many_columns"),
                                                  ("striped", 2, "uneven_columns")])
-def test_chunked_steps_equal_full_attention(backend, layout, world, kind):
+def test_chunked_steps_equal_full_attention(backend, layout, world, kind, settings=Settings()):
     B, nb, d = 16, 12, 32
     n = nb * B
     g = torch.Generator().manual_seed(world)
@@ -102,7 +102,7 @@ def test_chunked_steps_equal_full_attention(backend, layout, world, kind):
             s = (r - step) % world  # the ring's source order
             plan = build_step_plan(index, chunks[r], chunks[s], nb, slash_bitmap=bitmap)
             step_forward(backend, qd[:, :, rows[r]], kd[:, :, rows[s]], vd[:, :, rows[s]], plan, out, lse,
-                         scale, accumulate=True)
+                         scale, accumulate=True, settings=settings)
         assert rel_err(out, full[:, :, rows[r]]) < 1e-5
         torch.testing.assert_close(lse, full_lse[:, :, rows[r]], rtol=1e-5, atol=1e-5)
         outs.append(out)
@@ -120,7 +120,7 @@ def test_chunked_steps_equal_full_attention(backend, layout, world, kind):
             dv_s = torch.zeros_like(dk_s)
             plan = build_step_plan(index, chunks[r], chunks[s], nb, slash_bitmap=bitmap)
             step_backward(backend, qd[:, :, rows[r]], kd[:, :, rows[s]], vd[:, :, rows[s]], do, lses[r], delta,
-                          plan, dq_r, dk_s, dv_s, scale)
+                          plan, dq_r, dk_s, dv_s, scale, settings=settings)
             dk[:, :, rows[s]] += dk_s
             dv[:, :, rows[s]] += dv_s
         dq[:, :, rows[r]] = dq_r
@@ -134,10 +134,14 @@ def test_chunked_steps_equal_full_attention(backend, layout, world, kind):
 def test_column_programs_dealt_to_live_tiles(monkeypatch, programs):
     """Fewer column programs than the default (one split per tile, so programs past the live
     tiles idle; or two, so a live tile takes several): the same gradients (``column_partials``)."""
-    from megatron_mtraining.kernels import triton_common
-    monkeypatch.setattr(triton_common, "LAUNCH_OVERRIDES", {"bwd": {"COLUMN_PROGRAMS": programs}})
-    test_chunked_steps_equal_full_attention("triton", "striped", 2, "uneven_columns")
-    test_chunked_steps_equal_full_attention("triton", "zigzag", 2, "many_columns")
+    from megatron_mtraining.kernels import step
+    settings = Settings(kernel_launch={"bwd": {"COLUMN_PROGRAMS": programs}})
+    splits = []
+    monkeypatch.setattr(step, "_column_splits", lambda *args, real=step._column_splits: splits.append(args[2])
+                        or real(*args))
+    test_chunked_steps_equal_full_attention("triton", "striped", 2, "uneven_columns", settings)
+    test_chunked_steps_equal_full_attention("triton", "zigzag", 2, "many_columns", settings)
+    assert splits and set(splits) == {programs}  # the call's settings reached the backward
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's ops (a GPU's launches dispatch none)")

@@ -14,21 +14,34 @@ Implementations:
   "cudnn"  torch.ops.aten._scaled_dot_product_cudnn_attention(_backward)   CUDA, fp16/bf16
   "flash"  torch.ops.aten._scaled_dot_product_flash_attention(_backward)   CUDA, fp16/bf16
   "torch"  explicit fp32 PyTorch math, any device/dtype (the CPU path and the oracle)
-  "auto"   cuDNN on CUDA for fp16/bf16, falling back to flash if cuDNN is missing or raises;
-           "torch" otherwise (``dispatch.dense_impl`` decides; ``dispatch.dense_impls_available``
-           lists what a device has).
+  "auto"   cuDNN on CUDA for fp16/bf16, falling back to flash if cuDNN is missing or raises (for
+           the rest of that call: a ``DenseFallback`` that a ring call's steps and backward
+           share; the next call tries cuDNN again); "torch" otherwise (``dispatch.dense_impl``
+           decides; ``dispatch.dense_impls_available`` lists what a device has).
 Nothing here reads device memory on the host, so no path synchronises with the GPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Optional
 
 import torch
 
-from .dispatch import dense_impl, note_cudnn_failure
+from .dispatch import dense_impl
 
 logger = logging.getLogger("megatron_mtraining")
+_LOGGED = set()  # log-once: the cuDNN errors already warned of (a failing shape fails every step)
+
+
+@dataclasses.dataclass
+class DenseFallback:
+    """One call's memory of a cuDNN failure under "auto": once cuDNN raised, the call's later
+    kernels (a ring's other steps and its backward) run flash attention without trying cuDNN
+    again. Owned by the call (``DenseZigzagSteps``), so one call's failure changes no other."""
+
+    cudnn_failed: bool = False
 
 
 def _check(q, k, v, causal):
@@ -54,16 +67,21 @@ def _reduce_kv(dx, group):
     return dx.view(b, hq // group, group, n, d).sum(2)
 
 
-def _with_fallback(impl, cudnn_fn, flash_fn, torch_fn, auto):
-    """Run the chosen implementation; under "auto" a cuDNN error falls back to flash (once, then always)."""
+def _with_fallback(impl, cudnn_fn, flash_fn, torch_fn, auto, fallback: Optional[DenseFallback] = None):
+    """Run the chosen implementation; under "auto" a cuDNN error falls back to flash (for the rest
+    of the call when ``fallback`` is given: it records the failure)."""
     if impl == "cudnn":
         try:
             return cudnn_fn()
         except RuntimeError as exc:
             if not auto:
                 raise
-            note_cudnn_failure()
-            logger.warning("megatron_mtraining: cuDNN attention failed (%s); using flash attention", exc)
+            if fallback is not None:
+                fallback.cudnn_failed = True
+            if str(exc) not in _LOGGED:
+                _LOGGED.add(str(exc))
+                logger.warning("megatron_mtraining: cuDNN attention failed (%s); using flash attention "
+                               "(impl='flash' skips the attempt)", exc)
             return flash_fn()
     return flash_fn() if impl == "flash" else torch_fn()
 
@@ -172,10 +190,12 @@ def _flash_backward(do, q, k, v, out, lse, causal, scale):
 # ---------------------------------------------------------------------------------------- API
 
 
-def dense_attention_forward(q, k, v, causal: bool, softmax_scale: float, impl: str = "auto"):
-    """Dense attention -> (out in q's dtype [b, hq, nq, d], lse fp32 [b, hq, nq])."""
+def dense_attention_forward(q, k, v, causal: bool, softmax_scale: float, impl: str = "auto",
+                            fallback: Optional[DenseFallback] = None):
+    """Dense attention -> (out in q's dtype [b, hq, nq, d], lse fp32 [b, hq, nq]). ``fallback``:
+    the call's ``DenseFallback`` (None: this kernel alone)."""
     _check(q, k, v, causal)
-    chosen = dense_impl(impl, q)
+    chosen = dense_impl(impl, q, fallback is not None and fallback.cudnn_failed)
     if chosen != "torch":
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, lse = _with_fallback(
@@ -183,18 +203,20 @@ def dense_attention_forward(q, k, v, causal: bool, softmax_scale: float, impl: s
         lambda: _cudnn_forward(q, k, v, causal, softmax_scale),
         lambda: _flash_forward(q, k, v, causal, softmax_scale),
         lambda: _torch_forward(q, k, v, causal, softmax_scale),
-        auto=impl == "auto")
+        auto=impl == "auto", fallback=fallback)
     return out, lse.float()
 
 
-def dense_attention_backward(do, q, k, v, out, lse, causal: bool, softmax_scale: float, impl: str = "auto"):
-    """Gradients of dense attention given the (possibly ring-merged) out and lse.
+def dense_attention_backward(do, q, k, v, out, lse, causal: bool, softmax_scale: float, impl: str = "auto",
+                             fallback: Optional[DenseFallback] = None):
+    """Gradients of dense attention given the (possibly ring-merged) out and lse; ``fallback`` as
+    in ``dense_attention_forward``.
 
     Returns fp32 (dq [b, hq, nq, d], dk, dv [b, hkv, nk, d]); dk/dv are summed over the GQA group.
     """
     _check(q, k, v, causal)
     assert out.shape == q.shape[:3] + v.shape[3:] and lse.shape == q.shape[:3]
-    chosen = dense_impl(impl, q)
+    chosen = dense_impl(impl, q, fallback is not None and fallback.cudnn_failed)
     if chosen != "torch":
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     return _with_fallback(
@@ -202,4 +224,4 @@ def dense_attention_backward(do, q, k, v, out, lse, causal: bool, softmax_scale:
         lambda: _cudnn_backward(do, q, k, v, out, lse, causal, softmax_scale),
         lambda: _flash_backward(do, q, k, v, out, lse, causal, softmax_scale),
         lambda: _torch_backward(do, q, k, v, out, lse, causal, softmax_scale),
-        auto=impl == "auto")
+        auto=impl == "auto", fallback=fallback)

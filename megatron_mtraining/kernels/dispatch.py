@@ -249,15 +249,6 @@ def conversion_impl(impl: str, device: torch.device) -> str:
 
 DENSE_IMPLS = ("auto", "cudnn", "flash", "torch")
 _FUSED_DTYPES = (torch.float16, torch.bfloat16)
-# Fallback memory: set once cuDNN raised under "auto", so later calls do not fail in cuDNN again
-# before each runs flash attention (and log a warning every step).
-_cudnn_attention_failed = False
-
-
-def note_cudnn_failure() -> None:
-    """cuDNN attention raised under "auto": later "auto" calls take flash attention."""
-    global _cudnn_attention_failed
-    _cudnn_attention_failed = True
 
 
 def dense_impls_available(device) -> list:
@@ -267,20 +258,21 @@ def dense_impls_available(device) -> list:
     if device.type == "cuda" and torch.cuda.is_available():
         if torch.backends.cuda.is_flash_attention_available():
             impls.insert(0, "flash")
-        if torch.backends.cudnn.is_available() and not _cudnn_attention_failed:
+        if torch.backends.cudnn.is_available():
             impls.insert(0, "cudnn")
     return impls
 
 
-def dense_impl(impl: str, q: torch.Tensor) -> str:
+def dense_impl(impl: str, q: torch.Tensor, cudnn_failed: bool = False) -> str:
     """The dense attention that runs for ``impl`` on ``q`` (``kernels/dense_kernels.py``): "auto" is cuDNN
-    on CUDA for fp16/bf16 (flash once cuDNN failed or where it is missing), "torch" otherwise."""
+    on CUDA for fp16/bf16 (flash where cuDNN is missing or ``cudnn_failed``: it raised earlier in
+    the same call, ``dense_kernels.DenseFallback``), "torch" otherwise."""
     if impl not in DENSE_IMPLS:
         raise ValueError(f"dense attention: impl must be one of {DENSE_IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
     if q.is_cuda and q.dtype in _FUSED_DTYPES:
-        return "flash" if _cudnn_attention_failed or not torch.backends.cudnn.is_available() else "cudnn"
+        return "flash" if cudnn_failed or not torch.backends.cudnn.is_available() else "cudnn"
     return "torch"
 
 

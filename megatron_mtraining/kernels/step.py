@@ -9,6 +9,8 @@ backward's host side shared by both kernel families (``vs_attention_backward``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..config import Settings
@@ -32,7 +34,7 @@ def step_forward(backend: str, q, k, v, plan, out, lse, softmax_scale: float, ac
                                 rows=hopper_forward_rows(plan.block_size))
     elif backend == "triton":
         from .triton_fwd import vs_attention_fwd_triton
-        vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale, accumulate)
+        vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale, accumulate, settings.kernel_launch)
     else:
         vs_attention_fwd_torch(q, k, v, plan, out, lse, softmax_scale, accumulate)
 
@@ -68,7 +70,7 @@ def step_backward_queries(backend: str, q, k, v, do, lse, delta, plan, dq, softm
         vs_attention_backward(q, k, v, do, lse, delta, plan, dq, None, None, softmax_scale,
                               backward_parts(backward_kernel(q, k, v, do, plan, settings.backward_kernel),
                                              plan.block_size),
-                              accumulate_dq=accumulate_dq)
+                              accumulate_dq=accumulate_dq, kernel_launch=settings.kernel_launch)
 
 
 def step_backward_keys(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float,
@@ -78,7 +80,7 @@ def step_backward_keys(backend: str, q, k, v, do, lse, delta, plan, dq, dk, dv, 
     if backend == "triton":
         vs_attention_backward(q, k, v, do, lse, delta, plan, None, dk, dv, softmax_scale,
                               backward_parts(backward_kernel(q, k, v, do, plan, settings.backward_kernel),
-                                             plan.block_size))
+                                             plan.block_size), kernel_launch=settings.kernel_launch)
     else:
         vs_attention_bwd_torch(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale)
 
@@ -96,23 +98,25 @@ def single_step_backward(backend: str, q, k, v, do, lse, delta, plan, softmax_sc
         vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale,
                               backward_parts(backward_kernel(q, k, v, do, plan, settings.backward_kernel),
                                              plan.block_size),
-                              accumulate_dq=False)
+                              accumulate_dq=False, kernel_launch=settings.kernel_launch)
     else:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         step_backward(backend, q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale, settings=settings)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _launchers(kernel: str) -> tuple:
+def _launchers(kernel: str, kernel_launch: tuple = ()) -> tuple:
     """The (dQ, key-block dK/dV, column dK/dV) launchers of one kernel family: the same arguments
-    in ``triton_bwd.py`` and ``hopper_bwd.py``."""
+    in ``triton_bwd.py`` and ``hopper_bwd.py``; the Triton ones take ``kernel_launch``
+    (``Settings.kernel_launch``; the Hopper kernels' tiles are fixed)."""
     if kernel == "hopper":
         from .hopper_bwd import block_gradients_hopper, column_gradients_hopper, query_gradients_hopper  # Gluon
 
         return query_gradients_hopper, block_gradients_hopper, column_gradients_hopper
     from .triton_bwd import block_gradients_triton, column_gradients_triton, query_gradients_triton
 
-    return query_gradients_triton, block_gradients_triton, column_gradients_triton
+    return tuple(functools.partial(launcher, kernel_launch=kernel_launch)
+                 for launcher in (query_gradients_triton, block_gradients_triton, column_gradients_triton))
 
 
 def _column_splits(nqb: int, programs_per_split: int, target: int) -> int:
@@ -123,12 +127,13 @@ def _column_splits(nqb: int, programs_per_split: int, target: int) -> int:
 
 
 def vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_scale: float, parts: BackwardParts,
-                          accumulate_dq: bool = True) -> None:
+                          accumulate_dq: bool = True, kernel_launch: tuple = ()) -> None:
     """Add this plan's gradients into fp32 ``dq`` ``[b,hq,nq,d]`` and ``dk``/``dv`` ``[b,hkv,nk,d]``,
     each part (dQ, the key blocks' dK/dV, the columns' dK/dV) on the kernels ``parts`` names
     ("triton": ``triton_bwd.py``, "hopper": ``hopper_bwd.py``, sm_90; ``dispatch.backward_parts``).
     ``accumulate_dq=False`` (a single step) writes ``dq`` in its own dtype instead of adding.
     ``dq=None`` skips the dQ part, ``dk=dv=None`` the dK/dV parts (a ring step runs them apart).
+    ``kernel_launch``: ``Settings.kernel_launch`` (the Triton kernels' launch settings).
     The column gradients go through fp32 partials per query-range split, summed in a fixed order
     (``column_partials``): the backward is deterministic on either kernels.
 
@@ -150,26 +155,26 @@ def vs_attention_backward(q, k, v, do, lse, delta, plan, dq, dk, dv, softmax_sca
     doc_start, doc_last, _, docs = document_arguments(plan)
 
     if dq is not None:
-        query_gradients = _launchers(parts.query)[0]
+        query_gradients = _launchers(parts.query, kernel_launch)[0]
         query_gradients(q, k, v, do, lse, delta, dq, plan, accumulate_dq, int64, strides, qk_scale, softmax_scale)
     if dk is None:
         return
-    block_gradients = _launchers(parts.blocks)[1]
+    block_gradients = _launchers(parts.blocks, kernel_launch)[1]
     block_gradients(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs, int64, strides, qk_scale,
                     softmax_scale)
 
     if max_v == 0:
         return
     # The column tiles' width: the Hopper kernel's 64-row tile, or the Triton kernel's BLOCK_COL.
-    block_col = HOPPER_TILE if parts.columns == "hopper" else tile_config(B, q.dtype, "bwd")["BLOCK_COL"]
+    block_col = HOPPER_TILE if parts.columns == "hopper" else tile_config(B, q.dtype, "bwd", kernel_launch)["BLOCK_COL"]
     n_tiles = -(-max_v // block_col)
-    splits = _column_splits(nqb, n_tiles * b * hq, tile_config(B, q.dtype, "bwd")["COLUMN_PROGRAMS"])
+    splits = _column_splits(nqb, n_tiles * b * hq, tile_config(B, q.dtype, "bwd", kernel_launch)["COLUMN_PROGRAMS"])
     q_first = first_query_blocks(plan, block_col)
     q_end = query_block_ends(plan, block_col) if docs else q_first  # read only with DOCS
     # n_tiles x splits programs per head, dealt out to its live tiles (``column_partials``).
     dk_part, dv_part = empty_column_partials(b, hq, n_tiles, splits, block_col, d, q.device)
     head_diag = diag.amax(-1).contiguous()
-    column_gradients = _launchers(parts.columns)[2]
+    column_gradients = _launchers(parts.columns, kernel_launch)[2]
     column_gradients(q, k, v, do, lse, delta, dk_part, dv_part, plan, cols, col_pos, words, head_diag, q_first, q_end,
                      doc_start, docs, int64, strides, qk_scale, softmax_scale, splits)
     add_column_partials(dk_part, dv_part, plan.col_count, plan.cols, dk, dv)

@@ -313,20 +313,21 @@ def _dkdv_col_kernel(
     tl.store(tile_ptrs(DVP + part, rows, HEAD_DIM, offs_d, True), tl.where(c_ok[:, None], dv, 0.0))
 
 
-def _launch(q, block_size: int, int64: bool) -> tuple:
-    """(tile config, launch keywords) of the backward's Triton kernels for ``q``'s dtype."""
-    cfg = tile_config(block_size, q.dtype, "bwd")
+def _launch(q, block_size: int, int64: bool, kernel_launch: tuple) -> tuple:
+    """(tile config, launch keywords) of the backward's Triton kernels for ``q``'s dtype
+    (``kernel_launch``: ``Settings.kernel_launch``)."""
+    cfg = tile_config(block_size, q.dtype, "bwd", kernel_launch)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], INT64=int64, **kernel_flags(q.dtype))
     return cfg, launch
 
 
 def query_gradients_triton(q, k, v, do, lse, delta, dq, plan, accumulate: bool, int64: bool, strides,
-                           qk_scale: float, softmax_scale: float) -> None:
+                           qk_scale: float, softmax_scale: float, kernel_launch: tuple = ()) -> None:
     """dQ of every query tile over its slash blocks and columns, added into fp32 ``dq`` (or, with
     ``accumulate=False``, written in ``dq``'s dtype: the program is the rows' only writer)."""
     b, hq, nq, d = q.shape
     B = plan.block_size
-    cfg, launch = _launch(q, B, int64)
+    cfg, launch = _launch(q, B, int64, kernel_launch)
     cols, col_pos, words, diag, n_words = column_arguments(plan)
     doc_start, doc_last, col_start, docs = document_arguments(plan)
     _dq_kernel[(nq // cfg["BLOCK_M"], b * hq)](
@@ -339,13 +340,13 @@ def query_gradients_triton(q, k, v, do, lse, delta, dq, plan, accumulate: bool, 
 
 
 def block_gradients_triton(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc_last, docs: bool, int64: bool,
-                           strides, qk_scale: float, softmax_scale: float) -> None:
+                           strides, qk_scale: float, softmax_scale: float, kernel_launch: tuple = ()) -> None:
     """dK, dV of every key tile through the transposed slash lists, added into fp32 ``dk``/``dv``
     (``doc_last``: unused here, the Hopper kernel's argument)."""
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     B = plan.block_size
-    cfg, launch = _launch(q, B, int64)
+    cfg, launch = _launch(q, B, int64, kernel_launch)
     _dkdv_kernel[(nk // cfg["BLOCK_N"], b * hkv)](
         q, k, v, do, lse, delta, dk, dv,
         plan.q_block_ids, plan.k_block_ids, plan.q_count, plan.q_blocks, doc_start,
@@ -356,12 +357,12 @@ def block_gradients_triton(q, k, v, do, lse, delta, dk, dv, plan, doc_start, doc
 
 def column_gradients_triton(q, k, v, do, lse, delta, dk_part, dv_part, plan, cols, col_pos, words, head_diag,
                             q_first, q_end, doc_start, docs: bool, int64: bool, strides, qk_scale: float,
-                            softmax_scale: float, splits: int) -> None:
+                            softmax_scale: float, splits: int, kernel_launch: tuple = ()) -> None:
     """fp32 partials of dK (scaled) and dV of ``tile_config``'s BLOCK_COL-column tiles, one per column
     program (``column_partials``: ``dk_part`` ``[b * hq, n_tiles * splits, BLOCK_COL, d]``)."""
     b, hq, nq, d = q.shape
     B = plan.block_size
-    cfg, launch = _launch(q, B, int64)
+    cfg, launch = _launch(q, B, int64, kernel_launch)
     n_tiles = dk_part.shape[1] // splits
     _dkdv_col_kernel[(n_tiles, b * hq, splits)](
         q, k, v, do, lse, delta, dk_part, dv_part,

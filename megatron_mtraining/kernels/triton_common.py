@@ -11,11 +11,6 @@ import triton.language as tl
 
 from .common import interpreting
 
-# Benchmark hook: launch settings (num_warps, num_stages) per kernel family, "fwd" or "bwd", that
-# replace the defaults below: benchmarks/kernel.py --launch sets them to compare settings; empty otherwise.
-LAUNCH_OVERRIDES: dict = {}
-
-
 def kernel_flags(dtype: torch.dtype) -> dict:
     """Compile-time flags shared by all kernels for an input dtype."""
     return dict(
@@ -26,16 +21,17 @@ def kernel_flags(dtype: torch.dtype) -> dict:
     )
 
 
-def tile_config(block: int, dtype: torch.dtype, family: str = "fwd") -> dict:
+def tile_config(block: int, dtype: torch.dtype, family: str = "fwd", kernel_launch: tuple = ()) -> dict:
     """Tile shapes and launch settings. Tiles divide the index block: a 128-block runs as 64-row
-    tiles where 128-row fp32 tiles would not fit in shared memory."""
+    tiles where 128-row fp32 tiles would not fit in shared memory. ``kernel_launch``: the call's
+    ``Settings.kernel_launch``, whose ``family`` entry replaces these defaults (benchmarks)."""
     tile = min(block, 64) if dtype == torch.float32 else min(block, 128)
     cfg = dict(BLOCK_M=tile, BLOCK_N=tile, BLOCK_COL=min(tile, 64),
                num_warps=8 if tile >= 128 else 4,
                num_stages=1 if (tile >= 128 or dtype == torch.float32) else 2,
                MASK_EVERY_TILE=False,
                COLUMN_PROGRAMS=1024)  # backward's column-gradient kernel: programs to aim for
-    cfg.update(LAUNCH_OVERRIDES.get(family, {}))
+    cfg.update(dict(kernel_launch).get(family, ()))
     if 64 % cfg["BLOCK_COL"]:
         raise ValueError(f"tile_config: BLOCK_COL {cfg['BLOCK_COL']} must divide 64 (a column tile reads one "
                          "64-bit column word)")

@@ -23,10 +23,11 @@ from .triton_common import (column_begin, column_tile, causal_columns, head_offs
                             query_documents, tile_config, tile_ptrs, token_mask, wide)
 
 
-def forward_launch_config(block: int, dtype: torch.dtype) -> dict:
+def forward_launch_config(block: int, dtype: torch.dtype, kernel_launch: tuple = ()) -> dict:
     """The forward's share of ``tile_config``: every key is a keyword of ``_vs_attn_fwd_kernel``
-    or a launch setting (the compiled kernel refuses unknown keywords; the interpreter does not)."""
-    cfg = tile_config(block, dtype)
+    or a launch setting (the compiled kernel refuses unknown keywords; the interpreter does not).
+    ``kernel_launch``: ``Settings.kernel_launch``."""
+    cfg = tile_config(block, dtype, "fwd", kernel_launch)
     cfg.pop("COLUMN_PROGRAMS")  # the backward's column-gradient kernel
     return cfg
 
@@ -161,11 +162,13 @@ def _vs_attn_fwd_kernel(
     tl.store(l_ptrs, lse)
 
 
-def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool) -> None:
+def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accumulate: bool,
+                            kernel_launch: tuple = ()) -> None:
     """Run the forward for one plan; writes (or, with ``accumulate``, merges into) ``out`` and ``lse``.
 
     q ``[b, hq, nq, d]``, k/v ``[b, hkv, nk, d]`` (last dim contiguous); out ``[b, hq, nq, d]``
     (fp32 when accumulating); lse fp32 ``[b, hq, nq]`` contiguous in the last dim.
+    ``kernel_launch``: ``Settings.kernel_launch`` (launch settings instead of the defaults).
     """
     if not softmax_scale > 0:
         raise ValueError(f"vs_attention_fwd_triton: softmax_scale must be positive, got {softmax_scale}")
@@ -175,7 +178,7 @@ def vs_attention_fwd_triton(q, k, v, plan, out, lse, softmax_scale: float, accum
     max_v = plan.cols.shape[-1]
     cols, col_pos, words, diag, n_words = column_arguments(plan)
     doc_start, doc_last, col_start, docs = document_arguments(plan)
-    cfg = forward_launch_config(B, q.dtype)
+    cfg = forward_launch_config(B, q.dtype, kernel_launch)
     grid = (nq // cfg["BLOCK_M"], b * hq)
     _vs_attn_fwd_kernel[grid](
         q, k, v, out, lse,

@@ -17,6 +17,11 @@ timeout (``init_process_group(timeout=...)``; Megatron sets it with
 ``--distributed-timeout-minutes``); the error and the timeout live in ``collective/transport.py``,
 shared with the agreement.
 
+A ring may carry an arrival hook (``Settings.ring_arrival_hook``, an argument of ``ring_topology``):
+called as ``hook(ring, received)`` when a transfer is posted, it may return a CUDA event that the
+data is taken to arrive at (``Pending.wait`` makes the stream wait for it too). None in training;
+the ring benchmark's emulated slow inter-node links (``benchmarks/slow_link.py``) give one.
+
 Hierarchical ring groups are created once per (CP group, inner size), after the members have
 agreed on the inner size (an all-reduce over the CP group), never from an argument that could
 differ between ranks.
@@ -85,9 +90,10 @@ class Ring:
     """One ring over ``ranks`` (global ranks, ring order) of ``group``; ``index`` is our position."""
 
     def __init__(self, group, ranks: Sequence[int], index: int, name: str = "flat",
-                 timeout_s: Optional[float] = None):
+                 timeout_s: Optional[float] = None, arrival_hook: Optional[Callable] = None):
         self.group = group
         self.timeout_s = timeout_s  # a transfer's timeout (``Settings.ring_timeout_s``; None: the group's)
+        self.arrival_hook = arrival_hook  # ``Settings.ring_arrival_hook`` (module docstring); None: none
         self.name = name  # "flat", "inner" (intra-node) or "outer" (inter-node): error messages
         self.size = len(ranks)
         self.index = index
@@ -107,21 +113,8 @@ class Ring:
             works = dist.batch_isend_irecv(ops)
         except Exception as err:  # gloo raises here at once when the peer's connection is closed
             raise RingCommunicationError(describe_failure(self, context, err, posting=True)) from err
-        arrival = _ARRIVAL_HOOK(self, received) if _ARRIVAL_HOOK is not None else None
+        arrival = self.arrival_hook(self, received) if self.arrival_hook is not None else None
         return Pending(received, works, keep_alive=tuple(tensors), arrival=arrival, ring=self)
-
-
-# Benchmark hook: called as hook(ring, received) when a transfer is posted; it may return a CUDA
-# event that the data is taken to arrive at (``Pending.wait`` makes the stream wait for it too), or
-# None. Off (None) in training; the ring benchmark's emulated slow inter-node links
-# (benchmarks/slow_link.py) set it.
-_ARRIVAL_HOOK: Optional[Callable] = None
-
-
-def set_arrival_hook(hook: Optional[Callable]) -> None:
-    """Install (or, with None, remove) the transfers' arrival hook (see ``_ARRIVAL_HOOK``)."""
-    global _ARRIVAL_HOOK
-    _ARRIVAL_HOOK = hook
 
 
 @dataclasses.dataclass
@@ -149,6 +142,15 @@ class RingTopology:
             timed_ring.timeout_s = timeout_s
             return timed_ring
         return dataclasses.replace(self, inner=timed(self.inner), outer=timed(self.outer))
+
+    def with_arrival_hook(self, hook: Optional[Callable]) -> "RingTopology":
+        """This topology, its rings' transfers calling ``hook`` (module docstring; None: none);
+        the same process groups, new ``Ring`` objects."""
+        def hooked(ring):
+            hooked_ring = copy.copy(ring)
+            hooked_ring.arrival_hook = hook
+            return hooked_ring
+        return dataclasses.replace(self, inner=hooked(self.inner), outer=hooked(self.outer))
 
     def source(self, outer_step: int, inner_step: int) -> int:
         """Group rank whose K/V this rank holds at (outer step, inner step)."""
@@ -193,11 +195,13 @@ def _agree_on_inner_size(group, inner: int, world: int, timeout_s: Optional[floa
                          "same inner_size (--mtraining-inner-ring-size)")
 
 
-def ring_topology(group=None, inner_size: Optional[int] = None, timeout_s: Optional[float] = None) -> RingTopology:
+def ring_topology(group=None, inner_size: Optional[int] = None, timeout_s: Optional[float] = None,
+                  arrival_hook: Optional[Callable] = None) -> RingTopology:
     """The (cached) flat or hierarchical ring of ``group``. The first time for a (group, inner
     size) the ranks agree on the inner size (one all-reduce); subgroups are then created by
     their members only (``use_local_synchronization``), so no rank waits in ``new_group``.
-    ``timeout_s``: its transfers' timeout (``Settings.ring_timeout_s``; None: the group's)."""
+    ``timeout_s``: its transfers' timeout (``Settings.ring_timeout_s``; None: the group's);
+    ``arrival_hook``: its transfers' arrival hook (``Settings.ring_arrival_hook``; None: none)."""
     global _SINGLE
     if not (dist.is_available() and dist.is_initialized()):
         if inner_size not in (None, 1):
@@ -227,4 +231,5 @@ def ring_topology(group=None, inner_size: Optional[int] = None, timeout_s: Optio
             _TOPOLOGIES[key] = RingTopology(world, rank, Ring(inner_group, inner_ranks, i, "inner (intra-node)"),
                                             Ring(outer_group, outer_ranks, node, "outer (inter-node)"))
     topo = _TOPOLOGIES[key]
-    return topo if timeout_s is None else topo.with_timeout(timeout_s)
+    topo = topo if timeout_s is None else topo.with_timeout(timeout_s)
+    return topo if arrival_hook is None else topo.with_arrival_hook(arrival_hook)

@@ -19,7 +19,7 @@ from ..collective import agreement
 from ..config import Settings, settings_or_default
 from ..documents import Documents
 from ..index import VSIndex
-from ..kernels.dense_kernels import dense_attention_backward, dense_attention_forward
+from ..kernels.dense_kernels import DenseFallback, dense_attention_backward, dense_attention_forward
 from ..kernels.torch_step import merge_partials
 from .sparse import RingAttentionFunction, _device_of, call_items, cp_group_of, sparse_ring_attention
 from .comm import check_inner_size, ring_topology
@@ -35,6 +35,7 @@ class DenseZigzagSteps:
 
     def __init__(self, rank: int, softmax_scale: float, impl: str):
         self.rank, self.softmax_scale, self.impl = rank, softmax_scale, impl
+        self.fallback = DenseFallback()  # this call's: cuDNN that raised in one step is not tried in the others
 
     def _parts(self, n: int, source: int):
         half = n // 2
@@ -47,7 +48,7 @@ class DenseZigzagSteps:
     def forward(self, q, k, v, source, out, lse):
         rows, cols, causal = self._parts(q.shape[2], source)
         part_out, part_lse = dense_attention_forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], causal,
-                                                     self.softmax_scale, self.impl)
+                                                     self.softmax_scale, self.impl, self.fallback)
         merged_out, merged_lse = merge_partials(out[:, :, rows], lse[:, :, rows], part_out.float(), part_lse)
         out[:, :, rows] = merged_out
         lse[:, :, rows] = merged_lse
@@ -62,7 +63,7 @@ class DenseZigzagSteps:
         rows, cols, causal = self._parts(q.shape[2], source)
         g_q, g_k, g_v = dense_attention_backward(d_out[:, :, rows], q[:, :, rows], k[:, :, cols], v[:, :, cols],
                                                  out[:, :, rows], lse[:, :, rows].contiguous(), causal,
-                                                 self.softmax_scale, self.impl)
+                                                 self.softmax_scale, self.impl, self.fallback)
         dq[:, :, rows] += g_q
         dk[:, :, cols] += g_k
         dv[:, :, cols] += g_v
@@ -113,6 +114,6 @@ def dense_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     verdict = checks.agree("dense_ring_attention", lambda: call_items(
         "dense_ring_attention (zigzag)", q, k, v, layout, world if inner_size is None else inner_size, softmax_scale,
         None, None), _device_of(q))
-    topo = ring_topology(group, inner_size, settings.ring_timeout_s)
+    topo = ring_topology(group, inner_size, settings.ring_timeout_s, settings.ring_arrival_hook)
     return RingAttentionFunction.apply(q, k, v, topo, DenseZigzagSteps(topo.rank, float(softmax_scale), impl),
                                        verdict, sequence_major_grads)

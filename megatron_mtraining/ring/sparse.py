@@ -318,7 +318,8 @@ def sparse_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ind
     verdict = checks.agree("sparse_ring_attention", lambda: call_items(
         "sparse_ring_attention", q, k, v, layout, world if inner_size is None else inner_size, softmax_scale, index,
         documents), _device_of(q))
-    topo = ring_topology(group, inner_size, settings.ring_timeout_s)  # after the agreement: the same rings
+    # After the agreement: the same rings.
+    topo = ring_topology(group, inner_size, settings.ring_timeout_s, settings.ring_arrival_hook)
     B, nb = index.block_size, seq_len // index.block_size
     blocks = _block_ids_on(q.device, seq_len, layout, topo.world_size, B)
     bitmap = index.slash_bitmap(nb)
