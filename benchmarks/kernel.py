@@ -426,14 +426,11 @@ def bench_block(cfg: Config, seq_len: int, arg_sets, device: torch.device, vs_en
 # ----------------------------------------------------------------------------------------------
 
 
-def spot_check(cfg: Config, device: torch.device) -> Dict:
-    """Ours (benchmark dtype and backend) and Flex's mask against the fp32 reference."""
-    seq_len = cfg.check_len
-    index = fixed_vs_index(cfg.batch, cfg.heads, seq_len, cfg.block_size, cfg.density, device, cfg.seed)
-    q, k, v, dout = make_inputs(cfg, seq_len, device, 1, cfg.seed + 1)[0]
-    result: Dict = {"seq_len": seq_len, "density": float(index.density(seq_len).mean()),
-                    "tolerance": CHECK_TOLERANCE}
-
+def _check_against_reference(result: Dict, cfg: Config, device: torch.device, index, q, k, v, dout,
+                             flex_skip: str) -> Dict:
+    """Ours (benchmark dtype and backend) and Flex's mask of ``index`` against the fp32 reference,
+    forward and gradients, into ``result`` under "ours" and "flex" (unless ``flex_skip`` is skipped)."""
+    seq_len = q.shape[2]
     ref_inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
     ref_out = reference_attention(*ref_inputs, index)[0]
     ref_grads = torch.autograd.grad(ref_out, ref_inputs, dout.float())
@@ -450,8 +447,19 @@ def spot_check(cfg: Config, device: torch.device) -> Dict:
     backend = resolve_backend(cfg.backend, device)
     attempt(result, "ours", lambda: check(lambda *a: sparse_attention(*a, index, backend=backend,
                                                                       settings=kernel_settings(cfg))))
-    if device.type == "cuda" and "flex" not in cfg.skip:
+    if device.type == "cuda" and flex_skip not in cfg.skip:
         attempt(result, "flex", lambda: check(flex_attention_fn(flex_block_mask(index, seq_len, device))))
+    return result
+
+
+def spot_check(cfg: Config, device: torch.device) -> Dict:
+    """Ours (benchmark dtype and backend) and Flex's mask against the fp32 reference."""
+    seq_len = cfg.check_len
+    index = fixed_vs_index(cfg.batch, cfg.heads, seq_len, cfg.block_size, cfg.density, device, cfg.seed)
+    q, k, v, dout = make_inputs(cfg, seq_len, device, 1, cfg.seed + 1)[0]
+    result: Dict = {"seq_len": seq_len, "density": float(index.density(seq_len).mean()),
+                    "tolerance": CHECK_TOLERANCE}
+    _check_against_reference(result, cfg, device, index, q, k, v, dout, "flex")
     if cfg.index == "block":
         attempt(result, "block", lambda: spot_check_block(cfg, device, q, k, v, dout))
     return result
@@ -462,25 +470,7 @@ def spot_check_block(cfg: Config, device: torch.device, q, k, v, dout) -> Dict:
     seq_len = q.shape[2]
     index, made = block_index_for(cfg, seq_len, device, q, k)
     result: Dict = {"pattern": cfg.block_pattern, "density": float(index.density(seq_len).mean()), **made}
-    ref_inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
-    ref_out = reference_attention(*ref_inputs, index)[0]
-    ref_grads = torch.autograd.grad(ref_out, ref_inputs, dout.float())
-    ref_out = ref_out.detach()
-
-    def check(attn):
-        out = attn(q, k, v)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-        errors = {"out": relative_l2(out, ref_out)}
-        errors.update({f"d{n}": relative_l2(g, r) for n, g, r in zip("qkv", grads, ref_grads)})
-        errors["pass"] = all(e < CHECK_TOLERANCE for e in errors.values())
-        return errors
-
-    backend = resolve_backend(cfg.backend, device)
-    attempt(result, "ours", lambda: check(lambda *a: sparse_attention(*a, index, backend=backend,
-                                                                      settings=kernel_settings(cfg))))
-    if device.type == "cuda" and "block_flex" not in cfg.skip:
-        attempt(result, "flex", lambda: check(flex_attention_fn(flex_block_mask(index, seq_len, device))))
-    return result
+    return _check_against_reference(result, cfg, device, index, q, k, v, dout, "block_flex")
 
 
 # ----------------------------------------------------------------------------------------------

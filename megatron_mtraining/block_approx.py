@@ -93,18 +93,23 @@ def moba_blocks(chosen: torch.Tensor, config: MTrainingConfig, num_blocks: int) 
     return BlockIndex(out[..., :capacity].contiguous(), counts, B)
 
 
+def _placement(q: torch.Tensor, config: MTrainingConfig, group):
+    """(CP size, this rank, the whole sequence's length, the layout of the local tokens): one device
+    (``group=None``) holds the whole sequence in order."""
+    world = dist.get_world_size(group) if group is not None else 1
+    rank = dist.get_rank(group) if group is not None else 0
+    return world, rank, q.shape[2] * world, config.layout if world > 1 else "striped"
+
+
 def moba_index(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig, group=None,
                documents: Optional[Documents] = None) -> BlockIndex:
     """MoBA's block index for one layer (module docstring). q ``[b, hq, n_local, d]``, k
     ``[b, hkv, n_local, d]``: this rank's tokens in ``config.layout`` order (``group=None``: the
     full sequence on one device, in order). Returns the same ``BlockIndex`` on every rank."""
-    world = dist.get_world_size(group) if group is not None else 1
-    rank = dist.get_rank(group) if group is not None else 0
+    world, rank, seq_len, layout = _placement(q, config, group)
     B, Bm = config.block_size, config.moba_block_size
-    b, hq, n_local, d = q.shape
+    b, d = q.shape[0], q.shape[3]
     hkv = k.shape[1]
-    seq_len = n_local * world
-    layout = config.layout if world > 1 else "striped"
     n_moba = math.ceil(seq_len / Bm)
     positions = local_positions_on(q.device, seq_len, layout, world, rank, B)
     # Block summaries: each MoBA block's key sum over the whole sequence (fp32).
@@ -152,13 +157,10 @@ def _sources(keys: torch.Tensor, group, world: int, rank: int):
 def xattn_scores(q: torch.Tensor, k: torch.Tensor, config: MTrainingConfig, group=None) -> torch.Tensor:
     """fp32 ``[b, hq, nqb_local, N / B]``: XAttention's score of each (local query block, key
     block) pair (module docstring). q, k: this rank's tokens in ``config.layout`` order."""
-    world = dist.get_world_size(group) if group is not None else 1
-    rank = dist.get_rank(group) if group is not None else 0
+    world, rank, seq_len, layout = _placement(q, config, group)
     S, B = config.xattn_stride, config.block_size
     b, hq, n_local, d = q.shape
     hkv = k.shape[1]
-    seq_len = n_local * world
-    layout = config.layout if world > 1 else "striped"
     nb = seq_len // B
     ids = _block_ids(q.device, seq_len, layout, world, B).view(world, -1)
     groups_of = (ids[:, :, None] * (B // S) + torch.arange(B // S, device=q.device)).reshape(world, -1)
