@@ -52,12 +52,16 @@ if [ "$DRY_RUN" = 1 ]; then
   exit 0
 fi
 
+# A failed call prints its error lines here too: the logs go into the archive below.
+errors() { grep -E "Error|error|terminate|what\(\)|Signal" "$1" | head -20; }
 start=$SECONDS
 "${kernel[@]}" > "$OUT/kernel_block.log" 2>&1
-echo "kernel rc=$?, $((SECONDS - start)) s"; grep -E "^(block|check|error)" "$OUT/kernel_block.log"
+rc=$?; echo "kernel rc=$rc, $((SECONDS - start)) s"; grep -E "^(block|check|error)" "$OUT/kernel_block.log"
+[ "$rc" = 0 ] || errors "$OUT/kernel_block.log"
 start=$SECONDS
 "${ring[@]}" > "$OUT/ring_moba.log" 2>&1
-echo "ring rc=$?, $((SECONDS - start)) s"; tail -4 "$OUT/ring_moba.log"
+rc=$?; echo "ring rc=$rc, $((SECONDS - start)) s"; tail -4 "$OUT/ring_moba.log"
+[ "$rc" = 0 ] || errors "$OUT/ring_moba.log"
 
 # The device tool returns a few files: the logs, setup.log and the heatmaps go in one archive.
 cd "$OUT" || exit 1

@@ -471,3 +471,35 @@ def test_dq_in_one_pass_where_the_whole_kv_fits_in_the_fp32_dq_buffer():
     assert not rule(1, 16, 2, torch.bfloat16)  # one rank: nothing to keep
     assert not rule(4, 16, 2, torch.bfloat16, backend="torch")  # the PyTorch path: dQ with the key side
     assert not rule(4, 16, 2, torch.bfloat16, query_plan=False)
+
+
+# ----------------------------------------------------------------------------- the cached rings
+
+def _remade_group_worker(rank: int, world_size: int, store: str) -> dict:
+    """The cached rings of a group that was destroyed and made again (same ranks, a new group object)."""
+    from megatron_mtraining.ring import comm
+
+    first = comm.ring_topology(None, None)
+    same = comm.ring_topology(None, None) is first
+    old_group = dist.group.WORLD
+    dist.barrier()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    again = comm.ring_topology(None, None)
+    # The new group's ring moves data: a neighbour exchange on it works.
+    got = again.inner.exchange((torch.full((2,), float(rank)),), ("forward", 0, world_size, "K/V", 0)).wait(
+        ("forward", 0, world_size, "K/V", 0))
+    comm.forget_topologies()
+    return {"same": same, "forgotten": not comm._TOPOLOGIES, "new_group": again.inner.group is dist.group.WORLD,
+            "not_old": again.inner.group is not old_group, "received": float(got[0][0])}
+
+
+@requires_ring
+def test_a_remade_group_gets_new_rings_and_the_cache_lets_go_of_destroyed_ones(tmp_path):
+    """ring_topology caches a group's rings per group object: after destroy_process_group and a new
+    group of the same ranks, the rings are the new group's (a cache keyed by ranks alone would hand
+    back the destroyed one); forget_topologies drops every cached group (it runs at exit, before the
+    interpreter's finalisation destructs what is left)."""
+    for rank, got in enumerate(run_distributed(_remade_group_worker, 2, str(tmp_path / "store"), timeout=120)):
+        assert got["same"] and got["forgotten"] and got["new_group"] and got["not_old"], (rank, got)
+        assert got["received"] == float((rank - 1) % 2), (rank, got)

@@ -29,6 +29,7 @@ differ between ranks.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -159,9 +160,23 @@ class RingTopology:
 
 
 # torch.distributed's API: subgroups (NCCL communicators) are created once per (CP group, inner size)
-# by a collective of their members, not per call.
+# by a collective of their members, not per call. Keyed by the group object too: a group destroyed and
+# made again (same ranks) gets new rings, never the destroyed group's.
 _SINGLE = None
-_TOPOLOGIES: Dict[Tuple[Tuple[int, ...], int], RingTopology] = {}
+_TOPOLOGIES: Dict[Tuple[object, Tuple[int, ...], int], RingTopology] = {}
+
+
+def forget_topologies() -> None:
+    """Drop the cached rings and with them this module's references to their process groups."""
+    global _SINGLE
+    _SINGLE = None
+    _TOPOLOGIES.clear()
+
+
+# A process group still referenced when the interpreter shuts down is destructed during finalisation,
+# where gloo's worker threads can abort the process ("terminate called without an active exception",
+# after a clean destroy_process_group()): the cache lets go of its groups before that.
+atexit.register(forget_topologies)
 
 
 def group_ranks(group) -> List[int]:
@@ -213,7 +228,7 @@ def ring_topology(group=None, inner_size: Optional[int] = None, timeout_s: Optio
     ranks = group_ranks(group)
     world, rank = len(ranks), dist.get_rank(group)
     inner = check_inner_size(inner_size, world)
-    key = (tuple(ranks), inner)
+    key = (group, tuple(ranks), inner)
     if key not in _TOPOLOGIES:
         if world > 1:
             _agree_on_inner_size(group, inner, world, timeout_s)
