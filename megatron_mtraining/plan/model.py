@@ -17,7 +17,8 @@ What a step costs, per GPU (``docs/scaling.md`` explains it with its validation)
   at the same work). At
   8-16K tokens per GPU the floor, not the kernels, sets the attention time;
 * the ring: the schedule of ``ring/schedule.py`` (flat, or hierarchical with an inner ring of
-  ``inner`` ranks and an outer ring over the groups) simulated rank by rank: a transfer starts
+  ``inner`` ranks and an outer ring over the groups), as ``ring/program.py`` records it from the
+  code the ring runs, simulated rank by rank: a transfer starts
   when both ends have posted it and the link it crosses (NVLink inside a node, the inter-node
   link otherwise) is free, and a rank waits where the schedule waits; exposed communication is
   what the simulated time adds to the compute;
@@ -27,7 +28,7 @@ What a step costs, per GPU (``docs/scaling.md`` explains it with its validation)
   ring of cuDNN calls, each step a causal half of the chunk pair) and ``a2a+p2p`` (an all-to-all
   over the heads inside a node, a p2p ring across nodes).
 
-All times are milliseconds. Nothing here imports torch: the planner is a leaf of the package.
+All times are milliseconds.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import dataclasses
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..ring.program import ring_program
 from .profiles import Profile
 
 BF16, FP32 = 2, 4
@@ -185,61 +187,6 @@ Link = Callable[[int, int], Tuple[float, float]]  # (src, dst) -> (GB/s, latency
 BWD_QUERIES_SHARE = 0.39
 
 
-def _programs(outer: int, inner: int, queries_after_send: bool = False):
-    """The forward and backward programs of ``ring/schedule.py`` as op lists, the same on every rank.
-
-    Ops: ("post", id, ring, kind), ("wait", id), ("compute", step, part), ("add",); ``part`` is
-    "all" (the step's compute), or with ``queries_after_send`` the backward's "keys" (dK/dV) before
-    its sums are sent on and "queries" (dQ) after. The backward's last transfer, which brings the
-    complete dK/dV home, is of kind "grad_home" (it travels in K/V's dtype): the inner ring's last
-    one on one node, else the outer ring's last one."""
-    fwd: List[tuple] = []
-    for so in range(outer):
-        if so + 1 < outer:
-            fwd.append(("post", ("okv", so), "outer", "kv"))
-        for si in range(inner):
-            step = so * inner + si
-            if si + 1 < inner:
-                fwd.append(("post", ("ikv", step), "inner", "kv"))
-            fwd.append(("compute", step, "all"))
-            if si + 1 < inner:
-                fwd.append(("wait", ("ikv", step)))
-            if so + 1 < outer and si + 1 == inner:
-                fwd.append(("wait", ("okv", so)))
-    bwd: List[tuple] = []
-    for so in range(outer):
-        if so + 1 < outer:
-            bwd.append(("post", ("okv", so), "outer", "kv"))
-        for si in range(inner):
-            step = so * inner + si
-            if si + 1 < inner:
-                bwd.append(("post", ("ikv", step), "inner", "kv"))
-            bwd.append(("compute", step, "keys" if queries_after_send else "all"))
-            if si > 0:
-                bwd.append(("wait", ("ig", step - 1)))
-                bwd.append(("add",))
-            home = outer == 1 and si + 1 == inner
-            bwd.append(("post", ("ig", step), "inner", "grad_home" if home else "grad"))
-            # Over several nodes the hop home is the outer transfer: the last dQ follows its posting.
-            queries_after_outer = queries_after_send and outer > 1 and step == outer * inner - 1
-            if queries_after_send and not queries_after_outer:
-                bwd.append(("compute", step, "queries"))
-            if si + 1 < inner:
-                bwd.append(("wait", ("ikv", step)))
-            if si + 1 == inner:
-                bwd.append(("wait", ("ig", step)))
-                if so > 0:
-                    bwd.append(("wait", ("og", so - 1)))
-                    bwd.append(("add",))
-                bwd.append(("post", ("og", so), "outer", "grad_home" if so + 1 == outer else "grad"))
-                if queries_after_outer:
-                    bwd.append(("compute", step, "queries"))
-                if so + 1 < outer:
-                    bwd.append(("wait", ("okv", so)))
-    bwd.append(("wait", ("og", outer - 1)))
-    return fwd, bwd
-
-
 def simulate_ring(world: int, inner: int, compute_ms: Sequence[float], nbytes: Dict[str, float], link: Link,
                   add_ms: float = 0.0, backward: bool = False, queries_share: float = 0.0) -> float:
     """Milliseconds until the last rank finishes one pass (forward or backward) of the ring.
@@ -255,9 +202,8 @@ def simulate_ring(world: int, inner: int, compute_ms: Sequence[float], nbytes: D
         raise ValueError(f"queries_share must be in [0, 1), got {queries_share}")
     nbytes = {"grad_home": nbytes["grad"], **nbytes}
     outer = world // inner
-    fwd, bwd = _programs(outer, inner, queries_after_send=queries_share > 0)
+    program = ring_program(outer, inner, backward)
     share = {"all": 1.0, "keys": 1.0 - queries_share, "queries": queries_share}
-    program = bwd if backward else fwd
 
     def prev(rank: int, ring: str) -> int:
         node, i = divmod(rank, inner)

@@ -11,6 +11,9 @@ With step timing on (``instrument.py``) every step records its ``compute`` and `
 forward's ``prepare`` (the step's plan, built just before its compute so that the host enqueues
 it while the GPU still runs the previous step) as ``plan``, and the backward's addition of the
 partial dK/dV that arrived into this step's as ``merge``.
+
+These two functions are the only statement of the schedule: ``program.py`` records the operations
+they perform as data, which the planner prices (``plan/model.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from . import instrument
 from .comm import RingTopology
 
 Tensors = Tuple[torch.Tensor, ...]
+
+# What the last hop of the backward carries: each chunk's complete dK/dV, on its way to its owner
+# (in K/V's dtype; ``program.py`` tells this transfer apart by the name).
+HOME = "dK/dV (going home)"
 
 
 def ring_forward(topo: RingTopology, kv: Sequence[torch.Tensor], compute: Callable[[Tensors, int], None],
@@ -122,7 +129,8 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor], keys: Callable
             if last and nodes == 1:  # one level: the inner transfer below is the hop home
                 grads = _narrowed(grads, home_dtype)
             with instrument.measure("backward", "wait", step):
-                from_prev_rank = topo.inner.exchange(grads, ("backward", step, W, "partial dK/dV", source))
+                what = HOME if last and nodes == 1 else "partial dK/dV"
+                from_prev_rank = topo.inner.exchange(grads, ("backward", step, W, what, source))
             if queries is not None and not queries_after_outer:  # while the sums just sent travel
                 with instrument.measure("backward", "compute", step):
                     queries(held, source)
@@ -141,12 +149,13 @@ def ring_backward(topo: RingTopology, kv: Sequence[torch.Tensor], keys: Callable
             if last:  # the outer transfer below is the hop home (a no-op on one node)
                 node_grads = _narrowed(node_grads, home_dtype)
             with instrument.measure("backward", "wait", step):
-                from_prev_node = topo.outer.exchange(node_grads, ("backward", step, W, "dK/dV", topo.source(so, 0)))
+                what = HOME if last else "dK/dV"
+                from_prev_node = topo.outer.exchange(node_grads, ("backward", step, W, what, topo.source(so, 0)))
             if queries is not None and queries_after_outer:
                 with instrument.measure("backward", "compute", step):
                     queries(held, source)
             if outer_next is not None:
                 with instrument.measure("backward", "wait", step):
                     outer_kv = outer_next.wait(("backward", step, W, "K/V", topo.source(so + 1, 0)))
-    home = from_prev_node.wait(("backward", W - 1, W, "dK/dV (coming home)", topo.rank))
+    home = from_prev_node.wait(("backward", W - 1, W, HOME, topo.rank))
     return tuple(home) if home_dtype is None else tuple(g.to(home_dtype) for g in home)
