@@ -1,23 +1,53 @@
-"""Does sparse training learn like dense? Loss and long-range retrieval, MTraining vs dense.
+"""Does sparse training learn like dense? Loss and long-range retrieval, four attentions compared.
 
 The same small megatron-core GPT (RoPE, GQA) trains from the same seed on the same synthetic
 corpus (``corpus.py``: word-completion filler plus key-value needles queried at
-the end of each sequence, stored in Megatron's indexed-dataset format) twice: with dense causal
-attention and with MTraining (``vs`` index, top-p 0.9, vertical floor ``--min-vertical`` 256,
-the default; 0 is the paper's pure top-p). Both go through ``MTrainingAttention``;
-the dense run uses the dense index (exact causal attention), so the attention code is the only
-difference. Training follows a short-to-long schedule (``--phases``, the same token count per
-iteration). Then both are evaluated:
+the end of each sequence, stored in Megatron's indexed-dataset format) with the same token budget,
+once per attention (``--run``):
+
+* ``dense``: exact causal attention (the dense index);
+* ``mtraining``: MTraining's vertical-slash index (``vs``, top-p 0.9, vertical floor
+  ``--min-vertical`` 256, the default; 0 is the paper's pure top-p);
+* ``moba``: MoBA's gated key blocks (``MTrainingConfig(index="moba")``: MoBA blocks of
+  ``--moba-block-size`` tokens, each query block attends its own and the best of the others by
+  mean query against mean key, ``--moba-top-k`` in all);
+* ``xattn``: XAttention's antidiagonal-scored blocks (``index="xattn"``: blocks of
+  ``--xattn-block-size`` tokens scored with stride ``--xattn-stride``, each query block keeps its
+  best blocks up to ``--xattn-threshold`` of its score mass).
+
+All four go through ``MTrainingAttention``, so the index is the only difference. Training follows
+a short-to-long schedule (``--phases``, the same token count per iteration). Then each model is
+evaluated:
 
 * held-out LM loss on unseen sequences at the longest length;
 * needle-in-a-haystack retrieval accuracy on a depth x length grid (a query counts when all its
-  value tokens are predicted exactly), with dense attention at inference for both models (what
-  the weights learned) and, for MTraining, also with its own sparse attention;
-* the per-layer index density over training (the paper's sparsity dynamics).
+  value tokens are predicted exactly), with dense attention at inference for every model (what
+  the weights learned) and also with its own sparse index (the dense model: MTraining's);
+* the per-layer index density over training (the sparsity dynamics).
+
+What to compare against (the MTraining paper, which trains with MoBA's and XAttention's indices
+beside its own):
+MoBA's loss falls faster than the others at first and ends higher than dense attention and
+MTraining; XAttention's index trains, but runs slower under the context-parallel ring, its
+selected blocks spread unevenly over the ring's steps (step imbalance). This benchmark measures
+the learning side only; the ring benchmarks (``ring.py``) measure speed.
 
     python benchmarks/quality.py --run dense     --out q_dense.json      # one process, one device
-    python benchmarks/quality.py --run mtraining --out q_mtraining.json
+    python benchmarks/quality.py --run mtraining --out q_mtraining.json  # likewise moba, xattn
     python benchmarks/quality.py --merge q_dense.json q_mtraining.json  # -> results/quality.json + plots
+    python benchmarks/quality.py --merge q_dense.json q_mtraining.json q_moba.json q_xattn.json
+
+The merge takes the dense result first, then any of the mtraining, moba and xattn results. With
+the mtraining one, the summary keeps the keys of the MTraining against dense comparison
+(``final_loss_gap``, ``mtraining_held_out_loss``, ...); each other run adds the same figures
+under its own name (``moba_final_loss_gap``, ``xattn_held_out_loss``, ...) and ``runs`` lists
+them. Without the mtraining run give ``--out`` (``make_tables.py`` renders the results'
+``quality*.json`` as MTraining against dense).
+
+The MoBA and XAttention block sizes must divide the sequence lengths (a length shorter than
+one MoBA block is a single MoBA block). With the config's defaults (MoBA blocks of 4096 tokens,
+top-12) MoBA attends densely up to 48K tokens: the default schedule, which ends at 32K, then
+compares nothing sparse, so pick the MoBA flags for the lengths trained.
 
 Recipe. Earlier recipes used ``pair`` needles (``KEY k v VAL``, answered by an induction circuit:
 a previous-token head, then a head matching the query's key against it). Small models learn that
@@ -37,12 +67,14 @@ learned short still holds far back), and the context grows 128 -> 1K -> 4K -> 32
 Packed documents (``--packed``, issue 16): every training and evaluation sequence is several
 documents (``--documents MIN:MAX`` per sequence, lengths drawn from the seed;
 ``corpus.PackedConfig``), each a self-contained corpus sequence with its own
-needles and its own queries at its end. Attention stays within documents in BOTH runs: each
+needles and its own queries at its end. Attention stays within documents in every run: each
 forward hands its documents to every MTrainingAttention layer as ``cu_seqlens`` (never an S x S
 mask) the way Megatron's ``--reset-attention-mask --reset-position-ids`` data does: the position
 ids restart at each document's ``BOS`` and ``packing.prepare_batch`` turns them into the current
 batch's documents, which every layer reads (the dense run: the dense index with documents; the
-MTraining run: the ``vs`` index with per-document approximator statistics). The rows of one
+MTraining run: the ``vs`` index with per-document approximator statistics; the MoBA run: its
+gate skips the MoBA blocks that end before a query block's document). XAttention's builder does
+not score packed documents, so ``--run xattn --packed`` is refused. The rows of one
 iteration share their documents (MTraining's ``cu_seqlens`` is shared by the micro-batch). The
 retrieval probes put one needle per document, all with the SAME key and pairwise different
 values: a query must be answered from its own document, and an answer equal to an earlier
@@ -51,7 +83,7 @@ same probes without the documents, ``retrieval_no_document_mask``, show what the
 out). The merge of packed runs writes ``results/quality_packed.json``; its ``mean_density`` counts
 document-causal pairs.
 
-    python benchmarks/quality.py --run dense --packed --out qp_dense.json   # likewise mtraining, then
+    python benchmarks/quality.py --run dense --packed --out qp_dense.json   # likewise mtraining, moba, then
     python benchmarks/quality.py --merge qp_dense.json qp_mtraining.json     # -> results/quality_packed.json
 
 (``scripts/gpu_quality.sh`` runs the two trainings side by side on two GPUs; ``PACKED=1`` the
@@ -79,12 +111,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import packed_active_pairs, run_metadata, write_json  # noqa: E402
 
 from megatron_mtraining import MTrainingConfig  # noqa: E402
-from megatron_mtraining.config import VERTICAL_FLOOR  # noqa: E402
+from megatron_mtraining.config import BLOCK_SIZES, VERTICAL_FLOOR  # noqa: E402
 from corpus import (  # noqa: E402
     BOS, KEY, NEEDLE_FORMATS, PROLONG_MIX, CorpusConfig, PackedConfig, answer_target_mask, make_needle_probe,
     make_packed_probe, make_packed_sequence, query_target_positions, reset_position_ids, retrieval_accuracy,
     write_indexed_dataset,
 )
+from megatron_mtraining.block_index import BlockIndex  # noqa: E402
 from megatron_mtraining.index import VSIndex  # noqa: E402
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -93,12 +126,17 @@ PHASES = "128:800,1024:400,4096:400,32768:800"
 # Packed: 3-8 documents per sequence, so the first phase is longer (documents of ~64-170 tokens,
 # like the unpacked recipe's first phase); the same tokens per iteration and iterations.
 PACKED_PHASES = "512:800,2048:400,8192:400,32768:800"
+RUNS = ("dense", "mtraining", "moba", "xattn")
+# The index each run trains with, and the one it is also evaluated with (the dense model: MTraining's).
+TRAIN_INDEX = {"dense": "dense", "mtraining": "vs", "moba": "moba", "xattn": "xattn"}
+SPARSE_INFERENCE_INDEX = {"dense": "vs", "mtraining": "vs", "moba": "moba", "xattn": "xattn"}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--run", choices=("dense", "mtraining"))
-    p.add_argument("--merge", nargs=2, metavar=("DENSE_JSON", "MTRAINING_JSON"))
+    p.add_argument("--run", choices=RUNS)
+    p.add_argument("--merge", nargs="+", metavar="RESULT_JSON",
+                   help="the dense result, then 1 to 3 of the mtraining, moba and xattn results")
     p.add_argument("--out", default=None)
     p.add_argument("--phases", default=None,
                    help=f"training schedule, comma-separated SEQ_LEN:ITERATIONS (default {PHASES}; with --packed "
@@ -140,13 +178,30 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--dense-max-seq-length", type=int, default=0,
-                   help="MTraining run: phases of at most this many tokens attend densely "
+                   help="sparse runs: phases of at most this many tokens attend densely "
                         "(MTrainingConfig.dense_max_seq_length; 0: never)")
     p.add_argument("--last-q", type=int, default=128)
     p.add_argument("--min-vertical", type=int, default=VERTICAL_FLOOR,
                    help="lower clamp of each head's vertical budget (MTrainingConfig.min_vertical; "
                         "0: the paper's pure top-p budget)")
-    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=64,
+                   help="index block size of the dense, mtraining and moba runs")
+    defaults = MTrainingConfig()
+    p.add_argument("--moba-block-size", type=int, default=defaults.moba_block_size,
+                   help="moba run: tokens per MoBA key block, a multiple of --block-size (MTrainingConfig."
+                        f"moba_block_size, default {defaults.moba_block_size})")
+    p.add_argument("--moba-top-k", type=int, default=defaults.moba_top_k,
+                   help="moba run: MoBA blocks each query block attends, its own included (MTrainingConfig."
+                        f"moba_top_k, default {defaults.moba_top_k})")
+    p.add_argument("--xattn-block-size", type=int, default=defaults.block_size,
+                   help="xattn run: index block size, the blocks XAttention scores and keeps (MTrainingConfig."
+                        f"block_size, default {defaults.block_size}; the paper's 128)")
+    p.add_argument("--xattn-stride", type=int, default=defaults.xattn_stride,
+                   help="xattn run: antidiagonal stride, a power of two dividing --xattn-block-size "
+                        f"(MTrainingConfig.xattn_stride, default {defaults.xattn_stride})")
+    p.add_argument("--xattn-threshold", type=float, default=defaults.xattn_threshold,
+                   help="xattn run: share of each query block's score mass its key blocks reach, in (0, 1] "
+                        f"(MTrainingConfig.xattn_threshold, default {defaults.xattn_threshold})")
     p.add_argument("--eval-lengths", default="4096,16384,32768")
     p.add_argument("--eval-depths", default="0.05,0.25,0.45,0.65,0.85")
     p.add_argument("--eval-probes", type=int, default=16, help="probes per (length, depth) cell")
@@ -160,6 +215,11 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if (args.run is None) == (args.merge is None):
         p.error("give exactly one of --run and --merge")
+    if args.merge is not None and not 2 <= len(args.merge) <= 4:
+        p.error(f"--merge takes 2 to 4 results (dense, then any of mtraining, moba, xattn), got {len(args.merge)}")
+    if args.run == "xattn" and args.packed:
+        p.error("--run xattn --packed: XAttention's index builder (block_approx.xattn_index) does not score "
+                "packed documents (cu_seqlens); run xattn unpacked, or compare mtraining and moba packed")
     if args.phases is None:
         args.phases = PACKED_PHASES if args.packed else PHASES
     if args.run:
@@ -167,6 +227,7 @@ def parse_args(argv=None):
             p.error(f"--answer-loss-weight must be positive, got {args.answer_loss_weight}")
         try:
             schedule = phases(args.phases)
+            check_index_flags(args, [s for s, _ in schedule] + [int(x) for x in args.eval_lengths.split(",")])
             if args.packed:
                 documents_range(args.documents)
                 document_mix(args.document_mix)
@@ -248,9 +309,54 @@ def packed_config(args, seq_len: int) -> PackedConfig:
 
 
 def mtraining_config(args, run: str) -> MTrainingConfig:
-    return MTrainingConfig(index="dense" if run == "dense" else "vs", top_p=args.top_p, last_q=args.last_q,
-                           block_size=args.block_size, min_vertical=args.min_vertical,
-                           dense_max_seq_length=args.dense_max_seq_length)
+    """The run's attention settings: its index (``TRAIN_INDEX``) and that index's flags (the
+    xattn run's blocks are ``--xattn-block-size`` tokens, the others' ``--block-size``). The other
+    block-sparse flags keep the config's defaults, so they cannot fail another run."""
+    fields = {"block_size": args.block_size}
+    if run == "moba":
+        fields.update(moba_block_size=args.moba_block_size, moba_top_k=args.moba_top_k)
+    elif run == "xattn":
+        fields.update(block_size=args.xattn_block_size, xattn_stride=args.xattn_stride,
+                      xattn_threshold=args.xattn_threshold)
+    return MTrainingConfig(index=TRAIN_INDEX[run], top_p=args.top_p, last_q=args.last_q,
+                           min_vertical=args.min_vertical, dense_max_seq_length=args.dense_max_seq_length, **fields)
+
+
+def check_index_flags(args, lengths):
+    """ValueError naming the flag where the run's index cannot be built at one of ``lengths`` (the
+    phases and the evaluation lengths), here rather than deep inside the training."""
+    lengths = sorted(set(lengths))
+    if args.run == "xattn":
+        flag, block = "--xattn-block-size", args.xattn_block_size
+        if block not in BLOCK_SIZES:
+            raise ValueError(f"--xattn-block-size must be one of {BLOCK_SIZES}, got {block}")
+        stride = args.xattn_stride
+        if stride < 1 or stride & (stride - 1) or block % stride:
+            raise ValueError(f"--xattn-stride must be a power of two dividing --xattn-block-size ({block}), "
+                             f"got {stride}")
+        if not 0.0 < args.xattn_threshold <= 1.0:
+            raise ValueError(f"--xattn-threshold must be in (0, 1], got {args.xattn_threshold}")
+    else:
+        flag, block = "--block-size", args.block_size
+    bad = [n for n in lengths if n % block]
+    if bad:
+        raise ValueError(f"{flag} {block} must divide every --phases and --eval-lengths length; it does not "
+                         f"divide {', '.join(map(str, bad))}")
+    if args.run == "moba":
+        moba = args.moba_block_size
+        if moba < 1 or moba % block:
+            raise ValueError(f"--moba-block-size must be a positive multiple of --block-size ({block}), got {moba}")
+        if args.moba_top_k < 1:
+            raise ValueError(f"--moba-top-k must be >= 1 (the query block's own MoBA block), got {args.moba_top_k}")
+        # A sequence shorter than one MoBA block is one MoBA block; a longer one must be whole blocks.
+        bad = [n for n in lengths if n > moba and n % moba]
+        if bad:
+            raise ValueError(f"--moba-block-size {moba} must divide every --phases and --eval-lengths length "
+                             f"longer than one MoBA block; it does not divide {', '.join(map(str, bad))}")
+    try:
+        mtraining_config(args, args.run)
+    except ValueError as err:
+        raise ValueError(f"--run {args.run}: {err}") from None
 
 
 # ---------------------------------------------------------------------------- set-up
@@ -313,8 +419,9 @@ def core_attentions(model):
 
 @contextlib.contextmanager
 def index_override(model, index: str):
-    """Evaluate with another index kind ("dense": exact attention; "vs": MTraining's) whatever
-    index the model trained with; the other MTraining settings stay, and so do layers built dense."""
+    """Evaluate with another index kind ("dense": exact attention; "vs": MTraining's; "moba",
+    "xattn": the block-sparse ones) whatever index the model trained with; the other settings of
+    the run stay (its block sizes among them), and so do layers built dense."""
     indexers = [a.indexer for a in core_attentions(model) if not a.indexer.dense]
     saved = [ix.mtraining_config for ix in indexers]
     for ix in indexers:
@@ -390,14 +497,35 @@ def masked_training_loss(per_token, answers, weight, loss_mask):
     return (per_token * w).sum() / w.sum()
 
 
-def document_density(index: VSIndex, cu_seqlens: torch.Tensor, seq_len: int, rows: int = 2) -> float:
-    """Active (query, key) pairs of ``index`` within documents over the document-causal pairs
-    (mean over heads and the first ``rows`` batch elements; 1 for the dense index)."""
+def document_density(index, cu_seqlens: torch.Tensor, seq_len: int, rows: int = 2) -> float:
+    """Active (query, key) pairs of ``index`` (a ``VSIndex`` or a ``BlockIndex``) within documents
+    over the document-causal pairs (mean over heads and the first ``rows`` batch elements; 1 for
+    the dense index)."""
     n = min(rows, index.batch)
-    sub = VSIndex(index.slash[:n], index.n_slash[:n], index.vertical[:n], index.n_vertical[:n], index.block_size)
-    pairs = packed_active_pairs(sub, cu_seqlens, seq_len)
+    if isinstance(index, BlockIndex):
+        pairs = block_document_pairs(BlockIndex(index.key_blocks[:n], index.n_key_blocks[:n], index.block_size),
+                                     cu_seqlens, seq_len)
+    else:
+        sub = VSIndex(index.slash[:n], index.n_slash[:n], index.vertical[:n], index.n_vertical[:n], index.block_size)
+        pairs = packed_active_pairs(sub, cu_seqlens, seq_len)
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=pairs.device, dtype=torch.float64)
     return float(pairs.mean() / (lengths * (lengths + 1) / 2).sum())
+
+
+def block_document_pairs(index: BlockIndex, cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """float64 ``[b, h]``: the (query, key) pairs a block index keeps within documents, counted per
+    block pair from tokens-per-(block, document) (``packed_active_pairs`` for a ``BlockIndex``):
+    key block ``kb < qb`` keeps sum over documents of cnt[qb, d] * cnt[kb, d], the diagonal block
+    cnt[qb, d] (cnt[qb, d] + 1) / 2."""
+    B, nb = index.block_size, index.num_blocks
+    device = index.device
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    pos = torch.arange(seq_len, device=device)
+    doc = torch.searchsorted(cu, pos, right=True) - 1
+    cnt = torch.zeros(nb, cu.numel() - 1, dtype=torch.float64, device=device)
+    cnt.index_put_((pos // B, doc), torch.ones(seq_len, dtype=torch.float64, device=device), accumulate=True)
+    per_pair = (cnt @ cnt.T).tril(-1) + torch.diag((cnt * (cnt + 1) / 2).sum(-1))  # [qb, kb]
+    return (index.to_mask().to(torch.float64) * per_pair).sum((-1, -2))
 
 
 def layer_densities(model, seq_len: int, args):
@@ -629,6 +757,9 @@ def run(args):
             datasets = write_training_data(args, schedule, folder)
             print(f"[quality] {args.run}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
                   f"schedule {schedule}, {args.tokens_per_iteration} tokens/iteration, device {device}", flush=True)
+            if args.run == "moba" and all(-(-n // args.moba_block_size) <= args.moba_top_k for n, _ in schedule):
+                print(f"[quality] moba: at most {args.moba_top_k} MoBA blocks of {args.moba_block_size} tokens per "
+                      "trained sequence: every query block attends all of them, the index is dense", flush=True)
             model.train()
             curve, density_log, train_s, stopped_at = train(args, model, datasets, device)
         model.eval()
@@ -647,10 +778,11 @@ def run(args):
             result["retrieval_dense_inference"] = retrieval_grid(args, model, device)
             if args.packed:  # the same probes with attention across documents: the distractors come into view
                 result["retrieval_no_document_mask"] = packed_retrieval_grid(args, model, device, documents=False)
-        # MTraining's index at inference, for both models (the dense one never trained with it):
-        # does the approximator find the needles the model retrieves?
-        with index_override(model, "vs"):
-            if args.run == "mtraining":
+        # The run's own index at inference; the dense model gets MTraining's (it never trained with
+        # one): does the index find the needles the model retrieves?
+        result["sparse_inference_index"] = SPARSE_INFERENCE_INDEX[args.run]
+        with index_override(model, result["sparse_inference_index"]):
+            if args.run != "dense":
                 result["held_out_loss_by_length_sparse_inference"] = {
                     n: held_out_loss(args, model, n, device) for n in eval_lengths}
             result["retrieval_sparse_inference"] = retrieval_grid(args, model, device, coverage=True)
@@ -681,106 +813,179 @@ def run(args):
 
 # ---------------------------------------------------------------------------- merge and plots
 
+NAMES = {"dense": "dense", "mtraining": "MTraining", "moba": "MoBA", "xattn": "XAttention"}
+_ABSENT = object()  # a summary key of a run not merged (None is a value: older results lack some)
+
+
+def load_runs(paths):
+    """{run: result} of the merged files in ``RUNS`` order; SystemExit unless the dense result
+    comes first, then distinct sparse runs, all packed or none, on the same data and token budget."""
+    loaded = []
+    for path in paths:
+        with open(path) as f:
+            loaded.append(json.load(f))
+    names = [r.get("run") for r in loaded]
+    if names[0] != "dense" or not all(n in RUNS[1:] for n in names[1:]) or len(set(names)) != len(names):
+        raise SystemExit("--merge expects the dense result first, then one to three of the mtraining, moba and "
+                         f"xattn results, each once; got {', '.join(map(str, names))}")
+    runs = dict(zip(names, loaded))
+    packed = {n: bool(r["settings"].get("packed")) for n, r in runs.items()}
+    if len(set(packed.values())) > 1:
+        raise SystemExit("--merge: the runs must all be --packed or none; got "
+                         + ", ".join(f"{n} {'packed' if p else 'unpacked'}" for n, p in packed.items()))
+    for key in ("phases", "tokens_per_iteration", "seed"):
+        values = {n: r["settings"].get(key) for n, r in runs.items()}
+        if len(set(values.values())) > 1:
+            raise SystemExit(f"--merge: the runs compare on the same data and token budget, but their "
+                             f"--{key.replace('_', '-')} differ: {values}")
+    return {n: runs[n] for n in RUNS if n in runs}
+
+
+def run_figures(dense, run, longest):
+    """One sparse run against the dense one at ``longest``: held-out losses and retrieval (dense
+    inference; ``_sparse_inference``: its own index), the gaps to dense (loss relative, retrieval
+    in points, dense minus the run), and its index density there (per layer, and the mean)."""
+    density = [r for r in run["density_log"] if r["seq_len"] == longest][-1]["density_per_layer"]
+    base, accuracy = _held_out(dense, longest), dense["retrieval_dense_inference"]["mean"]
+    return {
+        "final_loss_gap": (_held_out(run, longest) - base) / base,
+        "retrieval_accuracy_gap": 100 * (accuracy - run["retrieval_dense_inference"]["mean"]),
+        "retrieval_accuracy_gap_sparse_inference": 100 * (accuracy - run["retrieval_sparse_inference"]["mean"]),
+        "retrieval_accuracy": run["retrieval_dense_inference"]["mean"],
+        "retrieval_accuracy_sparse_inference": run["retrieval_sparse_inference"]["mean"],
+        "held_out_loss": _held_out(run, longest),
+        # Loss on the answer tokens of held-out multi-needle sequences (chance: ln of the value count).
+        "held_out_answer_loss": run.get("held_out_answer_loss_by_length", {}).get(str(longest)),
+        "mean_density": sum(density) / len(density),
+        "density_per_layer": density,
+    }
+
 
 def merge(args):
-    with open(args.merge[0]) as f:
-        dense = json.load(f)
-    with open(args.merge[1]) as f:
-        sparse = json.load(f)
-    if dense["run"] != "dense" or sparse["run"] != "mtraining":
-        raise SystemExit("--merge expects the dense result first, then the mtraining one")
+    runs = load_runs(args.merge)
+    dense = runs["dense"]
+    sparse = {n: r for n, r in runs.items() if n != "dense"}
+    if "mtraining" not in sparse and args.out is None:
+        raise SystemExit("--merge without the mtraining result needs --out (make_tables.py renders the results' "
+                         "quality*.json as MTraining against dense)")
     packed = bool(dense["settings"].get("packed"))
-    if packed != bool(sparse["settings"].get("packed")):
-        raise SystemExit("--merge: one run is --packed and the other is not")
-    longest = min(dense.get("trained_length", 0), sparse.get("trained_length", 0)) or \
-        max(r["seq_len"] for r in sparse["density_log"])
-    final_density = [r for r in sparse["density_log"] if r["seq_len"] == longest][-1]["density_per_layer"]
+    # The longest length every run trained at (a --max-train-seconds stop may end a run early).
+    longest = min(r.get("trained_length", 0) for r in runs.values()) or \
+        min(max(x["seq_len"] for x in r["density_log"]) for r in sparse.values())
     symbols = corpus_config(argparse.Namespace(**dense["settings"]), longest).num_values
+    figures = {n: run_figures(dense, r, longest) for n, r in sparse.items()}
+    # MTraining against dense: the keys make_tables.py and the targets read, left out where the
+    # mtraining run is not merged.
+    mt = lambda key: figures["mtraining"][key] if "mtraining" in figures else _ABSENT
     summary = {
-        # Held-out loss at the longest length both runs trained at (dense inference for both).
-        "final_loss_gap": (_held_out(sparse, longest) - _held_out(dense, longest)) / _held_out(dense, longest),
-        "retrieval_accuracy_gap": 100 * (dense["retrieval_dense_inference"]["mean"]
-                                         - sparse["retrieval_dense_inference"]["mean"]),
-        "retrieval_accuracy_gap_sparse_inference": 100 * (dense["retrieval_dense_inference"]["mean"]
-                                                          - sparse["retrieval_sparse_inference"]["mean"]),
+        # Held-out loss at the longest length every run trained at (dense inference for all).
+        "final_loss_gap": mt("final_loss_gap"),
+        "retrieval_accuracy_gap": mt("retrieval_accuracy_gap"),
+        "retrieval_accuracy_gap_sparse_inference": mt("retrieval_accuracy_gap_sparse_inference"),
         "dense_retrieval_accuracy": dense["retrieval_dense_inference"]["mean"],
-        "mtraining_retrieval_accuracy": sparse["retrieval_dense_inference"]["mean"],
-        "mtraining_retrieval_accuracy_sparse_inference": sparse["retrieval_sparse_inference"]["mean"],
-        # The dense-trained model under MTraining's index, and per layer the share of probes whose
-        # needle that index covers at the answering row (results from before session 4 lack both).
+        "mtraining_retrieval_accuracy": mt("retrieval_accuracy"),
+        "mtraining_retrieval_accuracy_sparse_inference": mt("retrieval_accuracy_sparse_inference"),
+        # The dense-trained model under MTraining's index, and per run and layer the share of
+        # probes whose needle the run's index covers at the answering row (older results lack both).
         "dense_retrieval_accuracy_sparse_inference": dense.get("retrieval_sparse_inference", {}).get("mean"),
         "needle_coverage_per_layer": {
-            run: r["retrieval_sparse_inference"]["needle_coverage_per_layer"]
-            for run, r in (("dense", dense), ("mtraining", sparse))
+            n: r["retrieval_sparse_inference"]["needle_coverage_per_layer"] for n, r in runs.items()
             if "needle_coverage_per_layer" in r.get("retrieval_sparse_inference", {})},
         # Chance: guessing all value tokens of one query among the symbol tokens.
-        "retrieval_chance": (1 / symbols) ** sparse["settings"].get("value_len", 4),
+        "retrieval_chance": (1 / symbols) ** next(iter(sparse.values()))["settings"].get("value_len", 4),
         "dense_held_out_loss": _held_out(dense, longest),
-        "mtraining_held_out_loss": _held_out(sparse, longest),
+        "mtraining_held_out_loss": mt("held_out_loss"),
         # Loss on the answer tokens of held-out multi-needle sequences (chance: ln of the value count).
         "dense_held_out_answer_loss": dense.get("held_out_answer_loss_by_length", {}).get(str(longest)),
-        "mtraining_held_out_answer_loss": sparse.get("held_out_answer_loss_by_length", {}).get(str(longest)),
+        "mtraining_held_out_answer_loss": mt("held_out_answer_loss"),
         "answer_loss_chance": math.log(symbols),
-        "mean_density": sum(final_density) / len(final_density),
+        "mean_density": mt("mean_density"),
         "longest_context": longest,
         "held_out_length": longest,
-        "train_seconds": {"dense": dense["train_seconds"], "mtraining": sparse["train_seconds"]},
-        "stopped_at_iteration": {"dense": dense.get("stopped_at_iteration"),
-                                 "mtraining": sparse.get("stopped_at_iteration")},
+        "train_seconds": {n: r["train_seconds"] for n, r in runs.items()},
+        "stopped_at_iteration": {n: r.get("stopped_at_iteration") for n, r in runs.items()},
         "targets": {"final_loss_gap": "within 0.02", "retrieval_accuracy_gap": "<= 2 points",
-                    "mean_density": "<= 0.10"},
+                    "mean_density": "<= 0.10"} if "mtraining" in figures else _ABSENT,
     }
+    summary = {key: value for key, value in summary.items() if value is not _ABSENT}
+    others = [n for n in sparse if n != "mtraining"]
+    if others:  # the block-sparse runs: the MTraining figures' names, prefixed with the run
+        summary["runs"] = list(runs)
+        for n in others:
+            summary.update({f"{n}_{key}": value for key, value in figures[n].items()})
     if packed:
-        summary.update(packed_summary(dense, sparse))
-    result = {"benchmark": "quality", "summary": summary, "dense": dense, "mtraining": sparse}
+        summary.update(packed_summary(dense, sparse.get("mtraining"), {n: sparse[n] for n in others}))
+    result = {"benchmark": "quality", "summary": summary, **runs}
     out = args.out or os.path.join(RESULTS_DIR, "quality_packed.json" if packed else "quality.json")
     write_json(out, result)
     plots = make_plots(result, os.path.splitext(out)[0])
     print(f"wrote {out} {' '.join(plots)}")
     for key, value in summary.items():
-        if not isinstance(value, dict):
+        if isinstance(value, list):
+            print(f"{key:48s} " + " ".join(f"{x:.4f}" if isinstance(x, float) else str(x) for x in value))
+        elif not isinstance(value, dict):
             print(f"{key:48s} {value:.4f}" if isinstance(value, float) else f"{key:48s} {value}")
     if packed:
-        print(f"{'distractor_rate':48s} dense {summary['distractor_rate']['dense']:.4f}, "
-              f"MTraining {summary['distractor_rate']['mtraining']:.4f}")
+        print(f"{'distractor_rate':48s} " + ", ".join(
+            f"{NAMES[n]} {rate:.4f}" for n, rate in summary["distractor_rate"].items() if rate is not None))
 
 
-def packed_summary(dense, sparse):
+def packed_summary(dense, sparse, others=None):
     """The summary keys of a packed merge (added to the unpacked ones, which keep their meaning;
-    ``mean_density`` then counts document-causal pairs)."""
+    ``mean_density`` then counts document-causal pairs). ``sparse``: the mtraining result (None
+    where it is not merged); ``others``: {run: result} of the other sparse runs."""
+    others = others or {}
+    runs = {"dense": dense, **({"mtraining": sparse} if sparse is not None else {}), **others}
     grid = lambda run, name: run.get(name, {})
     rate = lambda run, name: grid(run, name).get("distractor_rate")
-    return {
+    summary = {
         "packed": True,
         "documents": dense["settings"]["documents"],
         "document_mix": dense["settings"].get("document_mix"),
         "min_document_len": dense["settings"]["min_document_len"],
         # Queries answered with a distractor's value (a same-key needle of an earlier document),
-        # dense inference for both; ~0 with the document mask (the model cannot see them).
-        "distractor_rate": {"dense": rate(dense, "retrieval_dense_inference"),
-                            "mtraining": rate(sparse, "retrieval_dense_inference")},
+        # dense inference for every run; ~0 with the document mask (the model cannot see them).
+        "distractor_rate": {n: rate(r, "retrieval_dense_inference") for n, r in runs.items()},
         "dense_distractor_rate": rate(dense, "retrieval_dense_inference"),
-        "mtraining_distractor_rate": rate(sparse, "retrieval_dense_inference"),
-        "mtraining_distractor_rate_sparse_inference": rate(sparse, "retrieval_sparse_inference"),
+    }
+    for n, r in runs.items():
+        if n != "dense":
+            summary[f"{n}_distractor_rate"] = rate(r, "retrieval_dense_inference")
+            summary[f"{n}_distractor_rate_sparse_inference"] = rate(r, "retrieval_sparse_inference")
+    summary.update({
         # A guess among the values hits a distractor this often (what a model that cannot see
         # across documents, and does not know the answer, scores).
         "distractor_chance": grid(dense, "retrieval_dense_inference").get("distractor_chance"),
         # The same probes with attention across documents: what the mask keeps out.
-        "distractor_rate_without_document_mask": {"dense": rate(dense, "retrieval_no_document_mask"),
-                                                  "mtraining": rate(sparse, "retrieval_no_document_mask")},
+        "distractor_rate_without_document_mask": {n: rate(r, "retrieval_no_document_mask") for n, r in runs.items()},
         "retrieval_accuracy_without_document_mask": {
-            "dense": grid(dense, "retrieval_no_document_mask").get("mean"),
-            "mtraining": grid(sparse, "retrieval_no_document_mask").get("mean")},
+            n: grid(r, "retrieval_no_document_mask").get("mean") for n, r in runs.items()},
         "density_of": "document-causal pairs",
-        "targets": {"final_loss_gap": "within 0.02", "retrieval_accuracy_gap": "<= 2 points",
-                    "mean_density": "<= 0.10 (of document-causal pairs)",
-                    "distractor_rate": "~0 for both (at most distractor_chance x the wrong answers)"},
-    }
+    })
+    if sparse is not None:
+        summary["targets"] = {"final_loss_gap": "within 0.02", "retrieval_accuracy_gap": "<= 2 points",
+                              "mean_density": "<= 0.10 (of document-causal pairs)",
+                              "distractor_rate": "~0 for both (at most distractor_chance x the wrong answers)"}
+    return summary
 
 
 def _held_out(run, length):
     by_length = run.get("held_out_loss_by_length")
     return by_length[str(length)] if by_length and str(length) in by_length else run["held_out_loss"]
+
+
+def run_label(name, settings):
+    """A run's legend label with its index settings (the config's defaults where a result lacks them)."""
+    defaults = MTrainingConfig()
+    get = lambda key: settings.get(key, getattr(defaults, key))
+    if name == "mtraining":
+        return "MTraining (vs, top-p %.2f)" % settings["top_p"]
+    if name == "moba":
+        return f"MoBA (blocks {get('moba_block_size')}, top-{get('moba_top_k')})"
+    if name == "xattn":
+        return (f"XAttention (blocks {settings.get('xattn_block_size', defaults.block_size)}, stride "
+                f"{get('xattn_stride')}, threshold {get('xattn_threshold')})")
+    return "dense"
 
 
 def make_plots(result, stem):
@@ -791,16 +996,19 @@ def make_plots(result, stem):
     except ImportError:
         print("plots skipped: matplotlib is not installed")
         return []
-    dense, sparse = result["dense"], result["mtraining"]
+    runs = {n: result[n] for n in RUNS if n in result}
+    sparse = [n for n in runs if n != "dense"]
+    dense = runs["dense"]
     packed = bool(result["summary"].get("packed"))
     paths = []
 
     # Left: the LM loss; right: the loss on the answer tokens alone (where retrieval shows).
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, ylabel in ((axes[0], "loss", "training LM loss"), (axes[1], "answer_loss", "answer-token loss")):
-        for run, label in ((dense, "dense"), (sparse, "MTraining (vs, top-p %.2f)" % sparse["settings"]["top_p"])):
+        for name, run in runs.items():
             points = [r for r in run["loss_curve"] if key in r]
-            ax.plot([r["iteration"] for r in points], [r[key] for r in points], label=label, linewidth=1)
+            ax.plot([r["iteration"] for r in points], [r[key] for r in points],
+                    label=run_label(name, run["settings"]), linewidth=1)
         ax.set_xlabel("iteration")
         ax.set_ylabel(ylabel)
         ax.set_yscale("log")
@@ -811,36 +1019,68 @@ def make_plots(result, stem):
     paths.append(stem + "_loss.png")
     fig.savefig(paths[-1], dpi=120)
 
-    grids = [("dense", dense["retrieval_dense_inference"]), ("MTraining", sparse["retrieval_dense_inference"]),
-             ("MTraining, sparse inference", sparse["retrieval_sparse_inference"])]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    # Dense inference for every model, then each sparse run under its own index. With one sparse
+    # run, one row; with more, a row each (the dense model under MTraining's index below dense).
+    trained = [(NAMES[n], runs[n]["retrieval_dense_inference"]) for n in runs]
+    own = [(f"{NAMES[n]}, sparse inference", runs[n]["retrieval_sparse_inference"]) for n in sparse]
+    if len(sparse) == 1:
+        rows = [trained + own]
+    else:
+        rows = [trained, [("dense, MTraining's index", dense.get("retrieval_sparse_inference"))] + own]
+    columns = max(len(row) for row in rows)
+    fig, axes = plt.subplots(len(rows), columns, figsize=(13 if len(rows) == 1 else 4.3 * columns, 3.8 if
+                                                          len(rows) == 1 else 4.3 * len(rows)), squeeze=False)
+    if len(rows) > 1:
+        fig.subplots_adjust(hspace=0.4)  # the lower row's titles clear the upper row's labels
     if packed:
-        fig.subplots_adjust(top=0.8)  # room for the suptitle below
-    for ax, (title, g) in zip(axes, grids):
-        im = ax.imshow(torch.tensor(g["accuracy"]).numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto")
-        ax.set_xticks(range(len(g["depths"])), [f"{d:.0%}" for d in g["depths"]])
-        ax.set_yticks(range(len(g["lengths"])), [f"{n // 1024}K" for n in g["lengths"]])
-        ax.set_xlabel("needle depth")
-        ax.set_ylabel("context length")
-        ax.set_title(f"{title}: {g['mean']:.2f}")
-    fig.colorbar(im, ax=axes, shrink=0.8, label="retrieval accuracy")
+        fig.subplots_adjust(top=0.8 if len(rows) == 1 else 0.88)  # room for the suptitle below
+    used = []
+    for r, row in enumerate(rows):
+        for c in range(columns):
+            ax = axes[r][c]
+            title, g = row[c] if c < len(row) else (None, None)
+            if g is None:
+                ax.axis("off")
+                continue
+            im = ax.imshow(torch.tensor(g["accuracy"]).numpy(), vmin=0, vmax=1, cmap="viridis", aspect="auto")
+            ax.set_xticks(range(len(g["depths"])), [f"{d:.0%}" for d in g["depths"]])
+            ax.set_yticks(range(len(g["lengths"])), [f"{n // 1024}K" for n in g["lengths"]])
+            ax.set_xlabel("needle depth")
+            ax.set_ylabel("context length")
+            ax.set_title(f"{title}: {g['mean']:.2f}")
+            used.append(ax)
+    fig.colorbar(im, ax=used, shrink=0.8, label="retrieval accuracy")
     if packed:
         rates = result["summary"]["distractor_rate"]
         fig.suptitle(f"packed: {dense['settings']['documents']} documents per sequence, needle depth within its "
-                     f"document; distractor rate dense {rates['dense']:.3f}, MTraining {rates['mtraining']:.3f}")
+                     "document; distractor rate " + ", ".join(
+                         f"{NAMES[n]} {rate:.3f}" for n, rate in rates.items() if rate is not None))
     paths.append(stem + "_retrieval.png")
     fig.savefig(paths[-1], dpi=120)
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    log = sparse["density_log"]
-    layers = len(log[0]["density_per_layer"])
-    for layer in range(layers):
-        ax.plot([r["iteration"] for r in log], [r["density_per_layer"][layer] for r in log], label=f"layer {layer + 1}")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("index density" + (" (of document-causal pairs)" if packed else ""))
-    ax.set_title("MTraining index density per layer over training")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    # Per layer for each sparse run; with several, first their mean over layers side by side.
+    panels = (["mean"] if len(sparse) > 1 else []) + sparse
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 if len(panels) == 1 else 5 * len(panels), 4),
+                             squeeze=False, sharey=True)
+    ylabel = "index density" + (" (of document-causal pairs)" if packed else "")
+    for ax, panel in zip(axes[0], panels):
+        if panel == "mean":
+            for name in sparse:
+                log = runs[name]["density_log"]
+                ax.plot([r["iteration"] for r in log],
+                        [sum(r["density_per_layer"]) / len(r["density_per_layer"]) for r in log],
+                        label=run_label(name, runs[name]["settings"]))
+            ax.set_title("mean index density over the layers")
+        else:
+            log = runs[panel]["density_log"]
+            for layer in range(len(log[0]["density_per_layer"])):
+                ax.plot([r["iteration"] for r in log], [r["density_per_layer"][layer] for r in log],
+                        label=f"layer {layer + 1}")
+            ax.set_title(f"{NAMES[panel]} index density per layer over training")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     paths.append(stem + "_density.png")
     fig.savefig(paths[-1], dpi=120)

@@ -162,6 +162,19 @@ class BlockIndex:
         """bool [b, hq, num_blocks, num_blocks]: the block mask ``from_mask`` would rebuild this from."""
         return self.block_rows(torch.arange(self.num_blocks, device=self.device))
 
+    def covers(self, rows: torch.Tensor, cols: torch.Tensor, seq_len: int) -> torch.Tensor:
+        """bool [b, hq, P]: whether each (query ``rows[p]``, key ``cols[p]``) pair is attended (the
+        key block ``cols//B`` is one of the key blocks of query block ``rows//B``; causal pairs
+        only), as ``VSIndex.covers``."""
+        self.check_length(seq_len)
+        B = self.block_size
+        rows, cols = rows.long().to(self.device), cols.long().to(self.device)
+        # Only the P requested rows are expanded, never the whole block mask.
+        member = self.block_rows(rows // B)                                   # [b, hq, P, num_blocks]
+        key_block = (cols // B).clamp(0, self.num_blocks - 1)                  # a later col fails the causal test
+        by_block = member.gather(-1, key_block.expand(*member.shape[:2], -1)[..., None])[..., 0]
+        return by_block & (cols <= rows)
+
     def density(self, seq_len: int) -> torch.Tensor:
         """Active (query, key) pairs over causal pairs, per (batch, head), fp32."""
         self.check_length(seq_len)

@@ -140,6 +140,75 @@ def test_density_counts_active_pairs():
     assert torch.allclose(BlockIndex.dense(1, 1, 8 * B, B).density(8 * B), torch.ones(1, 1))
 
 
+def token_mask(index: BlockIndex, n: int) -> torch.Tensor:
+    """bool [b, h, n, n]: ``to_mask()`` expanded to tokens, causal (apart from ``covers``)."""
+    bs = index.block_size
+    mask = index.to_mask().repeat_interleave(bs, -2).repeat_interleave(bs, -1)
+    return mask & torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def test_covers_matches_the_token_mask_on_every_pair():
+    """covers() on every (row, col) pair of random indices (junk padding included) against the
+    block mask expanded to tokens and the pair-by-pair oracle; non-causal pairs are never covered."""
+    n = 6 * B
+    rows, cols = (x.reshape(-1) for x in torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij"))
+    g = torch.Generator().manual_seed(7)
+    for density in (0.0, 0.3, 0.7):
+        index = BlockIndex.random(2, 3, n, B, density=density, generator=g)
+        covered = index.covers(rows, cols, n)
+        assert covered.shape == (2, 3, n * n) and covered.dtype == torch.bool
+        assert torch.equal(covered, token_mask(index, n)[..., rows, cols])
+        assert torch.equal(covered, oracle_mask(index, n)[..., rows, cols])
+        assert not covered[..., cols > rows].any()
+
+
+def test_covers_edge_cases():
+    """Row 3*B+5 (last block, 3) attends blocks {0, 3}; row B+2 (block 1) only its own block."""
+    mask = torch.zeros(1, 2, 4, 4, dtype=torch.bool)
+    mask[0, 0, 3, 0] = True
+    index = BlockIndex.from_mask(mask, B)
+    n, row = 4 * B, 3 * B + 5
+    cases = [  # (row, col, covered in head 0)
+        (row, row, True),            # col == row: the diagonal
+        (row, 3 * B, True),          # first token of the row's own block
+        (row, row + 1, False),       # the own block, after the row: not causal
+        (row, n - 1, False),         # the last token of the sequence, after the row
+        (row, 0, True),              # a selected earlier block
+        (row, B - 1, True),          # its last token
+        (row, B, False),             # the first token of an unselected block
+        (row, 3 * B - 1, False),     # the block just before the own one, unselected
+        (n - 1, n - 1, True),        # the last token, its own key
+        (B + 2, 0, False),           # block 1 selects only itself
+        (B + 2, B, True),
+        (0, 0, True),                # the first token
+    ]
+    rows = torch.tensor([r for r, _, _ in cases])
+    cols = torch.tensor([c for _, c, _ in cases])
+    covered = index.covers(rows, cols, n)
+    assert covered[0, 0].tolist() == [want for _, _, want in cases]
+    # Head 1 selects only the diagonal blocks: exactly the causal pairs of one block.
+    assert covered[0, 1].tolist() == [r >= c and r // B == c // B for r, c, _ in cases]
+    assert torch.equal(covered, token_mask(index, n)[..., rows, cols])
+    with pytest.raises(ValueError, match="4 query blocks"):
+        index.covers(rows, cols, 8 * B)
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        index.covers(rows, cols, n + 3)
+
+
+def test_covers_agrees_with_the_vertical_slash_index_of_one_pattern():
+    """A slash-only VSIndex and the BlockIndex of the same blocks cover the same pairs."""
+    nb, slash = 6, [0, 2, 3]
+    vs = VSIndex.from_lists([[slash]], [[[]]], block_size=B)
+    mask = torch.zeros(1, 1, nb, nb, dtype=torch.bool)
+    for i in range(nb):
+        for d in slash:
+            if i - d >= 0:
+                mask[0, 0, i, i - d] = True
+    n = nb * B
+    rows, cols = (x.reshape(-1) for x in torch.meshgrid(torch.arange(n), torch.arange(n), indexing="ij"))
+    assert torch.equal(BlockIndex.from_mask(mask, B).covers(rows, cols, n), vs.covers(rows, cols, n))
+
+
 def test_random_index_is_valid_with_junk_padding():
     index = BlockIndex.random(2, 2, 6 * B, B, generator=torch.Generator().manual_seed(0))
     index.validate(6 * B)

@@ -204,6 +204,66 @@ def test_document_density_counts_document_pairs():
     assert expected < 0.5
 
 
+def test_document_density_counts_block_index_pairs():
+    """document_density of a BlockIndex: its block mask expanded to tokens, causal and within
+    documents (a block straddles documents), against the document-causal pairs."""
+    from megatron_mtraining import BlockIndex
+
+    n, bs = 512, 64
+    cu = torch.tensor([0, 100, 230, 512], dtype=torch.int32)
+    assert quality.document_density(BlockIndex.dense(2, 2, n, bs), cu, n) == pytest.approx(1.0)
+    index = BlockIndex.random(3, 2, n, bs, density=0.4, generator=torch.Generator().manual_seed(5))
+    doc = torch.searchsorted(cu.long(), torch.arange(n), right=True) - 1
+    tokens = index.to_mask().repeat_interleave(bs, -2).repeat_interleave(bs, -1)
+    active = tokens & torch.ones(n, n, dtype=torch.bool).tril() & (doc[:, None] == doc[None, :])
+    lengths = (cu[1:] - cu[:-1]).double()
+    per_row = active[:2].double().sum((-1, -2)) / float((lengths * (lengths + 1) / 2).sum())
+    assert quality.document_density(index, cu, n) == pytest.approx(float(per_row.mean()))  # first 2 rows
+    assert quality.document_density(index, cu, n, rows=3) == pytest.approx(
+        float(active.double().sum((-1, -2)).mean()) / float((lengths * (lengths + 1) / 2).sum()))
+    assert 0.2 < float(per_row.mean()) < 0.9
+    # One document: the density of causal pairs.
+    whole = torch.tensor([0, n], dtype=torch.int32)
+    assert quality.document_density(index, whole, n, rows=3) == pytest.approx(float(index.density(n).mean()))
+
+
+def test_packed_moba_run_and_merge(tmp_path):
+    """--run moba --packed: every layer gets its iteration's documents, the MoBA index keeps a share
+    of the document-causal pairs, and the merge with the packed dense run (no MTraining run, so an
+    explicit --out) writes the packed keys for both runs."""
+    flags = ["--moba-block-size", "64", "--moba-top-k", "2"]
+    dense, moba, merged = (str(tmp_path / name) for name in ("d.json", "moba.json", "merged.json"))
+    run("--run", "dense", "--out", dense, *TOY)
+    spy = str(tmp_path / "spy.json")
+    run("--run", "moba", "--out", moba, *TOY, *flags, spy_out=spy)
+    with open(spy) as f:
+        seen = json.load(f)
+    args = quality.parse_args(["--run", "moba", *TOY, *flags])
+    expected = []
+    for phase, (seq_len, iters) in enumerate(quality.phases(args.phases)):
+        cfg = quality.packed_config(args, seq_len)
+        for it in range(iters):
+            cu = input_cu_seqlens(cfg, phase * 1_000_000 + it, seq_len)
+            expected += [[layer, seq_len, max(1, args.tokens_per_iteration // seq_len), cu] for layer in (1, 2)]
+    assert seen[:len(expected)] == expected
+    with open(moba) as f:
+        result = json.load(f)
+    assert result["sparse_inference_index"] == "moba"
+    densities = [x for r in result["density_log"] for x in r["density_per_layer"]]
+    assert all(0.0 < x <= 1.0 for x in densities) and min(densities) < 0.9
+
+    out = run("--merge", dense, moba, "--out", merged)
+    assert "distractor_rate" in out and "MoBA" in out
+    with open(merged) as f:
+        s = json.load(f)["summary"]
+    assert s["packed"] is True and s["runs"] == ["dense", "moba"]
+    assert set(s["distractor_rate"]) == set(s["distractor_rate_without_document_mask"]) == {"dense", "moba"}
+    for key in ("moba_distractor_rate", "moba_distractor_rate_sparse_inference", "moba_held_out_loss",
+                "moba_mean_density", "dense_distractor_rate"):
+        assert isinstance(s[key], float), key
+    assert s["moba_mean_density"] < 1 and "mtraining_distractor_rate" not in s and "targets" not in s
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--run", "dense", "--packed", "--documents", "5:3"], "1 <= MIN <= MAX"),
     (["--run", "dense", "--packed", "--documents", "3"], "MIN:MAX"),
@@ -213,6 +273,9 @@ def test_document_density_counts_document_pairs():
     (["--run", "dense", "--packed", "--document-mix", "long"], "expected prolong or comma-separated lengths"),
     (["--run", "dense", "--packed", "--document-mix", ",".join(["1"] * 30)],
      "--document-mix: the packed probes need a distinct value per document"),
+    # XAttention's builder refuses packed documents: said at parsing, not deep inside the training.
+    (["--run", "xattn", "--packed"], "--run xattn --packed: XAttention's index builder (block_approx.xattn_index) "
+                                     "does not score packed documents"),
 ])
 def test_bad_packed_command_lines_fail_with_a_message(argv, message):
     proc = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "quality.py"), *argv], cwd=REPO,
