@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The quality benchmark (issue 7), one device call on 2 GPUs (or RUNS=dense, RUNS=mtraining: two
-# calls on one GPU). The dense and the MTraining
+# The quality benchmark, one device call on 2 GPUs (or RUNS=dense, RUNS=mtraining: two calls on one
+# GPU; PATTERNS=1 adds MoBA and XAttention's index, below). The dense and the MTraining
 # trainings run side by side, one per GPU, from the same seed and data; then the merge writes
 # quality.json and the plots to $OUT (gpu_common.sh). QUALITY_FLAGS overrides the schedule / model
 # flags; QUALITY_TIMEOUT bounds each training.
@@ -50,6 +50,17 @@ if [ "${PACKED:-0}" = 1 ]; then
   fi
   QUALITY_TIMEOUT=${QUALITY_TIMEOUT:-420}
 fi
+# PATTERNS=1: the block-sparse patterns too (quality.py --run moba, --run xattn), at the same token budget
+# and flags, merged with the dense and MTraining runs into ${PREFIX}_patterns.json. Their defaults
+# scaled to the 32K schedule (MoBA's 4096-token blocks x 12 would attend densely up to 48K): MoBA blocks
+# of 1024 tokens, top-3 (3 of 32 blocks at 32K); XAttention blocks of 128, stride 16, threshold 0.9.
+# XAttention's index takes no packed documents: with PACKED=1 the patterns are MoBA's only. On fewer
+# GPUs than runs, the runs of one GPU go one after the other: 4 trainings on 2 GPUs take two of them.
+BLOCK_PATTERN_FLAGS=${BLOCK_PATTERN_FLAGS:---moba-block-size 1024 --moba-top-k 3 --xattn-block-size 128 --xattn-stride 16 --xattn-threshold 0.9}
+if [ "${PATTERNS:-0}" = 1 ]; then
+  FLAGS="$FLAGS $BLOCK_PATTERN_FLAGS"
+  if [ "${PACKED:-0}" = 1 ]; then RUNS=${RUNS:-dense mtraining moba}; else RUNS=${RUNS:-dense mtraining moba xattn}; fi
+fi
 RUNS=${RUNS:-dense mtraining}
 VARIANT_NAME=${VARIANT_NAME:-variant}
 if [ -n "${MT_VARIANT:-}" ]; then
@@ -64,21 +75,32 @@ train() {  # train RUN OUTPUT_NAME EXTRA_FLAGS...: one training on this job's GP
   timeout "${QUALITY_TIMEOUT:-520}" "$PY" benchmarks/quality.py --run "$run" --out "$OUT/${PREFIX}_$name.json" $FLAGS "$@" \
       > "$OUT/${PREFIX}_$name.log" 2>&1
 }
-for run in $RUNS; do
-  gpu=$([ "$run" = dense ] || [ "$NGPU" -lt 2 ] && echo 0 || echo 1)
+# Run i on GPU i mod NGPU; a GPU's runs one after the other, so each has the GPU its time guard assumes.
+[ "$NGPU" -ge 1 ] 2>/dev/null || NGPU=1
+declare -A on_gpu=()
+i=0
+for run in $RUNS; do on_gpu[$((i % NGPU))]+="$run "; i=$((i + 1)); done
+for gpu in "${!on_gpu[@]}"; do
   (
     export CUDA_VISIBLE_DEVICES=$gpu
-    train "$run" "$run"
-    # shellcheck disable=SC2086  # MT_VARIANT is a list of flags
-    if [ "$run" = mtraining ] && [ -n "${MT_VARIANT:-}" ]; then train mtraining "mtraining_$VARIANT_NAME" $MT_VARIANT; fi
+    for run in ${on_gpu[$gpu]}; do
+      train "$run" "$run"
+      # shellcheck disable=SC2086  # MT_VARIANT is a list of flags
+      if [ "$run" = mtraining ] && [ -n "${MT_VARIANT:-}" ]; then train mtraining "mtraining_$VARIANT_NAME" $MT_VARIANT; fi
+    done
   ) &
-  [ "$NGPU" -lt 2 ] && wait  # one GPU: one run after the other, so each has the GPU its time guard assumes
 done
 wait
 for log in "$OUT"/quality_*.log; do echo "$(basename "$log"):"; grep -E "answer|phase" "$log" | tail -3; tail -2 "$log"; done
 cd "$OUT" || exit 1
 merge() { [ -f "${PREFIX}_dense.json" ] && [ -f "${PREFIX}_$1.json" ] \
   && "$PY" "$REPO/benchmarks/quality.py" --merge "${PREFIX}_dense.json" "${PREFIX}_$1.json" --out "$2"; }
+if [ "${PATTERNS:-0}" = 1 ]; then  # before the two-run merge below removes its inputs
+  results=()
+  for run in dense mtraining moba xattn; do [ -f "${PREFIX}_$run.json" ] && results+=("${PREFIX}_$run.json"); done
+  "$PY" "$REPO/benchmarks/quality.py" --merge "${results[@]}" --out "${PREFIX}_patterns.json" \
+    && rm -f "${PREFIX}_moba.json" "${PREFIX}_xattn.json"
+fi
 merge mtraining "$PREFIX.json" && rm -f "${PREFIX}_mtraining.json"
 merge "mtraining_$VARIANT_NAME" "${PREFIX}_$VARIANT_NAME.json" && rm -f "${PREFIX}_mtraining_$VARIANT_NAME.json"
 [ -f "$PREFIX.json" ] && rm -f "${PREFIX}_dense.json"

@@ -339,3 +339,27 @@ def test_needle_column_holds_the_answer(needle_format):
             a = cfg.fact_alphabet
             assert (held - cfg.symbol_start - 2 * a) % a == answer - cfg.symbol_start - a
         assert abs(column / cfg.seq_len - depth) < 0.01
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
+def test_the_gpu_script_block_pattern_flags_fit_its_schedules(packed):
+    """PATTERNS=1 in scripts/gpu_quality.sh: its MoBA and XAttention flags pass quality.py's checks on
+    the default schedules (block sizes that divide every phase and evaluation length) and make MoBA
+    sparse at the longest phase; XAttention is left out of the packed runs, which it refuses."""
+    import re
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import quality
+
+    script = open(os.path.join(REPO, "scripts", "gpu_quality.sh")).read()
+    flags = re.search(r"BLOCK_PATTERN_FLAGS=\$\{BLOCK_PATTERN_FLAGS:-(.*)\}", script).group(1).split()
+    base = ["--packed"] if packed else []
+    runs = ("moba",) if packed else ("moba", "xattn")
+    for run in runs:
+        args = quality.parse_args(["--run", run] + base + flags)
+        longest = max(s for s, _ in quality.phases(args.phases))
+        assert args.moba_top_k * args.moba_block_size < longest
+    assert ('RUNS=${RUNS:-dense mtraining moba}' in script) and ('RUNS=${RUNS:-dense mtraining moba xattn}' in script)
+    if packed:
+        with pytest.raises(SystemExit):
+            quality.parse_args(["--run", "xattn"] + base + flags)
