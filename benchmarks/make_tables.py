@@ -575,6 +575,36 @@ def needle_coverage_rows(coverage: Optional[Dict]) -> List[List[str]]:
              per_layer("mtraining"), "", ""]]
 
 
+PATTERN_NAMES = {"mtraining": "MTraining (vertical-slash)", "moba": "MoBA", "xattn": "XAttention's index"}
+
+
+def pattern_settings(run: str, settings: Dict) -> str:
+    if run == "moba":
+        return f"blocks {settings['moba_block_size']}, top-{settings['moba_top_k']}"
+    if run == "xattn":
+        return (f"blocks {settings['xattn_block_size']}, stride {settings['xattn_stride']}, "
+                f"threshold {settings['xattn_threshold']}")
+    return index_settings(settings)
+
+
+def pattern_rows(summary: Dict, data: Dict) -> List[str]:
+    """A result that also trained the block-sparse patterns (quality.py --merge with moba / xattn runs):
+    one row per run against dense, at the longest length every run trained at."""
+    others = [r for r in summary.get("runs", []) if r in ("moba", "xattn")]
+    if not others:
+        return []
+    rows = []
+    for run in ["mtraining"] + others:
+        get = (lambda key, run=run: summary.get(f"{run}_{key}", summary.get(key) if run == "mtraining" else None))
+        rows.append([PATTERN_NAMES[run], num(get("held_out_loss"), 3), num(100 * get("final_loss_gap"), 2) + "%",
+                     num(get("retrieval_accuracy"), 3), num(get("retrieval_accuracy_sparse_inference"), 3),
+                     num(get("mean_density"), 3), pattern_settings(run, data[run]["settings"])])
+    dense = ["dense", num(summary["dense_held_out_loss"], 3), "", num(summary["dense_retrieval_accuracy"], 3), "",
+             "1", ""]
+    return [table(["run", "held-out LM loss", "loss vs dense", "retrieval (dense inference)",
+                   "retrieval (own index)", "density", "index"], [dense] + rows)]
+
+
 @renderer("quality")
 def render_quality(results: List[Result]) -> str:
     parts = []
@@ -597,10 +627,11 @@ def render_quality(results: List[Result]) -> str:
             schedule = (f"training stopped at iterations {stopped.get('dense')} (dense) / "
                         f"{stopped.get('mtraining')} (MTraining) by the time budget")
         else:
-            schedule = "both runs trained the whole schedule"
+            schedule = ("every run" if len(s.get("runs", [])) > 2 else "both runs") + " trained the whole schedule"
         mt, stem = data["mtraining"]["settings"], os.path.splitext(path)[0]
         dense_note = ("" if index_settings(data["dense"]["settings"]) == index_settings(mt) else
                       f" (the dense model under MTraining's index: {index_settings(data['dense']['settings'])})")
+        parts.extend(pattern_rows(s, data))
         parts.append(f"`{path}`: MTraining index {index_settings(mt)}{dense_note}. "
                      f"Longest trained context {tokens(s['longest_context'])}, held-out loss at "
                      f"{tokens(s.get('held_out_length', s['longest_context']))}; {schedule}; retrieval chance "
