@@ -64,7 +64,7 @@ loss is the plain LM loss, ``answer_loss`` in the curve is the loss on answer to
 RoPE base is Qwen2.5's 1e6 (its slowest frequencies barely turn over 32K tokens, so the key match
 learned short still holds far back), and the context grows 128 -> 1K -> 4K -> 32K.
 
-Packed documents (``--packed``, issue 16): every training and evaluation sequence is several
+Packed documents (``--packed``): every training and evaluation sequence is several
 documents (``--documents MIN:MAX`` per sequence, lengths drawn from the seed;
 ``corpus.PackedConfig``), each a self-contained corpus sequence with its own
 needles and its own queries at its end. Attention stays within documents in every run: each
@@ -149,7 +149,7 @@ def parse_args(argv=None):
                         "MAX x --min-document-len does not fit; at most the number of values)")
     p.add_argument("--document-mix", default=None, metavar="prolong|L1,L2,...",
                    help="with --packed: every sequence is this mix of documents scaled to its length, in a random "
-                        "order, instead of --documents (prolong: issue 16's 128K benchmark mix, long documents "
+                        "order, instead of --documents (prolong: the 128K packed benchmark mix, long documents "
                         "holding most of the pairs; the shortest merge where they would be below "
                         "--min-document-len)")
     p.add_argument("--min-document-len", type=int, default=64, help="with --packed: the shortest document")

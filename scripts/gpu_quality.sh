@@ -4,7 +4,7 @@
 # trainings run side by side, one per GPU, from the same seed and data; then the merge writes
 # quality.json and the plots to $OUT (gpu_common.sh). QUALITY_FLAGS overrides the schedule / model
 # flags; QUALITY_TIMEOUT bounds each training.
-# PACKED=1: the packed-documents runs (issue 16; quality.py --packed: 3-8 documents per sequence,
+# PACKED=1: the packed-documents runs (quality.py --packed: 3-8 documents per sequence,
 # attention masked at their boundaries through cu_seqlens in both runs), the same side-by-side
 # structure, merged into quality_packed.json (plots quality_packed_*.png). One device call on
 # 2 H200s: `PACKED=1 bash scripts/gpu_quality.sh`, carry [".whl"]. DOCUMENT_MIX=prolong: the issue's
@@ -35,7 +35,7 @@ if [ "${PACKED:-0}" = 1 ]; then
   PREFIX=quality_packed
   FLAGS=${QUALITY_FLAGS:---packed --documents 3:8 --phases 512:800,2048:400,8192:400,32768:800 --tokens-per-iteration 16384 --needles-per-1k 48 --queries 6 --needle-format fact --vocab-size 2048 --rotary-base 1000000 --answer-loss-weight 20 --lr 3e-3 --warmup 50 --eval-probes 16 --max-train-seconds 280}
   # DOCUMENT_MIX=prolong (or L1,L2,...): every sequence is that mix of documents instead of 3-8 random
-  # ones (quality.py --document-mix; prolong is issue 16's 128K benchmark mix, long documents holding
+  # ones (quality.py --document-mix; prolong is the 128K packed benchmark mix, long documents holding
   # most of the pairs), merged into quality_packed_prolong.json. Scaled to 32K the mix's documents
   # are as short as the random ones (an offset costs the same share of the pairs:
   # benchmarks/document_costs.py), so without QUALITY_FLAGS the schedule ends with 100 iterations at
