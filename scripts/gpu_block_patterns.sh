@@ -30,13 +30,7 @@ KERNEL_TIMEOUT=${KERNEL_TIMEOUT:-300}
 RING_TIMEOUT=${RING_TIMEOUT:-240}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-if [ "$DRY_RUN" = 1 ]; then
-  PY=python DEVICE_SLUG=gpu NGPU=${NGPU:-4}
-else
-  nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-  setup_venv || exit 1
-  NGPU=${NGPU:-$("$PY" -c "import torch; print(torch.cuda.device_count())")}
-fi
+setup_multi_gpu || exit 1
 
 # shellcheck disable=SC2206  # BENCH_ARGS is a list of flags
 kernel=(timeout "$KERNEL_TIMEOUT" "$PY" benchmarks/kernel.py --seq-lens "$KERNEL_SEQ_LEN" --index block

@@ -55,6 +55,20 @@ setup_venv() {
   [ -n "$DEVICE_SLUG" ] || DEVICE_SLUG=gpu  # no CUDA device, or torch missing: still a valid file name
 }
 
+# setup_multi_gpu: the preamble of the scripts that launch torchrun over the GPUs. DRY_RUN=1 sets
+# PY=python, DEVICE_SLUG=gpu and NGPU (default 4) with no set-up, so the script can print its
+# commands; otherwise the GPU list goes to $OUT/gpu.txt, setup_venv runs, and NGPU defaults to the
+# GPUs torch sees.
+setup_multi_gpu() {
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    PY=python DEVICE_SLUG=gpu NGPU=${NGPU:-4}
+    return 0
+  fi
+  nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
+  setup_venv || return 1
+  NGPU=${NGPU:-$("$PY" -c "import torch; print(torch.cuda.device_count())")}
+}
+
 # Wheels over the 64 MiB a device call may carry travel split over two calls to one warm machine:
 #   here:    split -b 55000000 -d --additional-suffix= BIG.whl BIG.whl.part  (names end .partNN)
 #            first folder: the first part(s); second folder: the rest and the other wheels

@@ -36,13 +36,7 @@ WARMUP=${WARMUP:-3}
 RUN_TIMEOUT=${RUN_TIMEOUT:-150}
 CHECK=${CHECK:-1}  # 1: tests/ring_gpu_worker.py on the largest world size first
 
-if [ "$DRY_RUN" = 1 ]; then
-  PY=python DEVICE_SLUG=gpu NGPU=${NGPU:-4}
-else
-  nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-  setup_venv || exit 1
-  NGPU=${NGPU:-$("$PY" -c "import torch; print(torch.cuda.device_count())")}
-fi
+setup_multi_gpu || exit 1
 WORLDS=${WORLDS:-1 2 4}
 TORCHRUN=("$PY" -m torch.distributed.run --standalone --nproc_per_node)  # + the process count
 
