@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_mtraining import VSIndex, sparse_attention
+from megatron_mtraining import BlockIndex, VSIndex, sparse_attention
 from oracle import rel_err
 
 pytestmark = pytest.mark.gpu
@@ -46,11 +46,13 @@ def test_fp32_triton_is_exact_on_gpu():
     assert rel_err(out, ref) < 1e-5
 
 
-def test_no_host_synchronisation():
+@pytest.mark.parametrize("kind", ["vertical-slash", "block"])
+def test_no_host_synchronisation(kind):
     n, hq, hkv, d = 4096, 8, 2, 128
     q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for h in (hq, hkv, hkv))
-    index = long_index(1, hq, n, 64, seed=5)
+    index = (long_index(1, hq, n, 64, seed=5) if kind == "vertical-slash" else
+             BlockIndex.random(1, hq, n, 64, density=0.2, generator=torch.Generator().manual_seed(1), device="cuda"))
     sparse_attention(q, k, v, index).sum().backward()  # compile the kernels first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
