@@ -91,6 +91,9 @@ INSTALL_REQUIRES = [
     "megatron-core>=0.16,<0.20",
 ]
 
+# Tested with transformers 5.25.0 and safetensors 0.8.0.
+HF_REQUIRES = ["transformers>=4.57", "safetensors>=0.4"]
+
 setup(
     name="megatron-mtraining",
     version="0.1.0",
@@ -102,7 +105,9 @@ setup(
     # megatron-core >= 0.17, which needs Python >= 3.12.
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
-    extras_require={"test": ["pytest>=7", "einops"]},
+    # hf: the Hugging Face converter and the evaluation (python -m megatron_mtraining.convert /
+    # .evaluate); training needs neither. The tests use it too (tiny models built from configs).
+    extras_require={"test": ["pytest>=7", "einops", *HF_REQUIRES], "hf": HF_REQUIRES},
     classifiers=["Programming Language :: Python :: 3.11", "Programming Language :: Python :: 3.12"],
     zip_safe=False,
     **_extension_kwargs(),

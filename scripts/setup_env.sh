@@ -5,8 +5,9 @@
 #   packages and only what is missing is added (megatron-core from ./.whl when carried there).
 # * Elsewhere (CPU machines, CI) it installs PyTorch 2.13 CPU (the machine's local wheel),
 #   triton 3.6.0 (the GPU image's version; its CPU interpreter runs the kernels in tests),
-#   megatron-core, pybind11, pytest, pytest-xdist (make test runs the suite on 2 workers), einops
-#   and ninja.
+#   megatron-core, pybind11, pytest, pytest-xdist (make test runs the suite on 2 workers), einops,
+#   ninja, and transformers + safetensors (the package's "hf" extra: the converter's tests build
+#   tiny Hugging Face models from configs).
 # * numpy < 2.4: Triton 3.6's interpreter converts 1-element arrays to scalars, which numpy 2.4
 #   turned into an error.
 # * The package is installed editable with --no-build-isolation: the C++/CUDA extension must be
@@ -31,7 +32,7 @@ if "$PYTHON" -c "import torch, triton" >/dev/null 2>&1 && "$PYTHON" -c "import t
             $PIP install -q --no-deps "megatron-core>=0.16" || echo "[setup] megatron-core not installed (Megatron integration unavailable)"
         fi
     fi
-    for mod in pybind11 pytest einops; do
+    for mod in pybind11 pytest einops safetensors transformers; do
         "$VENV/bin/python" -c "import $mod" >/dev/null 2>&1 || $PIP install -q "$mod" || true
     done
     "$VENV/bin/python" -c "import xdist" >/dev/null 2>&1 || $PIP install -q "pytest-xdist==3.8.0" || true
@@ -42,9 +43,10 @@ else
     PIP="$VENV/bin/python -m pip"
     $PIP install -q --disable-pip-version-check \
         "torch==2.13.0" "triton==3.6.0" "numpy<2.4" "megatron-core>=0.16" \
-        "pybind11>=2.10" "pytest>=7" "pytest-xdist==3.8.0" "einops" "ninja" "setuptools>=64" "wheel" 2>&1 \
+        "pybind11>=2.10" "pytest>=7" "pytest-xdist==3.8.0" "einops" "ninja" "setuptools>=64" "wheel" \
+        "transformers==5.25.0" "safetensors==0.8.0" 2>&1 \
         | grep -v "^WARNING: Location" || true
-    "$VENV/bin/python" -c "import torch, triton, megatron.core, pytest, xdist" \
+    "$VENV/bin/python" -c "import torch, triton, megatron.core, pytest, xdist, transformers, safetensors" \
         || { echo "[setup] dependency installation failed" >&2; exit 1; }
 fi
 
