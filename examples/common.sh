@@ -10,6 +10,7 @@
 #   CHECKPOINT_ARGS=(...) # --save / --load / ... (may be empty)
 #   TOKENIZER_EXAMPLE=... # named in the error when DATA_PATH is set without TOKENIZER_MODEL
 #   MOCK_VOCAB_SIZE=...   # --vocab-size of the mock data
+#   PRETRAINED=CKPT       # (environment) continued pretraining from a converted checkpoint
 #   mtraining_launch "$@" # builds the command, prints it (DRY_RUN=1) or runs it
 #
 # Sourcing sets WORLD_SIZE, TP, CP, REPO_ROOT, PYTHON, ENTRY (the entry point after
@@ -140,13 +141,13 @@ mtraining_launch() {
         --master_addr "$MASTER_ADDR"
         --master_port "$MASTER_PORT"
     )
-    # Shared by every model here: a Llama-style GPT (SwiGLU, RMSNorm, GQA, no linear biases).
+    # Shared by every model here: a Llama-style GPT (SwiGLU, RMSNorm, GQA, no linear biases);
+    # tied or untied embeddings are the model's own (MODEL_ARGS).
     local common_model_args=(
         --group-query-attention
         --swiglu
         --normalization RMSNorm
         --disable-bias-linear
-        --untie-embeddings-and-output-weights
         --seq-length "$SEQ_LENGTH"
         --max-position-embeddings "$SEQ_LENGTH"
         --attention-dropout 0
@@ -186,8 +187,35 @@ mtraining_launch() {
     if (( NNODES > 1 )); then
         mtraining_args+=(--mtraining-inner-ring-size "${MTRAINING_INNER_RING_SIZE:-$GPUS_PER_NODE}")
     fi
+    # PRETRAINED=CKPT: continued pretraining from a converted model (python -m megatron_mtraining.convert
+    # hf-to-megatron). Megatron loads it when --load holds no checkpoint yet (then as --finetune:
+    # iteration 0, a fresh optimizer) and resumes from --load afterwards. The vocabulary padding and
+    # the tokenizer are the conversion's; MTraining's start-up checks the model flags against it.
+    local pretrained_args=() pretrained_vocab="" pretrained_tokenizer=""
+    if [[ -n "${PRETRAINED:-}" ]]; then
+        local pretrained_info
+        pretrained_info=$("$PYTHON" - "$PRETRAINED" <<'PY'
+import json, os, sys
+path = os.path.join(sys.argv[1], "mtraining_conversion.json")
+if not os.path.isfile(os.path.join(sys.argv[1], "latest_checkpointed_iteration.txt")) or not os.path.isfile(path):
+    sys.exit(f"error: PRETRAINED={sys.argv[1]} is not a converted checkpoint (no mtraining_conversion.json beside "
+             "latest_checkpointed_iteration.txt): convert the Hugging Face model with "
+             "python -m megatron_mtraining.convert hf-to-megatron --hf DIR --out CKPT")
+record = json.load(open(path))
+print(record["padded_vocab_size"], record["make_vocab_size_divisible_by"], record.get("tokenizer") or "")
+PY
+        ) || exit 1
+        read -r pretrained_vocab pretrained_divisor pretrained_tokenizer <<<"$pretrained_info"
+        pretrained_args=(--pretrained-checkpoint "$PRETRAINED" --make-vocab-size-divisible-by "$pretrained_divisor")
+        if [[ ${#CHECKPOINT_ARGS[@]} -eq 0 ]]; then
+            echo "error: PRETRAINED is set but the run saves no checkpoints: set CHECKPOINT_PATH (the continued run's --save / --load folder)" >&2
+            exit 1
+        fi
+        echo "[$LAUNCHER_NAME] continued pretraining from $PRETRAINED (vocabulary $pretrained_vocab rows${pretrained_tokenizer:+, tokenizer $pretrained_tokenizer})" >&2
+    fi
     local data_args
     if [[ -n "${DATA_PATH:-}" ]]; then
+        TOKENIZER_MODEL=${TOKENIZER_MODEL:-$pretrained_tokenizer}
         if [[ -z "${TOKENIZER_MODEL:-}" ]]; then
             echo "error: DATA_PATH is set but TOKENIZER_MODEL is not (a Hugging Face tokenizer name or folder, e.g. $TOKENIZER_EXAMPLE)" >&2
             exit 1
@@ -202,7 +230,7 @@ mtraining_launch() {
         data_args=(
             --mock-data
             --tokenizer-type NullTokenizer
-            --vocab-size "$MOCK_VOCAB_SIZE"
+            --vocab-size "${pretrained_vocab:-$MOCK_VOCAB_SIZE}"
         )
     fi
     local logging_args=(
@@ -229,6 +257,7 @@ mtraining_launch() {
         "${data_args[@]}"
         "${logging_args[@]}"
         "${CHECKPOINT_ARGS[@]}"
+        "${pretrained_args[@]}"
         "$@"
     )
     local cmd=("$PYTHON" -m torch.distributed.run "${distributed_args[@]}" "${ENTRY[@]}" "${megatron_args[@]}")

@@ -12,7 +12,8 @@
 #   MEGATRON_LM=/path/to/Megatron-LM bash examples/pretrain_llama3.1_8b_512k_mtraining.sh
 # Multi-node: set NNODES, NODE_RANK, MASTER_ADDR (and GPUS_PER_NODE) on every node.
 # Real data: DATA_PATH (a Megatron indexed dataset prefix) and TOKENIZER_MODEL (e.g.
-# meta-llama/Llama-3.1-8B); without DATA_PATH it trains on --mock-data.
+# meta-llama/Llama-3.1-8B); without DATA_PATH it trains on --mock-data. PRETRAINED=CKPT continues
+# from the real model, converted with python -m megatron_mtraining.convert hf-to-megatron.
 # Transformer Engine layers when TE imports, else local ones (one line on stderr says which;
 # TRANSFORMER_IMPL=transformer_engine|local chooses). MTRAINING_ENTRY=fork runs a patched fork's own
 # pretrain_gpt.py; TP=N adds tensor parallelism; DRY_RUN=1 prints the command; extra arguments are
@@ -39,6 +40,7 @@ MODEL_ARGS=(
     --num-query-groups 8
     --kv-channels 128
     --norm-epsilon 1e-5
+    --untie-embeddings-and-output-weights
     # Llama-3.x rope scaling as exposed by Megatron-LM core_r0.19.x: --use-rope-scaling with
     # --rope-scaling-factor (low/high frequency factors 1/4 and original context 8192 are fixed there).
     --position-embedding-type rope

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Pretrain (or continue pretraining) a Qwen2.5-3B-architecture GPT at 512K tokens per sequence
-# with MTraining dynamic sparse context-parallel attention.
+# Continue pretraining Qwen2.5-3B (or pretrain its architecture) at 512K tokens per sequence with
+# MTraining dynamic sparse context-parallel attention.
 #
-# Model: 36 layers, hidden 2048, FFN 11008 (SwiGLU), 16 query heads / 2 KV groups (head dim 128),
-# RMSNorm, QKV bias, untied embeddings, vocab 151936. Sequence length 524288 (512K), context
+# Model: Qwen2.5-3B as released: 36 layers, hidden 2048, FFN 11008 (SwiGLU), 16 query heads / 2 KV
+# groups (head dim 128), RMSNorm, QKV bias, tied embeddings, vocab 151936 (3.09B parameters). Sequence length 524288 (512K), context
 # parallelism over ALL GPUs (CP = GPUS_PER_NODE * NNODES / TP, TP default 1), micro batch 1, bf16,
 # full recompute, striped layout, top-p 0.9, block size 64; two-level (hierarchical) ring when
 # NNODES > 1.
@@ -12,7 +12,8 @@
 #   MEGATRON_LM=/path/to/Megatron-LM bash examples/pretrain_qwen2.5_3b_512k_mtraining.sh
 # Multi-node: set NNODES, NODE_RANK, MASTER_ADDR (and GPUS_PER_NODE) on every node.
 # Real data: DATA_PATH (a Megatron indexed dataset prefix) and TOKENIZER_MODEL (e.g.
-# Qwen/Qwen2.5-3B); without DATA_PATH it trains on --mock-data.
+# Qwen/Qwen2.5-3B); without DATA_PATH it trains on --mock-data. PRETRAINED=CKPT continues from the
+# real model, converted with python -m megatron_mtraining.convert hf-to-megatron --hf DIR --out CKPT.
 # Transformer Engine layers when TE imports, else local ones (one line on stderr says which;
 # TRANSFORMER_IMPL=transformer_engine|local chooses). MTRAINING_ENTRY=fork runs a patched fork's own
 # pretrain_gpt.py; TP=N adds tensor parallelism; DRY_RUN=1 prints the command; extra arguments are

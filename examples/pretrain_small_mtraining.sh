@@ -31,6 +31,7 @@ MODEL_ARGS=(
     --num-query-groups 4
     --kv-channels 64
     --norm-epsilon 1e-6
+    --untie-embeddings-and-output-weights
     --position-embedding-type rope
     --rotary-base 1000000
 )

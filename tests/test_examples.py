@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -257,6 +258,43 @@ def test_launchers_print_the_planners_line_and_run_the_baseline_with_mtraining_0
     assert "unknown GPU profile 'a100'" in r.stderr and "training goes on" in r.stderr
     r, _ = _dry_run(script, tmp_path / "plan", MTRAINING="yes")
     assert r.returncode == 1 and "MTRAINING=yes is neither 1" in r.stderr
+
+
+def test_qwen_launcher_describes_the_real_tied_model_and_llama_unties(tmp_path):
+    """Qwen2.5-3B ties its embeddings (3.09B parameters); Llama-3.1-8B does not."""
+    _, qwen = _dry_run(EXAMPLES / "pretrain_qwen2.5_3b_512k_mtraining.sh", tmp_path / "q")
+    _, llama = _dry_run(EXAMPLES / "pretrain_llama3.1_8b_512k_mtraining.sh", tmp_path / "l")
+    assert "--untie-embeddings-and-output-weights" not in qwen and "--add-qkv-bias" in qwen
+    assert "--untie-embeddings-and-output-weights" in llama
+
+
+def _converted(folder: Path, padded=151680, divisor=128, tokenizer="/models/qwen2.5-3b") -> Path:
+    folder.mkdir(parents=True)
+    (folder / "latest_checkpointed_iteration.txt").write_text("release")
+    (folder / "mtraining_conversion.json").write_text(json.dumps(
+        {"padded_vocab_size": padded, "make_vocab_size_divisible_by": divisor, "tokenizer": tokenizer}))
+    return folder
+
+
+@pytest.mark.parametrize("script", [EXAMPLES / "pretrain_qwen2.5_3b_512k_mtraining.sh",
+                                    EXAMPLES / "pretrain_llama3.1_8b_512k_mtraining.sh"], ids=lambda p: p.stem)
+def test_pretrained_starts_a_continued_pretraining_run(script, tmp_path):
+    """PRETRAINED=CKPT adds --pretrained-checkpoint with the conversion's vocabulary padding (the
+    mock data's --vocab-size becomes its rows, the real data's tokenizer defaults to its), keeps
+    --load (the run resumes from its own checkpoints once there are some), and refuses a folder
+    that is not a converted checkpoint."""
+    ckpt = _converted(tmp_path / "ckpt")
+    r, cmd = _dry_run(script, tmp_path / "a", PRETRAINED=str(ckpt))
+    assert r.returncode == 0, r.stderr
+    assert cmd[cmd.index("--pretrained-checkpoint") + 1] == str(ckpt)
+    assert cmd[len(cmd) - 1 - cmd[::-1].index("--vocab-size") + 1] == "151680"
+    assert cmd[cmd.index("--make-vocab-size-divisible-by") + 1] == "128" and "--load" in cmd
+    assert f"continued pretraining from {ckpt}" in r.stderr
+    r, cmd = _dry_run(script, tmp_path / "b", PRETRAINED=str(ckpt), DATA_PATH="/data/text_document")
+    assert r.returncode == 0, r.stderr
+    assert cmd[cmd.index("--tokenizer-model") + 1] == "/models/qwen2.5-3b" and "--mock-data" not in cmd
+    r, _ = _dry_run(script, tmp_path / "c", PRETRAINED=str(tmp_path))
+    assert r.returncode == 1 and "is not a converted checkpoint" in r.stderr and "hf-to-megatron" in r.stderr
 
 
 # ---------------------------------------------------------------------------- pretrain_gpt_mtraining.py

@@ -302,3 +302,26 @@ def test_command_line_converts_and_reports_errors(tmp_path):
                           capture_output=True, text=True, timeout=240)
     assert back.returncode == 0, back.stderr[-2000:]
     assert os.path.isfile(tmp_path / "back" / "tokenizer.json")
+
+
+def test_a_run_from_a_converted_checkpoint_is_checked_at_start_up(converted, tmp_path):
+    """MTraining's start-up names every model flag that disagrees with --pretrained-checkpoint, and
+    copies the conversion record into --save, so the run's own checkpoints export without --hf-base."""
+    import argparse
+
+    from megatron_mtraining.convert.pretrained import check_pretrained_run
+
+    _, _, ckpt, record = converted["qwen2-tied"]
+    args = argparse.Namespace(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+                              group_query_attention=True, num_query_groups=2, kv_channels=16, add_qkv_bias=True,
+                              untie_embeddings_and_output_weights=True, rotary_base=10000,
+                              padded_vocab_size=record["padded_vocab_size"], pretrained_checkpoint=ckpt,
+                              save=str(tmp_path / "run"), rank=0)
+    with pytest.raises(ValueError, match="untie-embeddings-and-output-weights: the run has True, the checkpoint False"):
+        check_pretrained_run(args)
+    assert not (tmp_path / "run").exists()
+    args.untie_embeddings_and_output_weights = False
+    assert check_pretrained_run(args)["padded_vocab_size"] == record["padded_vocab_size"]
+    assert json.load(open(tmp_path / "run" / "mtraining_conversion.json")) == record
+    args.pretrained_checkpoint = str(tmp_path)  # not a converted checkpoint: nothing to check
+    assert check_pretrained_run(args) is None

@@ -13,7 +13,9 @@ so that they cannot drift apart. From the parsed Megatron arguments it
 4. refuses an ``--mtraining-inner-ring-size`` that the launch cannot honour (it must divide the
    world size, and the CP groups must split evenly across nodes of that many ranks), where it
    would otherwise be ignored or fail in the first forward,
-5. when resuming (``--load``), compares the ``--mtraining-*`` flags saved in the checkpoint with
+5. with ``--pretrained-checkpoint`` a converted model (``python -m megatron_mtraining.convert``),
+   checks the run's model flags against it (``convert.pretrained``),
+6. when resuming (``--load``), compares the ``--mtraining-*`` flags saved in the checkpoint with
    this run's and says what changed: a ``ResumeConfigWarning`` (MTraining keeps no state, so a
    change is allowed, but it changes the attention the model was trained with), or a ValueError
    with ``--mtraining-resume-changes error`` (or ``MTRAINING_RESUME_CHANGES=error``),
@@ -32,6 +34,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 
 from ..config import RESUME_POLICIES, MTrainingConfig, resume_policy
+from ..convert.pretrained import check_pretrained_run
 from . import patches, telemetry
 from .transformer_engine import check_transformer_engine
 from .args import integration_options
@@ -119,7 +122,7 @@ def resume_changes(args) -> List[Tuple[str, object, object]]:
 
 
 def check_resume(args) -> None:
-    """Say what changed since the checkpoint (module docstring, item 5): ``--mtraining-resume-changes``
+    """Say what changed since the checkpoint (module docstring, item 6): ``--mtraining-resume-changes``
     ("warn" or "error"; unset: ``MTRAINING_RESUME_CHANGES``, read at start-up, else "warn")."""
     how = getattr(args, "mtraining_resume_changes", None) or resume_policy()
     if how not in RESUME_POLICIES:
@@ -157,6 +160,7 @@ def enable_mtraining(args) -> Callable:
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
         check_transformer_engine(required=True)
     check_inner_ring_size(args, config)
+    check_pretrained_run(args)
     check_resume(args)
     patches.install(config)
     if options["log_interval"] > 0:
