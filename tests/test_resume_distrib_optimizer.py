@@ -17,7 +17,7 @@ GPTModel in Float16Module and DistributedDataParallel, Adam with weight decay, D
 
 megatron-core's optimizer and checkpoint code assume CUDA beyond what ``cpu_shims`` covers
 (``device='cuda'`` tensors, ``param.type() == 'torch.cuda.BFloat16Tensor'``, CUDA streams);
-``_apply_optimizer_cpu_shims`` covers them, in the spawned worker processes only.
+``tests/megatron_cpu_checkpointing.py`` covers them, in the spawned worker processes only.
 
 tests/test_megatron_core_0_19.py runs this file again on megatron-core 0.19.1 from the Megatron-LM
 tree (the GPU machines' version); it skips without the tarball.
@@ -25,11 +25,7 @@ tree (the GPU machines' version); it skips without the tarball.
 
 from __future__ import annotations
 
-import importlib
-import multiprocessing
 import os
-import queue
-import types
 
 import pytest
 import torch
@@ -42,92 +38,7 @@ VOCAB, SEQ, BATCH = 128, 32, 2
 TIMEOUT = 240
 
 
-# ---------------------------------------------------------------------------- CUDA assumptions, on the CPU
-
-_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "ones_like", "empty_like")
-# Modules whose ``torch`` global is replaced by a proxy that builds 'cuda' tensors on the CPU.
-_CUDA_MODULES = ("megatron.core.utils", "megatron.core.optimizer.optimizer",
-                 "megatron.core.optimizer.distrib_optimizer", "megatron.core.optimizer.clip_grads",
-                 "megatron.core.optimizer.grad_scaler", "megatron.core.distributed.param_and_grad_buffer",
-                 "megatron.core.distributed.distributed_data_parallel",
-                 "megatron.core.dist_checkpointing.strategies.torch",
-                 "megatron.core.dist_checkpointing.strategies.filesystem_async",
-                 "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-                 "megatron.core.dist_checkpointing.strategies.async_utils")
-
-
-class _Stream:
-    def wait_event(self, *args, **kwargs):
-        pass
-
-    def wait_stream(self, *args, **kwargs):
-        pass
-
-    def synchronize(self):
-        pass
-
-
-class _CudaOnCpu(types.ModuleType):
-    def __getattr__(self, name):
-        return getattr(torch.cuda, name)
-
-    def current_stream(self, *args, **kwargs):
-        return _Stream()
-
-    def current_device(self):
-        return "cpu"
-
-    def empty_cache(self):
-        pass
-
-    def synchronize(self, *args, **kwargs):
-        pass
-
-
-def _on_cpu(factory):
-    def build(*args, **kwargs):
-        device = kwargs.get("device")
-        if device is not None and (isinstance(device, int) or str(device).startswith("cuda")):
-            kwargs["device"] = "cpu"
-        return factory(*args, **kwargs)
-    return build
-
-
-class _TorchOnCpu(types.ModuleType):
-    cuda = _CudaOnCpu("torch.cuda")
-
-    def __getattr__(self, name):
-        attr = getattr(torch, name)
-        return _on_cpu(attr) if name in _FACTORIES else attr
-
-
-def _apply_optimizer_cpu_shims() -> None:
-    """Worker processes only: process-wide and never undone (the process ends with the test)."""
-    tensor_type = torch.Tensor.type
-
-    def cuda_type(self, *args, **kwargs):  # 'torch.BFloat16Tensor' -> 'torch.cuda.BFloat16Tensor'
-        out = tensor_type(self, *args, **kwargs)
-        if not args and not kwargs and self.device.type == "cpu":
-            return out.replace("torch.", "torch.cuda.", 1)
-        return out
-
-    torch.Tensor.type = cuda_type
-    for name in _CUDA_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        module.torch = _TorchOnCpu("torch")
-    # The torch_dist writer: a synchronous save puts its results in a queue and reads them back in
-    # this same process (a plain queue, not a Manager server process); megatron-core 0.16 writes from
-    # forked children, which a daemonic process (run_distributed's workers) may not have.
-    filesystem_async = importlib.import_module("megatron.core.dist_checkpointing.strategies.filesystem_async")
-    for name in ("get_write_results_queue", "_get_write_results_queue"):
-        if hasattr(filesystem_async, name):
-            setattr(filesystem_async, name, lambda *args, **kwargs: queue.Queue())
-    multiprocessing.current_process()._config["daemon"] = False
-    if not getattr(filesystem_async, "HAVE_PSUTIL", True):  # only logs the writer's memory use
-        filesystem_async._process_memory = lambda: 0
+from megatron_cpu_checkpointing import apply_checkpoint_cpu_shims as _apply_optimizer_cpu_shims  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- model, optimizer, training

@@ -27,7 +27,9 @@ import argparse
 import contextlib
 import json
 import os
+import pickle
 import tempfile
+import types
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
@@ -216,10 +218,36 @@ def _global_tensors(model) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
     return tensors, objects
 
 
+class _Unknown:
+    """Stands in for a class the saving run had and this one lacks (another megatron-core
+    version's enums and configs in the saved arguments): its fields are not needed here."""
+
+    def __init__(self, *args, **kwargs):
+        self.args = args
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+class _LenientUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        try:
+            return super().find_class(module, name)
+        except (AttributeError, ImportError):
+            if not module.startswith("megatron"):
+                raise
+            return type(name, (_Unknown,), {"__module__": module})
+
+
+_LENIENT_PICKLE = types.SimpleNamespace(Unpickler=_LenientUnpickler, load=lambda f, **kw: _LenientUnpickler(f, **kw).load(),
+                                        __name__="mtraining_lenient_pickle")
+
+
 def load_common(path: str) -> Dict[str, Any]:
     """The common (non-tensor) state of a torch_dist checkpoint: ``common.pt``, or the
     ``common_state`` object that newer megatron-core keeps inside the DCP files. Checkpoints are
-    trusted files (as in Megatron, the argument namespace is unpickled)."""
+    trusted files (as in Megatron, the argument namespace is unpickled; classes of another
+    megatron-core version are replaced by placeholders)."""
     import io
 
     import torch.distributed.checkpoint as dcp
@@ -227,13 +255,16 @@ def load_common(path: str) -> Dict[str, Any]:
     folder = checkpoint_dir(path)
     legacy = os.path.join(folder, "common.pt")
     if os.path.isfile(legacy):
-        return torch.load(legacy, map_location="cpu", weights_only=False)
+        return torch.load(legacy, map_location="cpu", weights_only=False, pickle_module=_LENIENT_PICKLE)
+    class RawBytes(dcp.DefaultLoadPlanner):  # the stored bytes as they are; unpickled below
+        def load_bytes(self, read_item, value):
+            self.state_dict[read_item.dest_index.fqn].write(value.read())
+
     key = "common_state/shard_0_1"
-    state = {key: io.BytesIO()}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(folder), no_dist=True)
-    buffer = state[key]
+    buffer = io.BytesIO()
+    dcp.load({key: buffer}, storage_reader=dcp.FileSystemReader(folder), planner=RawBytes(), no_dist=True)
     buffer.seek(0)
-    return torch.load(buffer, map_location="cpu", weights_only=False)[0]
+    return torch.load(buffer, map_location="cpu", weights_only=False, pickle_module=_LENIENT_PICKLE)[0]
 
 
 def checkpoint_dir(path: str) -> str:
