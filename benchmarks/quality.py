@@ -37,6 +37,16 @@ the learning side only; the ring benchmarks (``ring.py``) measure speed.
     python benchmarks/quality.py --merge q_dense.json q_mtraining.json  # -> results/quality.json + plots
     python benchmarks/quality.py --merge q_dense.json q_mtraining.json q_moba.json q_xattn.json
 
+Context extension, the paper's protocol: pretrain dense at a short length and save the model, then
+extend it to a length 8-16x longer from that same model, once with dense attention and once with
+MTraining, on the same tokens; the merge compares them as above (its ``extended_from`` names the
+base) and adds the held-out loss by position span at the longest length:
+
+    python benchmarks/quality.py --run dense --phases 2048:2000 --save-model base.pt --out q_base.json
+    python benchmarks/quality.py --run dense --phases 32768:300 --init-from base.pt --out q_ext_dense.json
+    python benchmarks/quality.py --run mtraining --phases 32768:300 --init-from base.pt --out q_ext_mt.json
+    python benchmarks/quality.py --merge q_ext_dense.json q_ext_mt.json --out results/quality_extension.json
+
 The merge takes the dense result first, then any of the mtraining, moba and xattn results. With
 the mtraining one, the summary keeps the keys of the MTraining against dense comparison
 (``final_loss_gap``, ``mtraining_held_out_loss``, ...); each other run adds the same figures
@@ -212,6 +222,13 @@ def parse_args(argv=None):
     p.add_argument("--max-train-seconds", type=float, default=None,
                    help="stop training early past this (recorded as stopped_at_iteration) so a run always evaluates")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--save-model", metavar="PATH",
+                   help="write the trained model (state dict and shape flags) to PATH: the base of --init-from")
+    p.add_argument("--init-from", metavar="PATH",
+                   help="start from a --save-model file instead of the seed's initial weights (context "
+                        "extension: the same base, extended with each attention on the same tokens)")
+    p.add_argument("--position-buckets", type=int, default=8,
+                   help="held-out loss at the longest length in this many equal spans of positions")
     args = p.parse_args(argv)
     if (args.run is None) == (args.merge is None):
         p.error("give exactly one of --run and --merge")
@@ -391,6 +408,29 @@ def build_model(args, run: str, max_len: int, device):
                            num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
                            vocab_size=args.vocab_size, seq_length=max_len,
                            rotary_base=args.rotary_base).to(device)
+
+
+# The flags that decide a --save-model file's tensors: an --init-from run must give the same.
+MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "vocab_size", "rotary_base")
+
+
+def save_model(args, model, path):
+    torch.save({"state_dict": model.state_dict(), "model_flags": {k: getattr(args, k) for k in MODEL_FLAGS},
+                "run": args.run, "phases": args.phases}, path)
+
+
+def init_from(args, model, path):
+    """Load a --save-model file into ``model``; SystemExit naming the flags that differ."""
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    differ = [f"--{k.replace('_', '-')} {getattr(args, k)} (the base: {v})" for k, v in saved["model_flags"].items()
+              if getattr(args, k) != v]
+    if differ:
+        raise SystemExit(f"--init-from {path} holds another model: " + ", ".join(differ))
+    missing, unexpected = model.load_state_dict(saved["state_dict"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise SystemExit(f"--init-from {path}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return {"path": os.path.abspath(path), "run": saved["run"], "phases": saved["phases"]}
 
 
 def write_training_data(args, schedule, folder):
@@ -622,6 +662,19 @@ def held_out_losses(args, model, seq_len, device):
             sum(x[:, answers].mean().item() for x in per_token) / len(per_token))
 
 
+@torch.no_grad()
+def held_out_loss_by_position(args, model, seq_len, device):
+    """Held-out LM loss in ``--position-buckets`` equal spans of positions: [{start, end, loss}]
+    (does the extended model use its new positions?)."""
+    from corpus import make_sequence
+
+    cfg = corpus_config(args, seq_len)
+    per_token = torch.stack([per_token_loss(model, make_sequence(cfg, HELD_OUT_START + i).tokens[None].to(device),
+                                            args)[0].float() for i in range(args.held_out)]).mean(0)
+    edges = [round(seq_len * b / args.position_buckets) for b in range(args.position_buckets + 1)]
+    return [{"start": a, "end": b, "loss": per_token[a:b].mean().item()} for a, b in zip(edges, edges[1:]) if b > a]
+
+
 def held_out_loss(args, model, seq_len, device):
     return held_out_losses(args, model, seq_len, device)[0]
 
@@ -753,6 +806,7 @@ def run(args):
         packing.configure_packing(reset_attention_mask=True, reset_position_ids=True)
     try:
         model = build_model(args, args.run, max_len, device)
+        base = init_from(args, model, args.init_from) if args.init_from else None
         with tempfile.TemporaryDirectory(prefix="mtraining-corpus-") as folder:
             datasets = write_training_data(args, schedule, folder)
             print(f"[quality] {args.run}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
@@ -770,11 +824,16 @@ def run(args):
                   "loss_curve": curve, "density_log": density_log,
                   "settings": {k: v for k, v in vars(args).items() if k not in ("merge", "out")}}
         result["trained_length"] = longest
+        result["extended_from"] = base
+        if args.save_model:
+            save_model(args, model, args.save_model)
         with dense_inference(model):
             losses = {n: held_out_losses(args, model, n, device) for n in eval_lengths}
             result["held_out_loss_by_length"] = {n: lm for n, (lm, _) in losses.items()}
             # Loss on the held-out sequences' answer tokens (chance: ln of the value count).
             result["held_out_answer_loss_by_length"] = {n: ans for n, (_, ans) in losses.items()}
+            if not args.packed:
+                result["held_out_loss_by_position"] = held_out_loss_by_position(args, model, longest, device)
             result["retrieval_dense_inference"] = retrieval_grid(args, model, device)
             if args.packed:  # the same probes with attention across documents: the distractors come into view
                 result["retrieval_no_document_mask"] = packed_retrieval_grid(args, model, device, documents=False)
@@ -869,6 +928,10 @@ def merge(args):
         raise SystemExit("--merge without the mtraining result needs --out (make_tables.py renders the results' "
                          "quality*.json as MTraining against dense)")
     packed = bool(dense["settings"].get("packed"))
+    bases = {n: (r.get("extended_from") or {}).get("path") for n, r in runs.items()}
+    if len(set(bases.values())) > 1:
+        raise SystemExit("--merge: the runs start from different weights (--init-from): "
+                         + ", ".join(f"{n}: {b or 'the seed'}" for n, b in bases.items()))
     # The longest length every run trained at (a --max-train-seconds stop may end a run early).
     longest = min(r.get("trained_length", 0) for r in runs.values()) or \
         min(max(x["seq_len"] for x in r["density_log"]) for r in sparse.values())
@@ -902,6 +965,11 @@ def merge(args):
         "mean_density": mt("mean_density"),
         "longest_context": longest,
         "held_out_length": longest,
+        # Context extension (--init-from): the base every run started from, and the held-out loss
+        # at the longest length by position span, per run.
+        "extended_from": next(iter(runs.values())).get("extended_from"),
+        "held_out_loss_by_position": {n: r["held_out_loss_by_position"] for n, r in runs.items()
+                                      if "held_out_loss_by_position" in r},
         "train_seconds": {n: r["train_seconds"] for n, r in runs.items()},
         "stopped_at_iteration": {n: r.get("stopped_at_iteration") for n, r in runs.items()},
         "targets": {"final_loss_gap": "within 0.02", "retrieval_accuracy_gap": "<= 2 points",

@@ -363,3 +363,40 @@ def test_the_gpu_script_block_pattern_flags_fit_its_schedules(packed):
     if packed:
         with pytest.raises(SystemExit):
             quality.parse_args(["--run", "xattn"] + base + flags)
+
+
+def test_context_extension_from_one_dense_base(tmp_path):
+    """The paper's protocol in miniature: a dense base at 128 tokens, extended 8x to 1024 tokens from
+    that same base with dense attention and with MTraining on the same tokens; the merge names the
+    base and compares loss by position. A run from another base, or of another shape, is refused."""
+    small = [f for f in TOY]
+    phases_at = small.index("--phases") + 1
+    base, other = str(tmp_path / "base.pt"), str(tmp_path / "other.pt")
+    run("--run", "dense", "--out", str(tmp_path / "base.json"), "--save-model", base,
+        *(small[:phases_at] + ["128:3"] + small[phases_at + 1:]), "--eval-lengths", "128")
+    extended = small[:phases_at] + ["1024:1"] + small[phases_at + 1:] + ["--eval-lengths", "1024"]
+    for name in ("dense", "mtraining"):
+        run("--run", name, "--out", str(tmp_path / f"{name}.json"), "--init-from", base, *extended)
+    run("--run", "dense", "--out", str(tmp_path / "fresh.json"), *extended)
+    fresh = load(str(tmp_path / "fresh.json"))["loss_curve"][0]["loss"]  # the seed's weights at 1024 tokens
+    dense, mt = load(str(tmp_path / "dense.json")), load(str(tmp_path / "mtraining.json"))
+    for result in (dense, mt):
+        assert result["extended_from"]["path"] == base and result["extended_from"]["phases"] == "128:3"
+        assert result["trained_length"] == 1024
+        spans = result["held_out_loss_by_position"]
+        assert [(b["start"], b["end"]) for b in spans] == [(128 * i, 128 * (i + 1)) for i in range(8)]
+        assert all(math.isfinite(b["loss"]) for b in spans)
+    assert abs(dense["loss_curve"][0]["loss"] - fresh) > 1e-3  # the base's weights, not the seed's
+    assert load(str(tmp_path / "fresh.json"))["extended_from"] is None
+    merged = str(tmp_path / "merged.json")
+    run("--merge", str(tmp_path / "dense.json"), str(tmp_path / "mtraining.json"), "--out", merged)
+    summary = load(merged)["summary"]
+    assert summary["extended_from"]["path"] == base and set(summary["held_out_loss_by_position"]) == {"dense", "mtraining"}
+    assert "final_loss_gap" in summary and summary["longest_context"] == 1024
+    run("--run", "dense", "--out", str(tmp_path / "other.json"), "--save-model", other,
+        *(small[:phases_at] + ["128:1"] + small[phases_at + 1:]), "--eval-lengths", "128")
+    run("--run", "mtraining", "--out", str(tmp_path / "mt_other.json"), "--init-from", other, *extended)
+    proc = run_process("--merge", str(tmp_path / "dense.json"), str(tmp_path / "mt_other.json"), "--out", merged)
+    assert proc.returncode != 0 and "start from different weights" in proc.stderr
+    proc = run_process("--run", "dense", "--init-from", base, *extended, "--hidden-size", "128")
+    assert proc.returncode != 0 and "--hidden-size 128 (the base: 64)" in proc.stderr
