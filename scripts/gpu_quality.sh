@@ -8,7 +8,8 @@
 # attention masked at their boundaries through cu_seqlens in both runs), the same side-by-side
 # structure, merged into quality_packed.json (plots quality_packed_*.png). One device call on
 # 2 H200s: `PACKED=1 bash scripts/gpu_quality.sh`, carry [".whl"]. DOCUMENT_MIX=prolong: the issue's
-# long-document mix instead (quality_packed_prolong.json).
+# long-document mix instead (quality_packed_prolong.json). EXTEND=1: context extension from one
+# dense base (below), one call on 1 or 2 GPUs.
 # shellcheck source=SCRIPTDIR/gpu_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_common.sh" || exit 1
 # An existing .venv is kept (REUSE_VENV=0 redoes the set-up): on a warm machine, RUNS=dense then
@@ -60,6 +61,37 @@ BLOCK_PATTERN_FLAGS=${BLOCK_PATTERN_FLAGS:---moba-block-size 1024 --moba-top-k 3
 if [ "${PATTERNS:-0}" = 1 ]; then
   FLAGS="$FLAGS $BLOCK_PATTERN_FLAGS"
   if [ "${PACKED:-0}" = 1 ]; then RUNS=${RUNS:-dense mtraining moba}; else RUNS=${RUNS:-dense mtraining moba xattn}; fi
+fi
+# EXTEND=1: the paper's context-extension protocol (quality.py --save-model / --init-from). A dense
+# base trains at 2K (128 -> 2K, the recipe's model and flags), then extends 16x to 32K from that
+# same base with dense attention and with MTraining, on the same tokens, side by side on 2 GPUs (one
+# after the other on 1); merged into quality_extension.json. Estimate on one H200: the base ~2 min,
+# each extension ~2 min (400 iterations at 32K, ~0.15 s each, and the evaluation): one call.
+if [ "${EXTEND:-0}" = 1 ]; then
+  BASE_PHASES=${BASE_PHASES:-128:800,2048:800}
+  EXTEND_PHASES=${EXTEND_PHASES:-32768:400}
+  EXTEND_FLAGS="--eval-lengths 2048,8192,32768 --max-train-seconds 150"
+  QUALITY_TIMEOUT=${QUALITY_TIMEOUT:-240}
+  NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+  # shellcheck disable=SC2086  # FLAGS is a list of flags; later flags win
+  timeout "$QUALITY_TIMEOUT" "$PY" benchmarks/quality.py --run dense --out "$OUT/quality_extension_base.json" $FLAGS \
+      --phases "$BASE_PHASES" --eval-lengths 2048 --save-model "$OUT/base.pt" > "$OUT/quality_extension_base.log" 2>&1 \
+    || { tail -20 "$OUT/quality_extension_base.log"; exit 1; }
+  extend() {  # extend RUN GPU
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=$2 timeout "$QUALITY_TIMEOUT" "$PY" benchmarks/quality.py --run "$1" $FLAGS --phases "$EXTEND_PHASES" \
+        $EXTEND_FLAGS --init-from "$OUT/base.pt" --out "$OUT/quality_extension_$1.json" > "$OUT/quality_extension_$1.log" 2>&1
+  }
+  if [ "${NGPU:-1}" -ge 2 ] 2>/dev/null; then extend dense 0 & extend mtraining 1 & wait
+  else extend dense 0; extend mtraining 0; fi
+  for log in "$OUT"/quality_extension_*.log; do echo "$(basename "$log"):"; tail -2 "$log"; done
+  cd "$OUT" || exit 1
+  "$PY" "$REPO/benchmarks/quality.py" --merge quality_extension_dense.json quality_extension_mtraining.json \
+      --out quality_extension.json && rm -f quality_extension_dense.json quality_extension_mtraining.json base.pt
+  shopt -s nullglob
+  tar czf quality_logs.tgz -- quality_*.log setup_quality*.log *.png && rm -f -- quality_*.log *.png
+  ls
+  exit 0
 fi
 RUNS=${RUNS:-dense mtraining}
 VARIANT_NAME=${VARIANT_NAME:-variant}

@@ -400,3 +400,24 @@ def test_context_extension_from_one_dense_base(tmp_path):
     assert proc.returncode != 0 and "start from different weights" in proc.stderr
     proc = run_process("--run", "dense", "--init-from", base, *extended, "--hidden-size", "128")
     assert proc.returncode != 0 and "--hidden-size 128 (the base: 64)" in proc.stderr
+
+
+def test_the_gpu_script_extension_flags_parse_and_extend_16x():
+    """EXTEND=1 in scripts/gpu_quality.sh: the base and the extension phases pass quality.py's
+    parsing with the recipe's flags, and the extension is 16x the base's longest length."""
+    import re
+
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    import quality
+
+    script = open(os.path.join(REPO, "scripts", "gpu_quality.sh")).read()
+    flags = re.search(r"FLAGS=\$\{QUALITY_FLAGS:-(.*)\}", script).group(1).split()
+    base = re.search(r"BASE_PHASES=\$\{BASE_PHASES:-(.*)\}", script).group(1)
+    extend = re.search(r"EXTEND_PHASES=\$\{EXTEND_PHASES:-(.*)\}", script).group(1)
+    extra = re.search(r'EXTEND_FLAGS="(.*)"', script).group(1).split()
+    base_args = quality.parse_args(["--run", "dense"] + flags + ["--phases", base, "--save-model", "b.pt"])
+    ext_args = quality.parse_args(["--run", "mtraining"] + flags + ["--phases", extend] + extra + ["--init-from", "b.pt"])
+    longest_base = max(s for s, _ in quality.phases(base_args.phases))
+    longest_ext = max(s for s, _ in quality.phases(ext_args.phases))
+    assert longest_ext == 16 * longest_base
+    assert max(int(x) for x in ext_args.eval_lengths.split(",")) == longest_ext
