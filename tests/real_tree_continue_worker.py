@@ -6,7 +6,8 @@ Megatron-LM's own argument parser, ``validate_args``, global variables, ``load_c
 ``save_checkpoint`` run as in ``pretrain_gpt.py``; the model is megatron-core's GPTModel from
 ``core_transformer_config_from_args`` with the layer spec MTraining's start-up returns; the
 training step is a small loop (``pretrain()`` itself puts tensors on CUDA): striped CP shards,
-Adam, gradients summed over the CP group as Megatron's DDP does.
+Adam, gradients summed over the CP group as Megatron's DDP does (with TP instead of CP, each
+rank holds its shard of the weights and the whole sequence).
 
 argv: REPORT_JSON CKPT SAVE ITERATIONS [MEGATRON ARGS...]. The report: the iteration the load
 returned, whether Megatron took the checkpoint as --finetune, the losses, and (rank 0) the model's
@@ -58,7 +59,8 @@ def main() -> None:
     arguments.validate_args(args, {})
     args.padded_vocab_size = args.vocab_size  # NullTokenizer's rows, as _build_tokenizer sets it
     global_vars.set_global_variables(args, build_tokenizer=False)
-    parallel_state.initialize_model_parallel(context_parallel_size=args.context_parallel_size)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                             context_parallel_size=args.context_parallel_size)
     spec_hook = enable_mtraining(args)
     config = arguments.core_transformer_config_from_args(args)
     config.use_cpu_initialization = True
@@ -71,11 +73,12 @@ def main() -> None:
     loaded = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     cp_group = parallel_state.get_context_parallel_group()
+    cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
     seq, losses = args.seq_length, []
     for step in range(iteration + 1, iteration + 1 + int(iterations)):
         stream = torch.randint(0, 150, (1, seq + 1), generator=torch.Generator().manual_seed(step))
         tokens, labels, positions = stream[:, :-1], stream[:, 1:], torch.arange(seq)[None]
-        tokens, labels, positions = (shard_sequence(x, 1, args.mtraining_layout, world, rank, args.mtraining_block_size)
+        tokens, labels, positions = (shard_sequence(x, 1, args.mtraining_layout, cp, cp_rank, args.mtraining_block_size)
                                      for x in (tokens, labels, positions))
         local = model(tokens, positions, None, labels=labels).float().sum()
         optimizer.zero_grad(set_to_none=True)

@@ -52,22 +52,31 @@ def _run(tree: Path, report: Path, iterations: int, flags, tmp_path: Path):
     return json.loads(report.read_text()), torch.load(str(report) + ".pt", weights_only=True)
 
 
-def test_converted_model_continues_pretraining_and_resumes_on_the_real_tree(tmp_path):
+def _flags(record, ckpt, save, parallel):
+    seq = 256
+    return [*record["megatron_flags"], "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+            "--micro-batch-size", "1", "--global-batch-size", "1", *parallel,
+            "--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
+            "--no-gradient-accumulation-fusion", "--attention-dropout", "0", "--hidden-dropout", "0",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(record["padded_vocab_size"]),
+            "--lr", "1e-3", "--train-iters", "4", "--ckpt-format", "torch_dist",
+            "--pretrained-checkpoint", str(ckpt), "--load", str(save), "--save", str(save), "--save-interval", "2",
+            "--no-save-optim", "--no-load-optim", "--no-save-rng", "--no-load-rng",
+            "--mtraining", "--mtraining-block-size", "64", "--mtraining-layout", "striped"]
+
+
+def _converted(tmp_path):
     tarball = require_tarball("a converted model's continued pretraining and resume on Megatron-LM core_r0.19.0")
     tree = unpack(tarball, tmp_path / "tree")
     hf_dir = hf_models.save_model("qwen2-tied", str(tmp_path / "hf"))
-    ckpt, save = tmp_path / "ckpt", tmp_path / "run"
-    record = hf_to_megatron(hf_dir, str(ckpt), dtype="float32", log=lambda *a: None)
-    seq = 256
-    flags = [*record["megatron_flags"], "--seq-length", str(seq), "--max-position-embeddings", str(seq),
-             "--micro-batch-size", "1", "--global-batch-size", "1", "--context-parallel-size", "2",
-             "--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm",
-             "--no-gradient-accumulation-fusion", "--attention-dropout", "0", "--hidden-dropout", "0",
-             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(record["padded_vocab_size"]),
-             "--lr", "1e-3", "--train-iters", "4", "--ckpt-format", "torch_dist",
-             "--pretrained-checkpoint", str(ckpt), "--load", str(save), "--save", str(save), "--save-interval", "2",
-             "--no-save-optim", "--no-load-optim", "--no-save-rng", "--no-load-rng",
-             "--mtraining", "--mtraining-block-size", "64", "--mtraining-layout", "striped"]
+    record = hf_to_megatron(hf_dir, str(tmp_path / "ckpt"), dtype="float32", log=lambda *a: None)
+    return tree, hf_dir, tmp_path / "ckpt", record
+
+
+def test_converted_model_continues_pretraining_and_resumes_on_the_real_tree(tmp_path):
+    tree, hf_dir, ckpt, record = _converted(tmp_path)
+    save = tmp_path / "run"
+    flags = _flags(record, ckpt, save, ["--context-parallel-size", "2"])
 
     first, first_state = _run(tree, tmp_path / "first.json", 2, flags, tmp_path)
     assert first["iteration"] == 0 and first["finetune"] and first["world"] == 2
@@ -94,3 +103,20 @@ def test_converted_model_continues_pretraining_and_resumes_on_the_real_tree(tmp_
         rows = min(tensor.shape[0], shape.vocab_size) if key.startswith("embedding") else tensor.shape[0]
         assert torch.equal(back[key][:rows], tensor[:rows]), key
     assert os.path.isfile(tmp_path / "exported" / "tokenizer.json")
+
+
+def test_tensor_parallel_load_and_save_of_a_converted_model(tmp_path):
+    """TP 2: Megatron-LM splits the converted (whole-tensor) checkpoint at load and saves its shards;
+    the export of that TP-2 checkpoint returns the Hugging Face model bit for bit."""
+    tree, hf_dir, ckpt, record = _converted(tmp_path)
+    save = tmp_path / "run"
+    report, _ = _run(tree, tmp_path / "tp.json", 0,
+                     _flags(record, ckpt, save, ["--tensor-model-parallel-size", "2", "--context-parallel-size", "1"]),
+                     tmp_path)
+    assert report["iteration"] == 0 and report["finetune"]
+    megatron_to_hf(str(save), str(tmp_path / "exported"), log=lambda *a: None)
+    before, after = read_weights(hf_dir), read_weights(str(tmp_path / "exported"))
+    before.pop("lm_head.weight", None)  # tied
+    assert sorted(after) == sorted(before)
+    for key, tensor in before.items():
+        assert torch.equal(after[key], tensor), key

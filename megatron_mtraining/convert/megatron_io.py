@@ -12,13 +12,13 @@ A converted model is a *release* checkpoint, as Megatron-LM's own converters wri
 
 ``pretrain_gpt.py --pretrained-checkpoint CKPT`` (or ``--load CKPT --finetune``) loads it into a
 local or Transformer Engine layer spec: megatron-core names the local spec's layer norms with the
-TE names in its checkpoints (``sharded_state_dict_keys_map``), so one file serves both. A TE run
-loads it with ``--dist-ckpt-strictness log_unexpected``: TE's per-layer ``_extra_state`` (FP8
-scaling history) is not in a converted model and starts fresh.
+TE names in its checkpoints (``sharded_state_dict_keys_map``), and its linear layers' extra state
+under the keys TE's use (empty here: no FP8 scaling history), so one file serves both.
 
-The model is built with megatron-core's ``GPTModel`` (local spec, on the CPU, no initialisation)
-so that the checkpoint's keys are the ones megatron-core itself writes and reads; a single-process
-gloo group stands in for the training job when none is running.
+The keys and global shapes are those of megatron-core's own ``sharded_state_dict`` of a GPTModel
+built for the shape (local spec, on the CPU, no initialisation); a single-process gloo group
+stands in for the training job when none is running. Reading goes the same way, so a checkpoint
+saved by any TP / PP layout or layer spec (and by megatron-core 0.16 to 0.19) is read back whole.
 """
 
 from __future__ import annotations
