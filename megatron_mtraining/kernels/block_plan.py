@@ -20,17 +20,18 @@ from typing import Optional
 import torch
 
 
-def _inverse_map(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+def inverse_map(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """global block -> local block, -1 where the chunk does not hold it (slot ``num_blocks``: none)."""
     inv = torch.full((num_blocks + 1,), -1, dtype=torch.long, device=block_ids.device)
     inv[block_ids.long()] = torch.arange(block_ids.numel(), device=block_ids.device)
     return inv
 
 
-def _compact(values: torch.Tensor, valid: torch.Tensor, capacity: int):
+def compact(values: torch.Tensor, valid: torch.Tensor, capacity: int):
     """(counts int32, values int32 [..., capacity]): the valid entries of the last dim moved to the
-    front in order, padded with 0 (entries past ``capacity`` drop: only an index with duplicate
-    key blocks, which ``BlockIndex.validate`` rejects, has them)."""
+    front in order, padded with 0 (entries past ``capacity`` drop: only a block index with duplicate
+    key blocks, which ``BlockIndex.validate`` rejects, has them; the vertical-slash conversion's
+    capacity is the last dim, which holds every entry)."""
     slot = torch.cumsum(valid, -1) - 1
     target = torch.where(valid & (slot < capacity), slot, capacity)
     out = torch.zeros(*values.shape[:-1], capacity + 1, dtype=torch.int32, device=values.device)
@@ -57,9 +58,9 @@ def convert_block_step(key_blocks: torch.Tensor, n_key_blocks: torch.Tensor, q_b
     ok = (torch.arange(cap, device=dev) < counts[..., None]) & (rows >= 0) & (rows <= qg[:, None])
     if key_block_floor is not None:
         ok &= rows >= key_block_floor.long()[qg][:, None]
-    local_k = _inverse_map(k_block_ids, num_blocks)[torch.where(ok, rows, num_blocks)]
+    local_k = inverse_map(k_block_ids, num_blocks)[torch.where(ok, rows, num_blocks)]
     ok &= local_k >= 0
-    kv_count, kv_blocks = _compact(local_k, ok, capacity)
+    kv_count, kv_blocks = compact(local_k, ok, capacity)
 
     # Transpose: sort the (key block, query block's global rank) pairs per head; each key block's
     # readers then lie together, in ascending global order.

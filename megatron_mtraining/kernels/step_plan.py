@@ -37,26 +37,9 @@ from .. import _ext
 from ..block_index import BlockIndex
 from ..documents import DocumentBlocks
 from ..index import VSIndex
-from .block_plan import convert_block_step
+from .block_plan import compact, convert_block_step, inverse_map
 from .column_words import column_words_reference, column_words_triton
 from .dispatch import column_words_kernel, conversion_impl
-
-
-def _inverse_map(block_ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """global block -> local block, -1 where the chunk does not hold it."""
-    inv = torch.full((num_blocks + 1,), -1, dtype=torch.long, device=block_ids.device)
-    inv[block_ids.long()] = torch.arange(block_ids.numel(), device=block_ids.device)
-    return inv
-
-
-def _compact(values: torch.Tensor, valid: torch.Tensor):
-    """Move the valid entries of the last dim to the front, keeping their order; pad with 0."""
-    cap = values.shape[-1]
-    slot = torch.cumsum(valid.long(), -1) - 1
-    target = torch.where(valid, slot, torch.full_like(slot, cap))
-    out = torch.zeros(*values.shape[:-1], cap + 1, dtype=torch.int32, device=values.device)
-    out.scatter_(-1, target, values.to(torch.int32) * valid)
-    return valid.sum(-1, dtype=torch.int32), out[..., :cap].contiguous()
 
 
 def convert_step_reference(slash, n_slash, vertical, n_vertical, q_block_ids, k_block_ids,
@@ -68,8 +51,8 @@ def convert_step_reference(slash, n_slash, vertical, n_vertical, q_block_ids, k_
     # Without documents every key block is at or above block 0.
     floor = key_block_floor.long() if key_block_floor is not None else \
         torch.zeros(num_blocks, dtype=torch.long, device=slash.device)
-    inv_q = _inverse_map(q_block_ids, num_blocks)
-    inv_k = _inverse_map(k_block_ids, num_blocks)
+    inv_q = inverse_map(q_block_ids, num_blocks)
+    inv_k = inverse_map(k_block_ids, num_blocks)
     max_s = slash.shape[-1]
     # A negative offset would put a key block after its query block; the kernels mask the
     # diagonal block only, so such entries are dropped here (VSIndex.validate rejects them, but
@@ -82,14 +65,14 @@ def convert_step_reference(slash, n_slash, vertical, n_vertical, q_block_ids, k_
     ok = rev_valid[:, :, None, :] & (kb >= 0) & (kb < num_blocks)
     ok &= kb >= floor[q_block_ids.long()][None, None, :, None]
     local_k = inv_k[torch.where(ok, kb, num_blocks)]
-    kv_count, kv_blocks = _compact(local_k, ok & (local_k >= 0))
+    kv_count, kv_blocks = compact(local_k, ok & (local_k >= 0), max_s)
 
     # Key block j is read by query block kb + delta, for each selected delta (smallest first).
     qb = k_block_ids.long()[None, None, :, None] + slash.long()[:, :, None, :]
     ok = s_valid[:, :, None, :] & (qb >= 0) & (qb < num_blocks)
     ok &= floor[qb.clamp(0, num_blocks - 1)] <= k_block_ids.long()[None, None, :, None]
     local_q = inv_q[torch.where(ok, qb, num_blocks)]
-    q_count, q_blocks = _compact(local_q, ok & (local_q >= 0))
+    q_count, q_blocks = compact(local_q, ok & (local_q >= 0), max_s)
 
     # Columns owned by the key chunk, as local key-token indices.
     max_v = vertical.shape[-1]
@@ -97,7 +80,7 @@ def convert_step_reference(slash, n_slash, vertical, n_vertical, q_block_ids, k_
     col = vertical.long()
     col_block = torch.where(v_valid & (col >= 0) & (col < num_blocks * B), col // B, num_blocks)
     local_blk = inv_k[col_block]
-    col_count, cols = _compact(local_blk * B + col % B, v_valid & (local_blk >= 0))
+    col_count, cols = compact(local_blk * B + col % B, v_valid & (local_blk >= 0), max_v)
     return kv_count, kv_blocks, q_count, q_blocks, col_count, cols
 
 
