@@ -365,13 +365,15 @@ def test_cli_table_and_json_end_to_end(capsys):
 
 
 def test_cli_says_where_the_host_floor_binds(capsys):
-    assert cli_main(["--gpus", "64", "--seq-length", "524288", "--tp", "1"]) == 0
+    assert cli_main(["--gpus", "64", "--seq-length", "524288", "--tp", "1", "--pp", "1"]) == 0
     text = capsys.readouterr().out
     flat = next(line for line in text.splitlines() if line.startswith("mtraining_flat"))
     assert flat.endswith("host/launch floor") and "*" in flat
-    assert "limited by host/launch floor" in text
-    assert "note: dense_te_p2p (dense) is predicted faster here (MTraining's ring is host-bound" in text
-    assert cli_main(["--gpus", "8", "--seq-length", "524288", "--tp", "1"]) == 0
+    # One sequence over 64 GPUs: the dense ring is the faster tool, and the plan says so and why.
+    assert "recommended: dense_te_p2p" in text and "note: dense" not in text
+    assert ("MTraining is not the right tool here: at 8K tokens per context-parallel rank its ring is "
+            "host/launch-bound") in text
+    assert cli_main(["--gpus", "8", "--seq-length", "524288", "--tp", "1", "--pp", "1"]) == 0
     flat = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("mtraining_flat"))
     assert "*" not in flat and flat.endswith("attention kernels (work)")
 
@@ -413,7 +415,8 @@ def test_cli_transformer_engine_fp8_and_recompute(capsys):
     assert result["workload"]["layers"] == "transformer_engine" and result["workload"]["fp8"] is True
     assert result["recommendation"]["recompute"] == "full"
     assert cli_main(argv[:-1]) == 0
-    assert "transformer_engine layers, FP8 GEMMs" in capsys.readouterr().out
+    assert "layers: Transformer Engine's (--transformer-impl transformer_engine, Megatron's default), FP8 GEMMs" in \
+        capsys.readouterr().out
 
 
 def test_read_telemetry_json(tmp_path):
@@ -431,16 +434,16 @@ def test_read_telemetry_json(tmp_path):
     (["--gpus", "8", "--seq-length", "524288", "--density", "1.5"], "density must be in"),
     (["--gpus", "8", "--seq-length", "524288", "--density", "0.1", "--telemetry", "x.log"], "not both"),
     (["--seq-length", "524288"], "--gpus N"),
-    (["--gpus", "8", "--seq-length", "100000"], "not a multiple of GPUs x block size"),
+    (["--gpus", "8", "--seq-length", "100000"], "not a multiple of MTraining's 64-token block: 99968 or 100032"),
     (["--gpus", "8", "--seq-length", "524288", "--num-attention-heads", "16", "--num-query-groups", "3"],
      "multiple of kv_groups"),
     (["--gpus", "8", "--seq-length", "524288", "--telemetry", "/nonexistent.log"], "does not exist"),
     (["--gpus", "8", "--seq-length", "524288", "--inter-gbps", "0"], "inter_gbps must be > 0"),
     (["--gpus", "0", "--seq-length", "524288"], "gpus must be a positive integer"),
-    (["--gpus", "8", "--seq-length", "524288", "--fp8-format", "hybrid"],
+    (["--gpus", "8", "--seq-length", "524288", "--fp8-format", "hybrid", "--transformer-impl", "local"],
      "needs --transformer-impl transformer_engine"),
     (["--gpus", "8", "--seq-length", "524288", "--tp", "3"], "do not split over TP 3"),
-    (["--gpus", "8", "--seq-length", "524288", "--context-parallel-size", "4"], "disagrees with"),
+    (["--gpus", "8", "--seq-length", "524288", "--context-parallel-size", "3"], "is not a multiple of"),
     (["--gpus", "8", "--seq-length", "524288", "--mtraining-block-size", "128"], "calibrated at block size 64"),
 ])
 def test_cli_bad_inputs_say_what_is_wrong(argv, message, capsys):
@@ -449,9 +452,296 @@ def test_cli_bad_inputs_say_what_is_wrong(argv, message, capsys):
 
 
 def test_inner_ring_must_divide_the_gpus():
-    with pytest.raises(ValueError, match="must divide the GPU count"):
+    with pytest.raises(ValueError, match="must divide the context-parallel size"):
         predict_mtraining(QWEN, Workload(524288), Cluster(16, 8), H100, inner=3)
 
+
+
+# ----------------------------------------------------------------------------------------------
+# Models, lengths, errors, the recommendation, data and pipeline parallelism
+# ----------------------------------------------------------------------------------------------
+
+# The published shapes (the models' config.json): layers, hidden, FFN, heads, KV heads, head dim, vocabulary,
+# QKV bias, untied embeddings; and the parameter count the model cards give.
+PUBLISHED = {
+    "qwen2.5-3b": ((36, 2048, 11008, 16, 2, 128, 151936, True, False), 3.09e9),
+    "qwen2.5-7b": ((28, 3584, 18944, 28, 4, 128, 152064, True, True), 7.6e9),
+    "llama3.1-8b": ((32, 4096, 14336, 32, 8, 128, 128256, False, True), 8.0e9),
+    "llama3.1-70b": ((80, 8192, 28672, 64, 8, 128, 128256, False, True), 70.6e9),
+}
+
+
+def _count(layers, hidden, ffn, heads, kv, d, vocab, bias, untied):
+    """Parameters from the shape, written out: q, k, v (and biases), o, SwiGLU's gate, up and down, two
+    RMSNorms per layer; the embedding (twice when untied) and the final norm."""
+    q, k, v, o = hidden * heads * d, hidden * kv * d, hidden * kv * d, heads * d * hidden
+    biases = (heads * d + 2 * kv * d) if bias else 0
+    mlp = hidden * ffn * 2 + ffn * hidden
+    return layers * (q + k + v + o + biases + mlp + 2 * hidden) + vocab * hidden * (2 if untied else 1) + hidden
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_model_presets_are_the_published_shapes(name):
+    from megatron_mtraining.plan.memory import memory_estimate
+    from megatron_mtraining.plan.memory import Split
+    from megatron_mtraining.plan.presets import MODELS
+
+    fields, published = PUBLISHED[name]
+    shape = MODELS[name]
+    assert (shape.layers, shape.hidden, shape.ffn, shape.heads, shape.kv_groups, shape.head_dim, shape.vocab,
+            shape.qkv_bias, shape.untied_embeddings) == fields
+    expected = _count(*fields)
+    assert shape.parameters() == pytest.approx(expected, rel=0.01)
+    assert expected == pytest.approx(published, rel=0.01)
+    # The memory model holds the same parameters on one GPU.
+    assert memory_estimate(shape, Workload(65536), Split(), H200)["params_per_gpu"] == shape.parameters()
+
+
+def test_the_default_model_is_the_real_tied_qwen2_5_3b():
+    from megatron_mtraining.plan.cli import run
+    from megatron_mtraining.plan.presets import MODELS
+
+    assert ModelShape() == MODELS["qwen2.5-3b"] and not ModelShape().untied_embeddings
+    assert ModelShape().parameters() == pytest.approx(3.09e9, rel=0.005)
+    result = run(["--gpus", "8", "--seq-length", "512k", "--gpu-type", "h200"])
+    assert result["shape"] == dataclasses.asdict(MODELS["qwen2.5-3b"]) and result["model"] == "Qwen2.5-3B"
+    # The untied variant has one more 151936 x 2048 table: 311M parameters more.
+    untied = dataclasses.replace(ModelShape(), untied_embeddings=True)
+    assert untied.parameters() - ModelShape().parameters() == 151936 * 2048
+
+
+def test_shape_flags_override_a_presets_fields(capsys):
+    from megatron_mtraining.plan.cli import run
+
+    result = run(["--model", "llama3.1-8b", "--num-layers", "4", "--gpus", "8", "--seq-length", "128k"])
+    assert result["shape"] == {"hidden": 4096, "heads": 32, "kv_groups": 8, "head_dim": 128, "layers": 4,
+                               "ffn": 14336, "vocab": 128256, "qkv_bias": False, "untied_embeddings": True}
+    assert result["model"] == "Llama-3.1-8B with layers 4"
+    assert run(["--model", "Llama-3.1-70B", "--gpus", "64", "--seq-length", "128k", "--pp", "1"])["shape"][
+        "layers"] == 80
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--model", "gpt-5", "--gpus", "8", "--seq-length", "128k"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'gpt-5'; known: qwen2.5-3b, qwen2.5-7b, llama3.1-8b, llama3.1-70b" in err
+
+
+def test_the_same_model_gets_the_same_layers_and_answer_by_preset_or_flags(capsys):
+    """The implementation does not depend on where the shape came from: Transformer Engine's layers
+    (Megatron's default) either way, and the output says so."""
+    base = ["--gpus", "8", "--seq-length", "512k", "--gpu-type", "h200"]
+    flags = ["--num-layers", "36", "--hidden-size", "2048", "--ffn-hidden-size", "11008", "--num-attention-heads",
+             "16", "--num-query-groups", "2", "--kv-channels", "128", "--vocab-size", "151936", "--add-qkv-bias"]
+    from megatron_mtraining.plan.cli import run
+
+    by_default, by_preset, by_flags = run(base), run(base + ["--model", "qwen2.5-3b"]), run(base + flags)
+    for r in (by_default, by_preset, by_flags):
+        assert r["workload"]["layers"] == "transformer_engine"
+        assert r["model"] == "Qwen2.5-3B"
+        assert r["recommendation"]["tokens_per_s"] == by_default["recommendation"]["tokens_per_s"]
+    assert cli_main(base + flags) == 0
+    text = capsys.readouterr().out
+    assert "layers: Transformer Engine's (--transformer-impl transformer_engine, Megatron's default), bf16 GEMMs" \
+        in text
+    assert "model: Qwen2.5-3B (36 layers" in text and "tied embeddings): 3.09B parameters" in text
+    # Local layers only when asked for, and said.
+    assert run(base + ["--transformer-impl", "local"])["workload"]["layers"] == "local"
+    assert cli_main(base + ["--transformer-impl", "local"]) == 0
+    assert "layers: Megatron's local layers (--transformer-impl local)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text,tokens", [("131072", 131072), ("128k", 131072), ("128K", 131072), ("512k", 524288),
+                                         ("1M", 1048576), ("1m", 1048576), ("2M", 2097152), ("0.5k", 512),
+                                         ("1.5M", 1572864)])
+def test_token_counts_take_k_and_m_suffixes(text, tokens):
+    from megatron_mtraining.plan.cli import run, token_count
+
+    assert token_count(text) == tokens
+    result = run(["--gpus", "1", "--seq-length", "64k", "--global-batch-tokens", "1M", "--layers", "2",
+                  "--vocab", "8192"])
+    assert result["workload"]["seq_len"] == 65536 and result["global_batch"] == 16
+
+
+@pytest.mark.parametrize("value", ["12x", "k", "0", "0.3", "1.3k", "", "1e6", "1G", "128 kB"])
+def test_a_bad_token_count_is_one_argparse_error(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--gpus", "8", "--seq-length", value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "argument --seq-length" in err and "is not a token count" in err
+    with pytest.raises(SystemExit):
+        cli_main(["--gpus", "8", "--seq-length", "128k", "--global-batch-tokens", value])
+    assert "argument --global-batch-tokens" in capsys.readouterr().err
+
+
+def test_a_length_that_does_not_split_is_one_error_that_speaks_of_the_cp_size(capsys):
+    assert cli_main(["--gpus", "8", "--seq-length", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.count("error:") == 1 and err.count("1000") == 1
+    assert "GPU count" not in err and "GPUs x block size" not in err
+    assert "not a multiple of MTraining's 64-token block: 960 or 1024 (1K), say" in err
+    # Held to one CP size (TP 1, no pipeline): whole blocks on each of its 8 ranks.
+    assert cli_main(["--gpus", "8", "--seq-length", "1088", "--tp", "1", "--pp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "the context-parallel size (CP 8 for the splits of 8 GPUs)" in err
+    assert "a multiple of 512, 1024 (1K) or 1536" in err
+
+
+def test_one_gpu_is_spoken_of_in_the_singular(capsys):
+    assert cli_main(["--gpus", "1", "--seq-length", "128k"]) == 0
+    text = capsys.readouterr().out
+    assert "nothing fits" in text and "on this GPU" in text and "these 1 GPUs" not in text
+    assert "nvidia-h100 x 1 (" in text
+    assert cli_main(["--gpus", "2", "--seq-length", "1088", "--tp", "1", "--pp", "1"]) == 2
+    assert "(CP 2 for the splits of 2 GPUs)" in capsys.readouterr().err
+    from megatron_mtraining.plan.search import gpus_text
+    assert (gpus_text(1), gpus_text(2)) == ("1 GPU", "2 GPUs")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "llama3.1-70b", "--seq-length", "128k", "--gpus", "64"],
+    ["--model", "llama3.1-70b", "--seq-length", "128k", "--gpus", "64", "--pp", "1"],
+    ["--gpus", "64", "--seq-length", "512k", "--tp", "1", "--pp", "1"],
+    ["--gpus", "16", "--seq-length", "512k"],
+    ["--model", "llama3.1-8b", "--gpus", "32", "--seq-length", "128k", "--global-batch-tokens", "4M"],
+])
+def test_the_recommendation_is_the_fastest_that_fits_whichever_attention(argv, capsys):
+    from megatron_mtraining.plan.cli import run
+
+    result = run(argv)
+    rec = result["recommendation"]
+    fitting = [r for r in result["predictions"] if r["fits"]]
+    assert rec["step_ms"] == min(r["step_ms"] for r in fitting)
+    assert rec["tokens_per_s"] == max(r["tokens_per_s"] for r in fitting)
+    best = {m: max((r["tokens_per_s"] for r in fitting if r["method"] == m), default=None)
+            for m in ("mtraining", "dense")}
+    assert rec["speedup_over_best_dense"] == pytest.approx(best["mtraining"] / best["dense"])
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.count("recommended: ") == 1 and "predicted faster here" not in text
+    if rec["method"] == "dense":
+        assert "MTraining is not the right tool here: " in text and "against MTraining: its fastest that fits" in text
+    else:
+        assert "MTraining is not the right tool" not in text and "MTraining is" in text and "x faster" in text
+
+
+def test_a_70b_model_at_128k_over_64_gpus_is_recommended_the_dense_ring_and_told_why(capsys):
+    """One sequence of 128K over 64 GPUs: 16K tokens per CP rank at TP 8, where MTraining's ring is bound
+    by the host's launches; the dense ring is the faster fitting configuration, recommended alone."""
+    argv = ["--model", "llama3.1-70b", "--seq-length", "128k", "--gpus", "64"]
+    from megatron_mtraining.plan.cli import run
+
+    rec = run(argv)["recommendation"]
+    assert rec["configuration"] == "dense_te_p2p" and (rec["tp"], rec["cp"]) == (8, 8)
+    assert rec["best_mtraining"]["configuration"] == "mtraining_flat"
+    assert rec["best_mtraining"]["limited_by"] == "host/launch floor" and rec["speedup_over_best_dense"] < 1
+    assert cli_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "recommended: dense_te_p2p (Transformer Engine's dense CP, p2p ring), TP 8 x CP 8" in text
+    assert ("MTraining is not the right tool here: at 16K tokens per context-parallel rank its ring is "
+            "host/launch-bound") in text and "--global-batch-tokens" in text
+    assert "flags: --tensor-model-parallel-size 8 --context-parallel-size 8" in text and "--cp-comm-type p2p" in text
+    # With a global batch the search spreads the sequences over replicas, and MTraining wins there.
+    batched = run(argv + ["--global-batch-tokens", "2M"])["recommendation"]
+    assert batched["method"] == "mtraining" and batched["dp"] * batched["pp"] > 1
+    assert batched["tokens_per_s"] > 1.5 * rec["tokens_per_s"]
+
+
+def test_the_search_covers_data_and_pipeline_parallelism_for_a_global_batch():
+    result = plan(ModelShape(hidden=4096, heads=32, kv_groups=8, head_dim=128, layers=32, ffn=14336, vocab=128256,
+                             qkv_bias=False, untied_embeddings=True),
+                  Workload(131072, layers="transformer_engine"), Cluster(64, 8), H100, pp=None, dp=None,
+                  sequences=64)
+    rows = result["predictions"]
+    splits = {(r["dp"], r["pp"], r["tp"], r["cp"]) for r in rows}
+    assert all(dp * pp * tp * cp == 64 for dp, pp, tp, cp in splits)
+    assert {dp for dp, _, _, _ in splits} == {1, 2, 4, 8, 16, 32, 64}
+    assert {pp for _, pp, _, _ in splits} == {1, 2, 4, 8, 16, 32}
+    for r in rows:
+        assert r["dp"] * r["micro_batches"] * r["micro_batch"] == 64
+        assert r["tokens_per_s"] == pytest.approx(64 * 131072 / r["step_ms"] * 1e3)
+        assert r["bubble"] == pytest.approx((r["pp"] - 1) / (r["micro_batches"] + r["pp"] - 1))
+        flags = r["megatron_flags"]
+        assert flags[flags.index("--global-batch-size") + 1] == "64"
+        assert ("--pipeline-model-parallel-size" in flags) == (r["pp"] > 1)
+    rec = result["recommendation"]
+    assert rec["dp"] > 1 and rec["tokens_per_s"] == max(r["tokens_per_s"] for r in rows if r["fits"])
+    # Without a global batch a step is one sequence over all the GPUs: no data parallelism.
+    single = plan(ModelShape(), Workload(524288), Cluster(16, 8), H100, pp=None, dp=None)
+    assert {(r["dp"], r["micro_batches"]) for r in single["predictions"]} == {(1, 1)}
+    with pytest.raises(ValueError, match="needs a global batch"):
+        plan(ModelShape(), Workload(524288), Cluster(16, 8), H100, dp=2)
+
+
+def test_a_pipeline_step_is_the_slowest_stage_m_plus_pp_minus_1_times():
+    """PP stages of layers / PP layers; 1F1B runs m micro-batches in m + PP - 1 stage times (bubble
+    (PP - 1) / (m + PP - 1)); the last stage, with the output layer and the loss, is the slowest; each
+    micro-batch hands its activations on and its gradient back. PP 1 is the one-stage step, m times."""
+    from megatron_mtraining.plan.search import configurations
+
+    shape, work, cluster = ModelShape(), Workload(131072, layers="transformer_engine", recompute="none"), \
+        Cluster(16, 8)
+    one = {r["name"]: r for r in configurations(shape, work, cluster, H100, tp=1, pp=1, dp=1, sequences=1)["rows"]
+           if r["cp"] == 16}
+    for pp, m in ((2, 8), (4, 8), (4, 1)):
+        rows = configurations(shape, work, cluster, H100, tp=1, pp=pp, dp=None, sequences=m)["rows"]
+        row = next(r for r in rows if r["name"] == "mtraining_flat" and r["dp"] == 1)
+        assert row["cp"] == 16 // pp and row["micro_batches"] == m
+        layer = row["attention_fwd_ms"] + row["attention_bwd_ms"] + row["approximator_ms"] + row["rest_of_layer_ms"]
+        stage = 36 // pp * layer + row["head_ms"] + row["pipeline_p2p_ms"]
+        assert row["step_ms"] == pytest.approx((m + pp - 1) * stage + H100.step_fixed_ms)
+        assert row["bubble"] == pytest.approx((pp - 1) / (m + pp - 1))
+        # Activations between stages 8 GPUs apart or more cross nodes: CP x TP x DP ranks per stage.
+        tokens = 131072 // row["cp"]
+        gbps = 50.0 if 16 // pp >= 8 else H100.intra_gbps
+        latency = 5.0 if 16 // pp >= 8 else H100.intra_latency_us
+        assert row["pipeline_p2p_ms"] == pytest.approx(2 * (latency / 1e3 + tokens * 2048 * 2 / (gbps * 1e9) * 1e3))
+    # Gradient accumulation without a pipeline: m one-stage steps.
+    rows = configurations(shape, work, cluster, H100, tp=1, pp=1, dp=1, sequences=4)["rows"]
+    flat = next(r for r in rows if r["name"] == "mtraining_flat")
+    assert flat["step_ms"] == pytest.approx(4 * one["mtraining_flat"]["step_ms"])
+    assert flat["tokens_per_s"] == pytest.approx(one["mtraining_flat"]["tokens_per_s"])
+    with pytest.raises(ValueError, match="36 layers do not split into 5 pipeline stages"):
+        configurations(shape, work, Cluster(5, 8), H100, tp=1, pp=5)
+
+
+def test_pipeline_stages_hold_their_layers_the_tables_and_the_first_the_micro_batches_in_flight():
+    """Stage memory: a stage's layers' states; the first stage the embedding and min(PP, m) micro-batches'
+    activations (1F1B), the last the output layer (a tied embedding's copy) and the loss."""
+    from megatron_mtraining.plan.memory import GiB, Split, memory_estimate
+
+    work = Workload(131072, layers="transformer_engine")
+    whole = memory_estimate(QWEN, work, Split(cp=8), H100, recompute_layers=0)
+    two = memory_estimate(QWEN, work, Split(cp=8, pp=2), H100, recompute_layers=0)
+    assert "stage" not in whole and two["stage"] == "last stage"
+    layer_params = (whole["params_per_gpu"] - 151936 * 2048 - 2048) / 36
+    assert two["params_per_gpu"] == pytest.approx(18 * layer_params + 151936 * 2048 + 2048)
+    assert two["components_gib"]["stored_activations"] == pytest.approx(
+        whole["components_gib"]["stored_activations"] / 2)
+    # Four micro-batches in flight on the first of 4 stages: its 9 layers' activations four times over.
+    first = memory_estimate(dataclasses.replace(QWEN, vocab=8192), work, Split(cp=8, pp=4), H100, recompute_layers=0,
+                            micro_batches=8)
+    single = memory_estimate(dataclasses.replace(QWEN, vocab=8192), work, Split(cp=8, pp=4), H100,
+                             recompute_layers=0, micro_batches=1)
+    assert first["stage"] == "first stage"
+    assert first["components_gib"]["stored_activations"] == pytest.approx(
+        4 * single["components_gib"]["stored_activations"])
+    assert (first["peak_gib"] - single["peak_gib"]) * GiB == pytest.approx(
+        3 * single["components_gib"]["stored_activations"] * GiB, rel=0.01)
+    with pytest.raises(ValueError, match=r"recompute_layers must be an integer in \[0, 9\]"):
+        memory_estimate(QWEN, work, Split(cp=8, pp=4), H100, recompute_layers=10)
+
+
+def test_a_global_batch_must_be_whole_sequences_and_agree_with_megatrons_flag(capsys):
+    base = ["--gpus", "8", "--seq-length", "128k"]
+    assert cli_main(base + ["--global-batch-tokens", "200k"]) == 2
+    assert "not a whole number of 131072-token sequences" in capsys.readouterr().err
+    assert cli_main(base + ["--global-batch-tokens", "1M", "--global-batch-size", "4"]) == 2
+    assert "is 8 sequences, --global-batch-size says 4" in capsys.readouterr().err
+    from megatron_mtraining.plan.cli import run
+
+    assert run(base + ["--global-batch-size", "8"])["global_batch"] == 8
+    assert run(base + ["--global-batch-tokens", "1M"])["global_batch"] == 8
 
 # ----------------------------------------------------------------------------------------------
 # Calibration and validation on the committed results

@@ -270,7 +270,7 @@ def test_when_a_held_tp_or_recompute_is_what_does_not_fit_the_advice_says_so(cap
     assert cli_main(argv) == 0
     text = capsys.readouterr().out
     assert "recommended" not in text and "even with full recompute" not in text
-    assert "with the TP size or recompute given" in text and "this run fits" in text
+    assert "with the TP or PP size or recompute given" in text and "this run fits" in text
     assert plan(QWEN, Workload(524288, layers="transformer_engine"), Cluster(8, 8), H200)["recommendation"]
 
 

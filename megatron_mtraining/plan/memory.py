@@ -19,7 +19,12 @@ tensor (TP) parallelism, bf16 training, micro-batch ``b``:
   long sequences: 64K tokens x 152K vocabulary is 56 GiB;
 * transient buffers: the attention's ring (fp32 partial outputs, K/V in flight, the fp32 dQ and
   dK/dV sums) and a layer's backward gradients; the peak is the larger of the loss and one
-  layer's backward, over everything kept.
+  layer's backward, over everything kept;
+* pipeline parallelism (``Split.pp`` stages of ``layers / pp`` layers, Megatron's 1F1B schedule):
+  each stage holds its own layers' states; the first stage the embedding and the activations of
+  ``min(pp, micro-batches)`` micro-batches in flight, the last the output layer (a copy of the
+  embedding when they are tied) and the loss, one micro-batch's activations; the peak is the larger
+  of the two stages'.
 
 ``fits`` compares the peak with the device's memory less what the allocator and the CUDA
 context take beside the tensors (``RESERVED_OVER_ALLOCATED``, ``CONTEXT_GIB``). Megatron's
@@ -47,7 +52,7 @@ LOGITS_BYTES = 6  # bf16 logits + the loss's fp32 softmax, per vocabulary entry
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """How the GPUs divide the work: tensor x context x data parallel (pipeline parallelism is not modelled).
+    """How the GPUs divide the work: tensor x context x data x pipeline parallel.
 
     ``sequence_parallel`` (Megatron's ``--sequence-parallel``, with TP > 1): the tensors of the residual
     stream (a layer's input, the norms' inputs and outputs) are split over the TP ranks too; without it
@@ -57,16 +62,17 @@ class Split:
     cp: int = 1
     dp: int = 1
     sequence_parallel: bool = True
+    pp: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "cp", "dp"):
+        for name in ("tp", "cp", "dp", "pp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"split: {name} must be a positive integer, got {value!r}")
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.cp * self.dp
+        return self.tp * self.cp * self.dp * self.pp
 
 
 def tp_problem(shape: ModelShape, tp: int) -> str:
@@ -132,21 +138,32 @@ def ring_buffer_bytes_per_token(shape: ModelShape, method: str) -> float:
     return 2 * BF16 * H * d + 2 * BF16 * 2 * G * d + 2 * FP32 * 2 * G * d
 
 
+def stage_layers(shape: ModelShape, pp: int) -> int:
+    """Layers per pipeline stage (Megatron's even split: the layers must divide by the stages)."""
+    if shape.layers % pp:
+        raise ValueError(f"{shape.layers} layers do not split into {pp} pipeline stages")
+    return shape.layers // pp
+
+
 def memory_estimate(shape: ModelShape, work: Workload, split: Split, profile: Profile, method: str = "mtraining",
-                    recompute_layers: int = 0, distributed_optimizer: bool = True) -> Dict:
-    """Peak GiB per GPU by component for ``recompute_layers`` of ``shape.layers`` recomputed."""
+                    recompute_layers: int = 0, distributed_optimizer: bool = True, micro_batches: int = 1) -> Dict:
+    """Peak GiB per GPU by component for ``recompute_layers`` of a stage's layers recomputed (all
+    ``shape.layers`` without pipeline parallelism); ``micro_batches``: per step and pipeline (the
+    first of ``split.pp > 1`` stages holds ``min(pp, micro_batches)`` of them in flight)."""
     if method not in ("mtraining", "dense"):
         raise ValueError(f"memory: method must be 'mtraining' or 'dense', got {method!r}")
-    if not isinstance(recompute_layers, int) or not 0 <= recompute_layers <= shape.layers:
-        raise ValueError(f"memory: recompute_layers must be an integer in [0, {shape.layers}], "
-                         f"got {recompute_layers!r}")
+    pp = split.pp
+    L = stage_layers(shape, pp)
+    if not isinstance(recompute_layers, int) or not 0 <= recompute_layers <= L:
+        raise ValueError(f"memory: recompute_layers must be an integer in [0, {L}], got {recompute_layers!r}")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"memory: micro_batches must be a positive integer, got {micro_batches!r}")
     problem = tp_problem(shape, split.tp)
     if problem:
         raise ValueError(problem)
-    tp, L, k = split.tp, shape.layers, recompute_layers
+    tp, k = split.tp, recompute_layers
     sp = tp if split.sequence_parallel else 1  # what divides the residual stream's tensors
     tokens = work.seq_len // split.cp * work.micro_batch
-    params = parameters_per_gpu(shape, tp)
     optimizer_shards = split.dp * split.cp if distributed_optimizer else 1
     residual = residual_stream_bytes_per_token_layer(shape, work.fp8)
     per_layer = tokens * ((activation_bytes_per_token_layer(shape, work.layers, work.fp8, method) - residual) / tp
@@ -159,33 +176,50 @@ def memory_estimate(shape: ModelShape, work: Workload, split: Split, profile: Pr
     # The output layer: the final norm's input and output, then the logits and the loss.
     # (Hidden-sized and whole even with sequence parallelism: the output layer gathers its input.)
     loss = tokens * (2 * BF16 * shape.hidden + LOGITS_BYTES * shape.vocab / tp)
-    parts = {
-        "weights": params["total"] * BF16,
-        "gradients": params["total"] * FP32,
-        "optimizer": params["total"] * 12 / optimizer_shards,
-        "fp8_weights": params["layer_gemm"] * 2 if work.fp8 else 0.0,
-        "recomputed_layer_inputs": k * layer_input,
-        "stored_activations": (L - k) * per_layer,
-        "peak_transient": max(loss, one_layer_backward),
-    }
-    peak = sum(parts.values())
+    layer = layer_parameters(shape)
+    table = shape.vocab * shape.hidden / tp
+    # (stage, embedding and output-layer tables held, final norm, micro-batches in flight, with the loss)
+    if pp == 1:
+        stages = [("whole model", 2 if shape.untied_embeddings else 1, True, 1, True)]
+    else:  # the last stage keeps its own copy of a tied embedding for the output layer
+        stages = [("first stage", 1, False, min(pp, micro_batches), False), ("last stage", 1, True, 1, True)]
     usable = profile.memory_gib - CONTEXT_GIB
-    return {
-        "components_gib": {name: value / GiB for name, value in parts.items()},
-        "transient": "output layer and loss" if loss >= one_layer_backward else "one layer's backward",
+    best = None
+    for name, tables, final_norm, in_flight, with_loss in stages:
+        params = L * layer["split"] / tp + tables * table + L * layer["replicated"] + (shape.hidden if final_norm
+                                                                                     else 0)
+        parts = {
+            "weights": params * BF16,
+            "gradients": params * FP32,
+            "optimizer": params * 12 / optimizer_shards,
+            "fp8_weights": L * layer["split"] / tp * 2 if work.fp8 else 0.0,
+            "recomputed_layer_inputs": in_flight * k * layer_input,
+            "stored_activations": in_flight * (L - k) * per_layer,
+            "peak_transient": max(loss, one_layer_backward) if with_loss else one_layer_backward,
+        }
+        peak = sum(parts.values())
+        if best is None or peak > best[0]:
+            best = (peak, name, parts, params, with_loss and loss >= one_layer_backward)
+    peak, name, parts, params, loss_peaks = best
+    out = {
+        "components_gib": {part: value / GiB for part, value in parts.items()},
+        "transient": "output layer and loss" if loss_peaks else "one layer's backward",
         "loss_gib": loss / GiB, "one_layer_backward_gib": one_layer_backward / GiB,
-        "params_per_gpu": params["total"], "tokens_per_gpu": tokens, "recompute_layers": k,
+        "params_per_gpu": params, "tokens_per_gpu": tokens, "recompute_layers": k,
         "peak_gib": peak / GiB, "reserved_gib": peak / GiB * RESERVED_OVER_ALLOCATED + CONTEXT_GIB,
         "capacity_gib": profile.memory_gib, "fits": peak / GiB * RESERVED_OVER_ALLOCATED <= usable,
     }
+    if pp > 1:
+        out["stage"] = name
+    return out
 
 
 def fewest_recomputed_layers(shape: ModelShape, work: Workload, split: Split, profile: Profile,
-                             method: str = "mtraining", distributed_optimizer: bool = True):
-    """The fewest layers to recompute for the step to fit (recompute only adds time), with its memory;
-    (None, the full-recompute memory) when even full recompute does not fit."""
-    for k in range(shape.layers + 1):
-        memory = memory_estimate(shape, work, split, profile, method, k, distributed_optimizer)
+                             method: str = "mtraining", distributed_optimizer: bool = True, micro_batches: int = 1):
+    """The fewest layers (of a pipeline stage's) to recompute for the step to fit (recompute only adds
+    time), with its memory; (None, the full-recompute memory) when even full recompute does not fit."""
+    for k in range(stage_layers(shape, split.pp) + 1):
+        memory = memory_estimate(shape, work, split, profile, method, k, distributed_optimizer, micro_batches)
         if memory["fits"]:
             return k, memory
     return None, memory

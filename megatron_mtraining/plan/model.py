@@ -45,7 +45,7 @@ BF16, FP32 = 2, 4
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """The decoder's shape (defaults: Qwen2.5-3B)."""
+    """The decoder's shape (defaults: Qwen2.5-3B, whose output layer is its input embedding: tied)."""
 
     hidden: int = 2048
     heads: int = 16
@@ -55,7 +55,7 @@ class ModelShape:
     ffn: int = 11008
     vocab: int = 151936
     qkv_bias: bool = True           # Qwen2.5's q/k/v projections have biases (Llama's do not)
-    untied_embeddings: bool = True  # separate input embedding and output layer
+    untied_embeddings: bool = False  # separate input embedding and output layer (Qwen2.5-3B ties them)
 
     def __post_init__(self):
         for name in ("hidden", "heads", "kv_groups", "head_dim", "layers", "ffn", "vocab"):
@@ -64,6 +64,14 @@ class ModelShape:
                 raise ValueError(f"model shape: {name} must be a positive integer, got {value!r}")
         if self.heads % self.kv_groups:
             raise ValueError(f"model shape: heads ({self.heads}) must be a multiple of kv_groups ({self.kv_groups})")
+
+    def parameters(self) -> int:
+        """Every parameter: per layer the q/k/v (and their biases), output and SwiGLU weights and two
+        norms; the embedding (and a separate output layer when untied); the final norm."""
+        h, d = self.hidden, self.head_dim
+        qkv = (self.heads + 2 * self.kv_groups) * d
+        layer = h * qkv + (qkv if self.qkv_bias else 0) + self.heads * d * h + 3 * h * self.ffn + 2 * h
+        return self.layers * layer + (2 if self.untied_embeddings else 1) * self.vocab * h + h
 
     def layer_gemm_flops_per_token(self) -> float:
         """Forward + backward (x3) FLOPs of one layer's projections and SwiGLU MLP, per token."""
@@ -375,10 +383,10 @@ def predict_mtraining(shape: ModelShape, work: Workload, cluster: Cluster, profi
     W = cluster.gpus
     inner = W if inner is None else int(inner)
     if inner < 1 or W % inner:
-        raise ValueError(f"inner ring size {inner} must divide the GPU count {W}")
+        raise ValueError(f"inner ring size {inner} must divide the context-parallel size {W}")
     if work.seq_len % (W * profile.block_size):
-        raise ValueError(f"sequence length {work.seq_len} is not a multiple of GPUs x block size "
-                         f"({W} x {profile.block_size}): the striped layout needs whole blocks per rank")
+        raise ValueError(f"sequence length {work.seq_len} is not a multiple of the context-parallel size x block "
+                         f"size ({W} x {profile.block_size}): the striped layout needs whole blocks per rank")
     B, H, d, b = profile.block_size, shape.heads, shape.head_dim, work.micro_batch
     n_local = work.seq_len // W
     items = b * H * n_local / B
@@ -457,7 +465,8 @@ def predict_dense_p2p(shape: ModelShape, work: Workload, cluster: Cluster, profi
     model, shape, cluster = shape, shape.attention_shard(tp), cluster.context_parallel(tp)
     W, B, H, d, b = cluster.gpus, profile.block_size, shape.heads, shape.head_dim, work.micro_batch
     if work.seq_len % (2 * W):
-        raise ValueError(f"sequence length {work.seq_len} must split into 2 x {W} zigzag chunks")
+        raise ValueError(f"sequence length {work.seq_len} must split into 2 x {W} zigzag chunks (2 per "
+                         "context-parallel rank)")
     n_local = work.seq_len // W
     tiles_step = work.seq_len * (work.seq_len + 1) / 2 * H * b / B ** 2 / W ** 2
     fwd_step, bwd_step = _dense_step(profile, 2, tiles_step, d)  # two cuDNN calls per step (half chunks)
@@ -492,7 +501,8 @@ def predict_dense_a2a_p2p(shape: ModelShape, work: Workload, cluster: Cluster, p
     W, B, H, d, b = cluster.gpus, profile.block_size, shape.heads, shape.head_dim, work.micro_batch
     a = min(cluster.gpus_per_node, W) if a2a_size is None else a2a_size
     if not isinstance(a, int) or a < 1 or W % a:
-        raise ValueError(f"a2a+p2p: the all-to-all size {a!r} must be a positive divisor of the GPU count {W}")
+        raise ValueError(f"a2a+p2p: the all-to-all size {a!r} must be a positive divisor of the context-parallel "
+                         f"size {W}")
     if a > cluster.gpus_per_node:
         raise ValueError(f"a2a+p2p: the all-to-all size {a} spans more than a node of {cluster.gpus_per_node} GPUs")
     if H % a:
