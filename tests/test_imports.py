@@ -46,7 +46,7 @@ TOP_LEVEL = {
     "attention": "functions",
     "collective": "collective", "approx": "approximator", "block_approx": "approximator", "ring": "ring",
     "integration": "integration",
-    "launch": "entry", "plan": "entry", "testing": "entry",
+    "launch": "entry", "plan": "entry", "testing": "entry", "convert": "integration", "evaluate": "entry",
 }
 KERNEL_TIERS = {
     "common": 0,

@@ -55,16 +55,16 @@ def torch_dtype(name: str) -> torch.dtype:
 def single_process_group() -> Iterator[None]:
     """megatron-core's parallel state for one process (TP = PP = CP = 1) on gloo, unless a
     process group and megatron-core's parallel state exist already (then those are used). On a
-    machine without CUDA, megatron-core's CUDA look-ups while a model is built (RoPE caches) are
-    answered with the CPU for the duration (``testing.cpu_shims``, undone at the end)."""
+    machine without CUDA, megatron-core's ``torch.cuda.current_device()`` while a model is built
+    (the YaRN RoPE cache) answers "cpu" for the duration."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from ..testing.cpu_shims import apply_cpu_shims
-
     with contextlib.ExitStack() as stack:
         if not torch.cuda.is_available():
-            stack.enter_context(apply_cpu_shims())
+            real = torch.cuda.current_device
+            torch.cuda.current_device = lambda: "cpu"
+            stack.callback(setattr, torch.cuda, "current_device", real)
         if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
             yield
             return
