@@ -122,16 +122,16 @@ def indexer_calls(kinds):
 @pytest.mark.parametrize("name", ["moba", "xattn"])
 def test_block_sparse_run_trains_and_evaluates_with_its_own_index(toy_runs, name):
     """Training (4 iterations, one layer) builds the run's own BlockIndex at every forward; the
-    evaluation reads the model with dense attention (the held-out sequence and 2 probes), then with
-    its own index again, not MTraining's."""
+    evaluation reads the model with dense attention (the held-out sequence, its loss by position and
+    2 probes), then with its own index again, not MTraining's."""
     path, seen = toy_runs[name]
     result = load(path)
     assert result["run"] == name and result["sparse_inference_index"] == name
-    assert indexer_calls(kind for kind, _, _ in seen) == [[name, 4], ["dense", 3], [name, 3]]
+    assert indexer_calls(kind for kind, _, _ in seen) == [[name, 4], ["dense", 4], [name, 3]]
     assert [(n, kind) for index, n, kind in seen if index == name] == \
         [(256, "BlockIndex")] * 3 + [(512, "BlockIndex")] * 4
     # The dense run's sparse evaluation is MTraining's index.
-    assert indexer_calls(kind for kind, _, _ in toy_runs["dense"][1]) == [["dense", 7], ["vs", 2]]
+    assert indexer_calls(kind for kind, _, _ in toy_runs["dense"][1]) == [["dense", 8], ["vs", 2]]
     densities = {r["seq_len"]: r["density_per_layer"][0] for r in result["density_log"]}
     if name == "moba":
         from common import moba_density
